@@ -1,0 +1,98 @@
+"""Every private PyTorch API deepcompile touches, in one place, with version switches.
+
+Supported: torch 2.11 through 2.15.  When a torch release moves one of these, fix it here and
+nowhere else.  Nothing here patches torch globally; configuration changes are scoped context
+managers around a single call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+# --- collectives -----------------------------------------------------------------------------
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
+# all_gather_single / reduce_scatter_single, which torch 2.11 lacks.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool = False):
+    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+
+
+# --- Dynamo / AOTAutograd / Inductor -----------------------------------------------------------
+
+def detect_fake_mode(example_inputs: Sequence[Any]):
+    """The fake mode Dynamo traced with (from the tracing context or the inputs)."""
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(example_inputs)
+
+
+def static_fake(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake of `tensor` with static sizes: shards must not get symbolic sizes in AOT."""
+    return fake_mode.from_tensor(tensor, static_shapes=True)
+
+
+def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
+                          partition_fn):
+    from torch._functorch.aot_autograd import aot_module_simplified as _aot
+
+    return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                inference_compiler=inference_compiler, partition_fn=partition_fn)
+
+
+def min_cut_partition(joint_module, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+
+def make_boxed_func(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func as _boxed
+
+    return _boxed(fn)
+
+
+def inductor_compile(gm, example_inputs, inner_hook: Callable):
+    """Inductor's compile_fx, calling `inner_hook(gm, is_backward=..., is_inference=...)` on each
+    partitioned graph before Inductor lowers it."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph, inputs, *args, **kwargs):
+        inner_hook(graph, is_backward=bool(kwargs.get("is_backward")),
+                   is_inference=bool(kwargs.get("is_inference")))
+        return compile_fx_inner(graph, inputs, *args, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+@contextlib.contextmanager
+def no_autograd_cache():
+    """AOTAutograd's on-disk cache would skip our per-graph hooks on a hit; scoped off."""
+    import torch._functorch.config as fconfig
+
+    with fconfig.patch(enable_autograd_cache=False):
+        yield
+
+
+def must_recompute_policy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def dynamo_counters():
+    from torch._dynamo.utils import counters
+
+    return counters

@@ -1,0 +1,1 @@
+"""The torch.compile backend: insertion of communication, partitioning, final compile."""

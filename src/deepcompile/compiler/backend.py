@@ -1,0 +1,170 @@
+"""The deepcompile torch.compile backend.
+
+For each Dynamo graph:
+  1. map graph inputs to registered parameters by object identity (never by position);
+  2. insertion (ZeRO-3): swap each parameter input for its shard and follow it with
+     `allgather_param`, placed just before the parameter's first use and tagged MUST_RECOMPUTE,
+     so the partitioner re-gathers in the backward instead of saving the full parameter;
+  3. AOTAutograd partitions the joint graph (min-cut; honours the recompute tags); every
+     partitioned forward graph is checked: no gathered parameter may be saved for backward;
+  4. final compile: Inductor, or plain FX ("fx") for debugging and fast CPU tests.
+The returned callable swaps each parameter argument for its shard at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .. import _compat
+from ..runtime import ops
+from ..runtime.registry import ParamEntry, ParamRegistry
+from . import graph as G
+
+log = logging.getLogger("deepcompile")
+
+
+class GatheredParameterSavedError(RuntimeError):
+    """The partitioner chose to save a gathered (full) parameter for the backward."""
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """What the compiler did to one Dynamo graph (filled in as its pieces compile)."""
+
+    index: int
+    dynamo_nodes: int
+    params: list[str]
+    fw_gathers: int = 0
+    bw_gathers: int = 0
+    bw_reduces: int = 0
+    fw_nodes: int = 0
+    bw_nodes: int = 0
+    inference: bool = False
+
+
+class Backend:
+    def __init__(self, registry: ParamRegistry, compiler: str) -> None:
+        self.registry = registry
+        self.compiler = compiler
+        self.records: list[GraphRecord] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise RuntimeError(f"deepcompile: graph has {len(placeholders)} inputs but Dynamo gave "
+                               f"{len(example_inputs)} example inputs")
+        params: list[tuple[int, ParamEntry]] = []
+        for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+            entry = self.registry.entry_for(value)
+            if entry is None and "grapharg" in node.meta:
+                entry = self.registry.entry_for(getattr(node.meta["grapharg"], "example", None))
+            if entry is not None:
+                params.append((i, entry))
+
+        record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
+                             params=[e.name for _, e in params])
+        self.records.append(record)
+
+        fake_mode = _compat.detect_fake_mode(example_inputs)
+        inputs = list(example_inputs)
+        for i, entry in params:
+            inputs[i] = _compat.static_fake(fake_mode, entry.shard) if fake_mode else entry.shard
+        _insert_gathers(gm, [(placeholders[i], entry, inputs[i]) for i, entry in params], fake_mode)
+
+        hook = _GraphHook(record)
+        with _compat.no_autograd_cache():
+            if self.compiler == "fx":
+                compiled = _compat.aot_module_simplified(
+                    gm, inputs, fw_compiler=hook.fx_forward, bw_compiler=hook.fx_backward,
+                    inference_compiler=hook.fx_inference, partition_fn=_compat.min_cut_partition)
+            else:
+                compiled = _compat.inductor_compile(gm, inputs, hook)
+        log.info("deepcompile: graph %d: %d parameters gathered (%s)", record.index, len(params),
+                 self.compiler)
+        return _swap_params(compiled, params)
+
+
+def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
+    """Insertion pass (ZeRO-3): `shard -> allgather_param -> uses`, just in time."""
+    graph = gm.graph
+    for node, entry, shard_value in params:
+        user = G.first_user(node)
+        if user is None:
+            continue  # unused parameter: nothing to gather
+        with graph.inserting_before(user):
+            gathered = graph.call_function(
+                ops.ALLGATHER, (node, entry.pid, list(entry.shape), entry.compute_dtype))
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)
+        gathered.meta["recompute"] = _compat.must_recompute_policy()
+        if isinstance(shard_value, torch.Tensor):
+            node.meta["example_value"] = shard_value
+            if fake_mode is not None:
+                with fake_mode:
+                    gathered.meta["example_value"] = torch.empty(
+                        entry.shape, dtype=entry.compute_dtype, device=entry.shard.device)
+    graph.lint()
+    gm.recompile()
+
+
+class _GraphHook:
+    """Sees each partitioned graph before the final compile: checks and records."""
+
+    def __init__(self, record: GraphRecord) -> None:
+        self.record = record
+
+    def __call__(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool) -> None:
+        rec = self.record
+        if is_backward:
+            rec.bw_gathers = len(G.call_nodes(gm, ops.ALLGATHER))
+            rec.bw_reduces = len(G.call_nodes(gm, ops.REDUCE_GRAD))
+            rec.bw_nodes = len(gm.graph.nodes)
+            return
+        rec.inference = is_inference
+        rec.fw_gathers = len(G.call_nodes(gm, ops.ALLGATHER))
+        rec.fw_nodes = len(gm.graph.nodes)
+        if not is_inference:
+            check_no_gathered_param_saved(gm)
+
+    def fx_forward(self, gm: fx.GraphModule, example_inputs):
+        self(gm, is_backward=False, is_inference=False)
+        return _compat.make_boxed_func(gm.forward)
+
+    def fx_inference(self, gm: fx.GraphModule, example_inputs):
+        self(gm, is_backward=False, is_inference=True)
+        return _compat.make_boxed_func(gm.forward)
+
+    def fx_backward(self, gm: fx.GraphModule, example_inputs):
+        self(gm, is_backward=True, is_inference=False)
+        return _compat.make_boxed_func(gm.forward)
+
+
+def check_no_gathered_param_saved(fw: fx.GraphModule) -> None:
+    """DESIGN §3: no gathered parameter is saved for backward (or escapes the forward)."""
+    bad = sorted({str(src.args[1]) for v in G.output_values(fw)
+                  if (src := G.gathered_source(v)) is not None})
+    if bad:
+        from ..runtime.registry import lookup
+
+        names = ", ".join(lookup(int(pid)).name for pid in bad)
+        raise GatheredParameterSavedError(
+            f"deepcompile: the partitioned forward graph keeps gathered parameters alive past "
+            f"the forward ({names}); ZeRO-3 would hold full parameters between forward and "
+            "backward. This is a bug in deepcompile's partitioning; please report it.")
+
+
+def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]]) -> Callable:
+    """At run time each parameter argument is replaced by its shard."""
+    if not params:
+        return compiled
+    def run(*args):
+        args = list(args)
+        for i, entry in params:
+            args[i] = entry.shard
+        return compiled(*args)
+
+    return run

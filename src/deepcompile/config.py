@@ -1,0 +1,117 @@
+"""Typed, validated configuration.
+
+`Config` is a frozen dataclass; `Config.from_dict` accepts the same keys as a dict.  Every
+invalid key or value raises `ValueError` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+_COMPILERS = ("inductor", "fx")
+_SUPPORTED_STAGES = (3,)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype(key: str, value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.lower().removeprefix("torch.")
+        if name not in _DTYPE_NAMES:
+            raise ValueError(f"Config.{key}: unknown dtype {value!r}; allowed: None, "
+                             f"{', '.join(sorted(_DTYPE_NAMES))} or a torch floating dtype")
+        return _DTYPE_NAMES[name]
+    if value not in _ALLOWED_DTYPES:
+        raise ValueError(f"Config.{key}: {value!r} is not allowed; allowed: None, "
+                         "torch.float32, torch.bfloat16, torch.float16")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How deepcompile shards, compiles and steps a model.
+
+    zero_stage: 3 (parameters, gradients and optimizer state sharded).
+    compiler: "inductor" (code generation) or "fx" (partitioned FX graphs run as Python;
+        for debugging and fast CPU tests).
+    gradient_accumulation_steps: micro-steps per optimizer step (>= 1).
+    max_grad_norm: global-norm clipping over all shards when set (> 0).
+    param_dtype: compute dtype of gathered parameters (masters stay fp32); None = as loaded.
+    reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
+    passes: optimization passes by name, applied in order; () = insertion only.
+    """
+
+    zero_stage: int = 3
+    compiler: str = "inductor"
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    passes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if isinstance(self.zero_stage, bool) or not isinstance(self.zero_stage, int) \
+                or self.zero_stage not in _SUPPORTED_STAGES:
+            raise ValueError(f"Config.zero_stage: {self.zero_stage!r} is not supported; "
+                             f"supported: {', '.join(map(str, _SUPPORTED_STAGES))}")
+        if self.compiler not in _COMPILERS:
+            raise ValueError(f"Config.compiler: {self.compiler!r} is not allowed; "
+                             f"allowed: {', '.join(map(repr, _COMPILERS))}")
+        gas = self.gradient_accumulation_steps
+        if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+            raise ValueError(f"Config.gradient_accumulation_steps: {gas!r} is not allowed; "
+                             "allowed: an integer >= 1")
+        norm = self.max_grad_norm
+        if norm is not None:
+            if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
+                raise ValueError(f"Config.max_grad_norm: {norm!r} is not allowed; "
+                                 "allowed: None or a number > 0")
+            set_(self, "max_grad_norm", float(norm))
+        set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
+        set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
+        passes = self.passes
+        if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+            raise ValueError(f"Config.passes: {passes!r} is not allowed; "
+                             "allowed: a sequence of pass names")
+        set_(self, "passes", tuple(passes))
+        from .passes import known_passes  # late: passes may import config
+        unknown = [p for p in self.passes if p not in known_passes()]
+        if unknown:
+            raise ValueError(f"Config.passes: unknown pass {unknown[0]!r}; "
+                             f"known: {', '.join(known_passes()) or '(none registered)'}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ValueError(f"Config: unknown key {key!r}; allowed: {', '.join(sorted(names))}")
+        return cls(**values)
+
+    @classmethod
+    def coerce(cls, value: "Config | Mapping[str, Any] | None") -> "Config":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ValueError(f"config: expected deepcompile.Config or a dict, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("param_dtype", "reduce_dtype"):
+            d[k] = None if d[k] is None else str(d[k]).removeprefix("torch.")
+        d["passes"] = list(self.passes)
+        return d

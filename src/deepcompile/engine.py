@@ -1,0 +1,144 @@
+"""The training engine: forward through the compiled model, backward, sharded optimizer step."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .compiler.backend import Backend
+from .config import Config
+from .report import Report
+from .runtime.comm import Comm
+from .runtime.eager import EagerFallback
+from .runtime.registry import ParamRegistry
+
+log = logging.getLogger("deepcompile")
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if not devices:
+        raise ValueError("deepcompile.initialize: the model has no parameters or buffers")
+    if len(devices) > 1:
+        raise ValueError(f"deepcompile.initialize: the model's tensors are on several devices "
+                         f"({', '.join(sorted(map(str, devices)))}); put it on one device first")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("deepcompile.initialize: the model is on the meta device; materialize "
+                         "its parameters (e.g. model.to_empty(device=...) and initialize) first")
+    return device
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "deepcompile.initialize: no default process group and no torchrun environment "
+            f"({', '.join(missing)} unset). Launch with `torchrun --nproc-per-node N script.py`, "
+            "or call torch.distributed.init_process_group(...) before initialize().")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    log.info("deepcompile: initializing the default process group (%s) from the environment", backend)
+    dist.init_process_group(backend)
+
+
+def _check_backend(device: torch.device, backend: str) -> None:
+    backends = str(backend).lower()
+    if device.type == "cuda":
+        if "nccl" not in backends and "gloo" not in backends:
+            raise ValueError(f"deepcompile.initialize: the model is on {device} but the process "
+                             f"group's backend is {backend!r}, which cannot move CUDA tensors")
+    elif device.type == "cpu":
+        if "gloo" not in backends and "mpi" not in backends:
+            raise ValueError(f"deepcompile.initialize: the model is on the CPU but the process "
+                             f"group's backend is {backend!r}; use 'gloo' for CPU training, or "
+                             "move the model to the GPU of this rank")
+    else:
+        raise ValueError(f"deepcompile.initialize: device type {device.type!r} is not supported "
+                         "(supported: cpu with gloo, cuda with nccl)")
+
+
+class Engine:
+    """Trains `module` sharded over the process group. Create with `deepcompile.initialize`."""
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, config: Config,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.config = config
+        self.module = module
+        self.device = _model_device(module)
+        _check_backend(self.device, dist.get_backend(group))
+        self._comm = Comm(group)
+        self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
+                                       reduce_dtype=config.reduce_dtype)
+        self.optimizer = optimizer(self._registry.trainable_shards())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
+                            f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        self._fallback = EagerFallback(module, self._registry)
+        self._backend = Backend(self._registry, config.compiler)
+        self._compiled = torch.compile(module, backend=self._backend)
+        self._micro_steps = 0
+        self._optimizer_steps = 0
+        self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
+
+    # -- training loop ---------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        gas = self.config.gradient_accumulation_steps
+        (loss / gas if gas > 1 else loss).backward()
+        self._micro_steps += 1
+
+    def step(self) -> bool:
+        """At the accumulation boundary: clip, optimizer step, zero grads; returns whether it
+        stepped."""
+        if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
+            return False
+        if self.config.max_grad_norm is not None:
+            self._clip_grad_norm(self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_steps = 0
+        self._optimizer_steps += 1
+        return True
+
+    @torch.no_grad()
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [s.grad for s in self._registry.trainable_shards() if s.grad is not None]
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            local += g.float().pow(2).sum()
+        total = self._comm.all_reduce(local).sqrt()  # shards are disjoint; padding grads are 0
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    # -- state -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{parameter fqn: full tensor on CPU} in master dtype, gathered; same on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for entry in self._registry:
+            full = self._comm.all_gather(entry.shard.detach())[: entry.numel]
+            full = full.view(entry.shape).to("cpu", copy=True)
+            for name in entry.names:
+                out[name] = full
+        return out
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return self._comm.stats()
+
+    def report(self) -> Report:
+        return Report.build(self)

@@ -1,0 +1,61 @@
+"""Collectives over one process group, with exact counters.
+
+Counts and bytes are kept per kind; bytes are the size of the full (unsharded, padded) tensor
+of each collective, so they do not depend on the world size's split.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat
+
+
+class Comm:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self._stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        entry = self._stats[kind]
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self._stats.items())}
+
+    def reset_stats(self) -> None:
+        self._stats.clear()
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's flat shard: returns a new flat tensor of world*numel."""
+        out = shard.new_empty(shard.numel() * self.world)
+        self._count("all_gather", out.numel() * out.element_size())
+        _compat.all_gather_flat(out, shard.contiguous(), self.group)
+        return out
+
+    def reduce_scatter_avg(self, full: torch.Tensor) -> torch.Tensor:
+        """Average of `full` (flat, world*k elements) over ranks, this rank's k-slice.
+
+        gloo has no AVG / PREMUL_SUM reduce-scatter: SUM, then divide."""
+        out = full.new_empty(full.numel() // self.world)
+        self._count("reduce_scatter", full.numel() * full.element_size())
+        _compat.reduce_scatter_flat(out, full.contiguous(), dist.ReduceOp.SUM, self.group)
+        return out.div_(self.world)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        self._count("all_reduce", tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._count("broadcast", tensor.numel() * tensor.element_size())
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                       group=self.group)
+        return tensor

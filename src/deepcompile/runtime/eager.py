@@ -1,0 +1,107 @@
+"""Eager fallback: code that Dynamo does not capture still sees real parameters.
+
+A skipped frame, a submodule called outside the compiled region, or the eager remainder of a
+frame with a graph break inside a loop run module code eagerly, where the parameters' storage is
+freed.  Forward hooks on every module that owns parameters gather them into the module's own
+parameter storage before its forward and free them after.  Tensors autograd saves that alias a
+gathered parameter are packed as a reference and re-gathered when the backward unpacks them, so
+nothing full-size outlives the forward.  Gradients that eager autograd accumulates into a
+module parameter are reduce-scattered into the shard's gradient at once.
+
+The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .registry import ParamEntry, ParamRegistry
+
+
+class _SavedParamRef:
+    __slots__ = ("entry", "size", "stride", "offset")
+
+    def __init__(self, entry: ParamEntry, t: torch.Tensor) -> None:
+        self.entry, self.size, self.stride, self.offset = entry, t.size(), t.stride(), t.storage_offset()
+
+
+class EagerFallback:
+    def __init__(self, module: nn.Module, registry: ParamRegistry) -> None:
+        self._registry = registry
+        self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
+        self._by_ptr: dict[int, ParamEntry] = {}  # data_ptr of materialized storage -> entry
+        self._handles = []
+        for mod in module.modules():
+            entries = [registry.entry_for(p) for p in mod._parameters.values() if p is not None]
+            entries = [e for e in entries if e is not None]
+            if not entries:
+                continue
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook(entries)))
+            self._handles.append(mod.register_forward_hook(self._post_hook(entries), always_call=True))
+        for entry in registry:
+            if entry.param.requires_grad:
+                self._handles.append(entry.param.register_post_accumulate_grad_hook(
+                    self._grad_hook(entry)))
+        self.materializations = 0  # how often eager code needed a gathered parameter
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, entries: list[ParamEntry]):
+        def hook(mod, args):
+            if torch.compiler.is_compiling():
+                return
+            for entry in entries:
+                depth = self._depth.get(entry.pid, 0)
+                if depth == 0:
+                    entry.materialize()
+                    self.materializations += 1
+                    self._by_ptr[entry.param.untyped_storage().data_ptr()] = entry
+                self._depth[entry.pid] = depth + 1
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
+        return hook
+
+    def _post_hook(self, entries: list[ParamEntry]):
+        def hook(mod, args, output):
+            if torch.compiler.is_compiling():
+                return
+            stack = getattr(mod, "_deepcompile_saved_hooks", None)
+            if not stack:
+                return
+            stack.pop().__exit__(None, None, None)
+            for entry in entries:
+                depth = self._depth[entry.pid] - 1
+                self._depth[entry.pid] = depth
+                if depth == 0:
+                    self._by_ptr.pop(entry.param.untyped_storage().data_ptr(), None)
+                    entry.release()
+        return hook
+
+    def _pack(self, t: torch.Tensor):
+        if self._by_ptr and isinstance(t, torch.Tensor) and t.device.type != "meta":
+            entry = self._by_ptr.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                return _SavedParamRef(entry, t)
+        return t
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, _SavedParamRef):
+            full = packed.entry.gather()
+            return full.as_strided(packed.size, packed.stride, packed.offset)
+        return packed
+
+    def _grad_hook(self, entry: ParamEntry):
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            shard_grad = entry.reduce_grad(grad)
+            if entry.shard.grad is None:
+                entry.shard.grad = shard_grad
+            else:
+                entry.shard.grad.add_(shard_grad)
+        return hook

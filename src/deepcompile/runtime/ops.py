@@ -1,0 +1,63 @@
+"""The custom ops that carry communication inside graphs.
+
+Only tensors, ints and dtypes cross the op boundary; fake implementations are pure-shape; the
+state (process group, shard layout) is looked up in the registry by `pid`.
+
+`allgather_param(shard, pid, shape, dtype) -> full` gathers a parameter. Its registered autograd
+backward is `reduce_grad(grad, pid, shard_numel, shard_dtype) -> shard_grad`, a reduce-scatter of
+the gradient into the shard: gradients reach `shard.grad` through ordinary autograd, so tied
+weights, graph breaks, gradient accumulation and any torch optimizer need nothing special.
+
+Both ops return new memory that the caller owns (DESIGN §3: an op returns only memory it gives
+up).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from . import registry
+
+NAMESPACE = "deepcompile"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::allgather_param", mutates_args=())
+def allgather_param(shard: torch.Tensor, pid: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    entry = registry.lookup(pid)
+    with record_function(f"deepcompile.allgather[{entry.name}]"):
+        return entry.gather(shard)
+
+
+@allgather_param.register_fake
+def _(shard, pid, shape, dtype):
+    return shard.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_grad", mutates_args=())
+def reduce_grad(grad: torch.Tensor, pid: int, shard_numel: int, shard_dtype: torch.dtype) -> torch.Tensor:
+    entry = registry.lookup(pid)
+    with record_function(f"deepcompile.reduce_scatter[{entry.name}]"):
+        return entry.reduce_grad(grad)
+
+
+@reduce_grad.register_fake
+def _(grad, pid, shard_numel, shard_dtype):
+    return grad.new_empty((shard_numel,), dtype=shard_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    shard, pid, _shape, _dtype = inputs
+    ctx.pid = pid
+    ctx.shard_numel = shard.numel()
+    ctx.shard_dtype = shard.dtype
+
+
+def _backward(ctx, grad):
+    return reduce_grad(grad, ctx.pid, ctx.shard_numel, ctx.shard_dtype), None, None, None
+
+
+allgather_param.register_autograd(_backward, setup_context=_setup_context)
+
+ALLGATHER = torch.ops.deepcompile.allgather_param.default
+REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default
