@@ -22,7 +22,7 @@ from torch import fx
 
 from .. import _compat
 from ..runtime import ops
-from ..runtime.registry import ParamEntry, ParamRegistry
+from ..runtime.registry import ParamEntry, ParamRegistry, lookup
 from . import graph as G
 
 log = logging.getLogger("deepcompile")
@@ -86,7 +86,7 @@ class Backend:
                 compiled = _compat.inductor_compile(gm, inputs, hook)
         log.info("deepcompile: graph %d: %d parameters gathered (%s)", record.index, len(params),
                  self.compiler)
-        return _swap_params(compiled, params)
+        return _swap_params(compiled, params, self.registry)
 
 
 def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
@@ -148,23 +148,56 @@ def check_no_gathered_param_saved(fw: fx.GraphModule) -> None:
     bad = sorted({str(src.args[1]) for v in G.output_values(fw)
                   if (src := G.gathered_source(v)) is not None})
     if bad:
-        from ..runtime.registry import lookup
-
-        names = ", ".join(lookup(int(pid)).name for pid in bad)
+        names = ", ".join(_param_name(int(pid)) for pid in bad)
         raise GatheredParameterSavedError(
             f"deepcompile: the partitioned forward graph keeps gathered parameters alive past "
             f"the forward ({names}); ZeRO-3 would hold full parameters between forward and "
             "backward. This is a bug in deepcompile's partitioning; please report it.")
 
 
-def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]]) -> Callable:
-    """At run time each parameter argument is replaced by its shard."""
+def _param_name(pid: int) -> str:
+    try:
+        return lookup(pid).name
+    except RuntimeError:
+        return f"pid {pid}"
+
+
+def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
+                 registry: ParamRegistry) -> Callable:
+    """At run time each parameter argument is replaced by its shard.
+
+    [Note: graph reuse] Dynamo may run one compiled graph with *different* parameters of the
+    same shape: a resume function of a loop over an `nn.ModuleList` is compiled once and called
+    for every layer, because modules are not identity-guarded. So the shard is looked up from
+    the parameter actually passed, never from the one seen at compile time. The `pid` baked into
+    the graph's ops then names the compile-time parameter: its layout (shape, dtypes, padding) is
+    guaranteed identical by Dynamo's guards and checked here; gradients still flow to the right
+    shard through autograd. The graph record notes the reuse, for passes that plan by `pid`.
+    """
     if not params:
         return compiled
+    expected = [(i, e.param, e) for i, e in params]
+
     def run(*args):
         args = list(args)
-        for i, entry in params:
+        for i, param, entry in expected:
+            arg = args[i]
+            if arg is not param:
+                entry = _reused_entry(registry, arg, entry)
             args[i] = entry.shard
         return compiled(*args)
 
     return run
+
+
+def _reused_entry(registry: ParamRegistry, arg: Any, compiled_for: ParamEntry) -> ParamEntry:
+    entry = registry.entry_for(arg)
+    if entry is None:
+        raise RuntimeError(f"deepcompile: a compiled graph that gathers {compiled_for.name!r} was "
+                           "called with a tensor that is not a parameter of this engine's model")
+    if (entry.shape, entry.compute_dtype, entry.shard.dtype) != \
+            (compiled_for.shape, compiled_for.compute_dtype, compiled_for.shard.dtype):
+        raise RuntimeError(f"deepcompile: compiled graph for {compiled_for.name!r} reused for "
+                           f"{entry.name!r} with a different layout")
+    registry.note_reuse(compiled_for, entry)
+    return entry

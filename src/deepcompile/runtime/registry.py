@@ -20,6 +20,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import memory
 from .comm import Comm
 
 _NEXT_PID = itertools.count()
@@ -51,7 +52,10 @@ class ParamEntry:
         src = (self.shard if shard is None else shard).detach()
         if src.dtype != self.compute_dtype:
             src = src.to(self.compute_dtype)
-        return self.comm.all_gather(src)[: self.numel].view(self.shape)
+        buffer = self.comm.all_gather(src)
+        if memory.TRACKER is not None:
+            memory.TRACKER.track(buffer)
+        return buffer[: self.numel].view(self.shape)
 
     def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """Average a full gradient over ranks; this rank's shard slice in the master dtype."""
@@ -92,6 +96,9 @@ class ParamRegistry:
         self.comm = comm
         self.entries: list[ParamEntry] = []
         self._by_id: dict[int, ParamEntry] = {}
+        # (compiled-for pid, actual pid) pairs seen when Dynamo reused a graph for other
+        # parameters of the same layout (see [Note: graph reuse] in compiler/backend.py).
+        self.reuses: set[tuple[int, int]] = set()
         names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -128,6 +135,9 @@ class ParamRegistry:
         """The entry whose module parameter *is* `tensor` (identity), else None."""
         entry = self._by_id.get(id(tensor))
         return entry if entry is not None and entry.param is tensor else None
+
+    def note_reuse(self, compiled_for: ParamEntry, actual: ParamEntry) -> None:
+        self.reuses.add((compiled_for.pid, actual.pid))
 
     def trainable_shards(self) -> list[nn.Parameter]:
         return [e.shard for e in self.entries if e.shard.requires_grad]
