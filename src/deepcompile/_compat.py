@@ -45,11 +45,18 @@ def static_fake(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
-                          partition_fn):
+                          partition_fn, decompositions=None):
     from torch._functorch.aot_autograd import aot_module_simplified as _aot
 
     return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                inference_compiler=inference_compiler, partition_fn=partition_fn)
+                inference_compiler=inference_compiler, partition_fn=partition_fn,
+                decompositions=decompositions)
+
+
+def inductor_decompositions():
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def min_cut_partition(joint_module, joint_inputs, **kwargs):
@@ -58,23 +65,17 @@ def min_cut_partition(joint_module, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
-def make_boxed_func(fn: Callable) -> Callable:
-    from torch._functorch.aot_autograd import make_boxed_func as _boxed
+def inductor_compile_graph(gm, example_inputs: list) -> Callable:
+    """Inductor code for an already partitioned (aten-level) graph, on its real inputs.
 
-    return _boxed(fn)
+    Called from inside AOTAutograd's runtime (grad mode off), so Inductor compiles it as an
+    inference graph: no second partitioning. Returns a callable taking the arguments as a list."""
+    from torch._inductor.compile_fx import compile_fx
 
-
-def inductor_compile(gm, example_inputs, inner_hook: Callable):
-    """Inductor's compile_fx, calling `inner_hook(gm, is_backward=..., is_inference=...)` on each
-    partitioned graph before Inductor lowers it."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(graph, inputs, *args, **kwargs):
-        inner_hook(graph, is_backward=bool(kwargs.get("is_backward")),
-                   is_inference=bool(kwargs.get("is_inference")))
-        return compile_fx_inner(graph, inputs, *args, **kwargs)
-
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    compiled = compile_fx(gm, example_inputs)
+    # compile_fx returns AOTAutograd's unboxed `forward(*args)` (which copies the inner boxed
+    # function's attributes, `_boxed_call` included: do not trust it).
+    return lambda args: compiled(*args)
 
 
 @contextlib.contextmanager

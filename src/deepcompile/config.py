@@ -7,6 +7,7 @@ invalid key or value raises `ValueError` naming the key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import torch
@@ -49,6 +50,12 @@ class Config:
     param_dtype: compute dtype of gathered parameters (masters stay fp32); None = as loaded.
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
     passes: optimization passes by name, applied in order; () = insertion only.
+    warmup_steps: optimizer steps run before profiling (the first one compiles).
+    profile_steps: optimizer steps profiled before the passes plan, and after each pass that
+        changed a graph (0: no profiling; then no passes can run).
+    memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
+        None: 90% of device memory on CUDA, unbounded on CPU.
+    cache_dir: directory of the plan cache (profiles and decisions); None: no cache.
     """
 
     zero_stage: int = 3
@@ -58,6 +65,10 @@ class Config:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     passes: tuple[str, ...] = ()
+    warmup_steps: int = 2
+    profile_steps: int = 1
+    memory_budget: int | float | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -85,6 +96,25 @@ class Config:
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
                              "allowed: a sequence of pass names")
         set_(self, "passes", tuple(passes))
+        for key in ("warmup_steps", "profile_steps"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Config.{key}: {v!r} is not allowed; allowed: an integer >= 0")
+        if self.passes and self.profile_steps == 0:
+            raise ValueError("Config.profile_steps: 0 is not allowed with passes; the passes plan "
+                             "from profiles (allowed: an integer >= 1, or passes=())")
+        budget = self.memory_budget
+        if budget is not None:
+            ok = (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0) or \
+                 (isinstance(budget, float) and 0.0 < budget <= 1.0)
+            if not ok:
+                raise ValueError(f"Config.memory_budget: {budget!r} is not allowed; allowed: None, "
+                                 "bytes as an int > 0, or a fraction of device memory in (0, 1]")
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)) or not str(self.cache_dir):
+                raise ValueError(f"Config.cache_dir: {self.cache_dir!r} is not allowed; allowed: "
+                                 "None or a directory path")
+            set_(self, "cache_dir", os.fspath(self.cache_dir))
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.passes if p not in known_passes()]
         if unknown:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .compiler.backend import Backend
+from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
@@ -85,7 +86,9 @@ class Engine:
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self._fallback = EagerFallback(module, self._registry)
-        self._backend = Backend(self._registry, config.compiler)
+        self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
+                                  device=self.device, engine_fingerprint=self._fingerprint())
+        self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0
         self._optimizer_steps = 0
@@ -111,6 +114,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self._micro_steps = 0
         self._optimizer_steps += 1
+        self._pipeline.end_step()
         return True
 
     @torch.no_grad()
@@ -141,4 +145,29 @@ class Engine:
         return self._comm.stats()
 
     def report(self) -> Report:
+        """What the compiler did: graphs, profiles, passes and their decisions, cache, comm."""
         return Report.build(self)
+
+    def export_trace(self, path: str | os.PathLike) -> str:
+        """Write a Chrome-trace JSON of the latest profiled step (every rank's compute and
+        communication lanes). Collective: call it on every rank; rank 0 writes the file."""
+        from .report.trace import export_trace
+
+        return export_trace(self, path)
+
+    def _fingerprint(self) -> dict:
+        """What determines a plan besides the graphs (the plan cache's key)."""
+        import torch as _torch
+
+        from . import __version__
+        cfg = self.config.to_dict()
+        cfg.pop("cache_dir", None)
+        return {
+            "world_size": self._comm.world,
+            "device": self.device.type,
+            "torch": _torch.__version__,
+            "deepcompile": __version__,
+            "config": cfg,
+            "params": [(e.name, list(e.shape), str(e.compute_dtype), str(e.shard.dtype),
+                        str(e.reduce_dtype)) for e in self._registry],
+        }

@@ -5,9 +5,11 @@ For each Dynamo graph:
   2. insertion (ZeRO-3): swap each parameter input for its shard and follow it with
      `allgather_param`, placed just before the parameter's first use and tagged MUST_RECOMPUTE,
      so the partitioner re-gathers in the backward instead of saving the full parameter;
-  3. AOTAutograd partitions the joint graph (min-cut; honours the recompute tags); every
-     partitioned forward graph is checked: no gathered parameter may be saved for backward;
-  4. final compile: Inductor, or plain FX ("fx") for debugging and fast CPU tests.
+  3. AOTAutograd partitions the joint graph (min-cut; honours the recompute tags; with Inductor's
+     decompositions when the final compiler is Inductor); every partitioned forward graph is
+     checked: no gathered parameter may be saved for backward;
+  4. each partitioned graph becomes a pipeline slot (compiler/slots.py): profiled, rewritten by
+     the passes, and finally compiled by Inductor or run as FX code ("fx").
 The returned callable swaps each parameter argument for its shard at run time.
 """
 
@@ -24,6 +26,7 @@ from .. import _compat
 from ..runtime import ops
 from ..runtime.registry import ParamEntry, ParamRegistry, lookup
 from . import graph as G
+from .pipeline import Pipeline
 
 log = logging.getLogger("deepcompile")
 
@@ -34,23 +37,19 @@ class GatheredParameterSavedError(RuntimeError):
 
 @dataclasses.dataclass
 class GraphRecord:
-    """What the compiler did to one Dynamo graph (filled in as its pieces compile)."""
+    """One Dynamo graph as the backend received it; its partitioned pieces are pipeline slots."""
 
     index: int
     dynamo_nodes: int
     params: list[str]
-    fw_gathers: int = 0
-    bw_gathers: int = 0
-    bw_reduces: int = 0
-    fw_nodes: int = 0
-    bw_nodes: int = 0
-    inference: bool = False
+    slots: list[str] = dataclasses.field(default_factory=list)
 
 
 class Backend:
-    def __init__(self, registry: ParamRegistry, compiler: str) -> None:
+    def __init__(self, registry: ParamRegistry, compiler: str, pipeline: Pipeline) -> None:
         self.registry = registry
         self.compiler = compiler
+        self.pipeline = pipeline
         self.records: list[GraphRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -76,14 +75,20 @@ class Backend:
             inputs[i] = _compat.static_fake(fake_mode, entry.shard) if fake_mode else entry.shard
         _insert_gathers(gm, [(placeholders[i], entry, inputs[i]) for i, entry in params], fake_mode)
 
-        hook = _GraphHook(record)
+        def make_slot(kind: str):
+            def compile_piece(piece: fx.GraphModule, _example_inputs):
+                if kind == "fw":
+                    check_no_gathered_param_saved(piece)
+                slot = self.pipeline.add_slot(record.index, kind, piece)
+                record.slots.append(slot.key)
+                return slot
+            return compile_piece
+
         with _compat.no_autograd_cache():
-            if self.compiler == "fx":
-                compiled = _compat.aot_module_simplified(
-                    gm, inputs, fw_compiler=hook.fx_forward, bw_compiler=hook.fx_backward,
-                    inference_compiler=hook.fx_inference, partition_fn=_compat.min_cut_partition)
-            else:
-                compiled = _compat.inductor_compile(gm, inputs, hook)
+            compiled = _compat.aot_module_simplified(
+                gm, inputs, fw_compiler=make_slot("fw"), bw_compiler=make_slot("bw"),
+                inference_compiler=make_slot("inference"), partition_fn=_compat.min_cut_partition,
+                decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None)
         log.info("deepcompile: graph %d: %d parameters gathered (%s)", record.index, len(params),
                  self.compiler)
         return _swap_params(compiled, params, self.registry)
@@ -109,38 +114,6 @@ def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
                         entry.shape, dtype=entry.compute_dtype, device=entry.shard.device)
     graph.lint()
     gm.recompile()
-
-
-class _GraphHook:
-    """Sees each partitioned graph before the final compile: checks and records."""
-
-    def __init__(self, record: GraphRecord) -> None:
-        self.record = record
-
-    def __call__(self, gm: fx.GraphModule, *, is_backward: bool, is_inference: bool) -> None:
-        rec = self.record
-        if is_backward:
-            rec.bw_gathers = len(G.call_nodes(gm, ops.ALLGATHER))
-            rec.bw_reduces = len(G.call_nodes(gm, ops.REDUCE_GRAD))
-            rec.bw_nodes = len(gm.graph.nodes)
-            return
-        rec.inference = is_inference
-        rec.fw_gathers = len(G.call_nodes(gm, ops.ALLGATHER))
-        rec.fw_nodes = len(gm.graph.nodes)
-        if not is_inference:
-            check_no_gathered_param_saved(gm)
-
-    def fx_forward(self, gm: fx.GraphModule, example_inputs):
-        self(gm, is_backward=False, is_inference=False)
-        return _compat.make_boxed_func(gm.forward)
-
-    def fx_inference(self, gm: fx.GraphModule, example_inputs):
-        self(gm, is_backward=False, is_inference=True)
-        return _compat.make_boxed_func(gm.forward)
-
-    def fx_backward(self, gm: fx.GraphModule, example_inputs):
-        self(gm, is_backward=True, is_inference=False)
-        return _compat.make_boxed_func(gm.forward)
 
 
 def check_no_gathered_param_saved(fw: fx.GraphModule) -> None:

@@ -1,21 +1,68 @@
 """Optimization passes, registered by name.
 
-Issue 2 ships insertion only (done in `compiler.insert`); the profile-guided passes (prefetch,
-selective unsharding, offloading) register here as they land.
+A pass has two halves so that a cached plan can be re-applied without profiling:
+  plan(ctx)  -> decisions: a JSON-serializable dict, computed from the agreed profiles; it must
+                depend only on what `ctx` holds (the same on every rank), never on local timing;
+  apply(ctx, decisions) -> the keys of the graph slots it changed (empty: nothing to do).
+Passes only schedule: they never change a graph's inputs or outputs (DESIGN §2.3). A pass is a
+no-op when its pattern is absent. Built-in passes register here as they land; users register
+their own with `deepcompile.register_pass`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
 
-_REGISTRY: dict[str, Callable] = {}
+if TYPE_CHECKING:
+    from ..compiler.cost import CostModel
+    from ..compiler.profiler import GraphProfile
+    from ..compiler.slots import GraphSlot
+    from ..runtime.registry import ParamRegistry
 
 
-def register_pass(name: str, fn: Callable) -> Callable:
+@dataclasses.dataclass
+class PassContext:
+    slots: dict[str, "GraphSlot"]          # slot key ("g0.fw", "g0.bw", ...) -> graph slot
+    profiles: dict[str, "GraphProfile"]    # latest agreed profile of every slot
+    order: list[str]                       # slot keys in execution order over one step
+    registry: "ParamRegistry"
+    cost: "CostModel"
+    memory_budget: float                   # bytes; inf when unbounded
+    world_size: int
+    decisions: dict[str, Any]              # pass name -> decisions already taken
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    plan: Callable[[PassContext], dict]
+    apply: Callable[[PassContext, dict], list[str]]
+    description: str = ""
+
+
+_REGISTRY: dict[str, Pass] = {}
+
+
+def register_pass(name: str, plan: Callable[[PassContext], dict],
+                  apply: Callable[[PassContext, dict], list[str]], description: str = "") -> Pass:
+    """Register an optimization pass under `name` (then usable in `Config(passes=(name,))`)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("register_pass: name must be a non-empty string")
     if name in _REGISTRY:
-        raise ValueError(f"pass {name!r} is already registered")
-    _REGISTRY[name] = fn
-    return fn
+        raise ValueError(f"register_pass: a pass named {name!r} is already registered")
+    if not callable(plan) or not callable(apply):
+        raise TypeError("register_pass: plan and apply must be callables")
+    _REGISTRY[name] = Pass(name, plan, apply, description)
+    return _REGISTRY[name]
+
+
+def unregister_pass(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get_pass(name: str) -> Pass:
+    return _REGISTRY[name]
 
 
 def known_passes() -> tuple[str, ...]:

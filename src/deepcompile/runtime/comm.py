@@ -33,26 +33,42 @@ class Comm:
     def reset_stats(self) -> None:
         self._stats.clear()
 
-    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, shard: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Concatenate every rank's flat shard: returns a new flat tensor of world*numel."""
         out = shard.new_empty(shard.numel() * self.world)
-        self._count("all_gather", out.numel() * out.element_size())
+        if count:
+            self._count("all_gather", out.numel() * out.element_size())
         _compat.all_gather_flat(out, shard.contiguous(), self.group)
         return out
 
-    def reduce_scatter_avg(self, full: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter_avg(self, full: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Average of `full` (flat, world*k elements) over ranks, this rank's k-slice.
 
         gloo has no AVG / PREMUL_SUM reduce-scatter: SUM, then divide."""
         out = full.new_empty(full.numel() // self.world)
-        self._count("reduce_scatter", full.numel() * full.element_size())
+        if count:
+            self._count("reduce_scatter", full.numel() * full.element_size())
         _compat.reduce_scatter_flat(out, full.contiguous(), dist.ReduceOp.SUM, self.group)
         return out.div_(self.world)
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        self._count("all_reduce", tensor.numel() * tensor.element_size())
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, count: bool = True) -> torch.Tensor:
+        """`count=False` for deepcompile's own bookkeeping (calibration, agreeing profiles):
+        comm_stats() reports training traffic."""
+        if count:
+            self._count("all_reduce", tensor.numel() * tensor.element_size())
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src)
+                                   if self.group else src, group=self.group)
+        return box[0]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._count("broadcast", tensor.numel() * tensor.element_size())

@@ -1,0 +1,74 @@
+"""The plan cache: agreed profiles and pass decisions, stored as JSON under `cache_dir`.
+
+The key is a digest of everything that determines a plan: every partitioned graph's code (with
+parameter ids replaced by parameter names, so it is stable across processes), world size,
+parameter shapes and dtypes, the config, the device type, and the torch and deepcompile
+versions. Files are written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import fx
+
+from ..runtime import ops
+from .profiler import GraphProfile, NodeProfile
+
+FORMAT = 1
+
+
+def graph_signature(gm: fx.GraphModule, name_of: Callable[[int], str]) -> str:
+    lines = []
+    for node in gm.graph.nodes:
+        args = node.args
+        if node.op == "call_function" and node.target in (ops.ALLGATHER, ops.REDUCE_GRAD):
+            args = (args[0], name_of(int(args[1])), *args[2:])
+        target = node.target if isinstance(node.target, str) else \
+            getattr(node.target, "__name__", str(node.target))
+        val = node.meta.get("val")
+        meta = (tuple(val.shape), str(val.dtype)) if hasattr(val, "shape") else None
+        lines.append(f"{node.name}={node.op}:{target}{args!r}{sorted(node.kwargs.items())!r}{meta}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def digest(parts: dict[str, Any]) -> str:
+    blob = json.dumps({"format": FORMAT, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def path_for(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / f"plan-{key}.json"
+
+
+def load(cache_dir: str | os.PathLike, key: str) -> dict | None:
+    path = path_for(cache_dir, key)
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RuntimeError(f"deepcompile: the cached plan {path} cannot be read ({e}); delete it "
+                           "to profile again") from e
+    return plan if plan.get("format") == FORMAT else None
+
+
+def save(cache_dir: str | os.PathLike, key: str, plan: dict) -> Path:
+    path = path_for(cache_dir, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": FORMAT, "key": key, **plan}, f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def profile_from_dict(d: dict) -> GraphProfile:
+    return GraphProfile(slot=d["slot"], version=d["version"], total_s=d["total_s"],
+                        nodes=[NodeProfile(**n) for n in d["nodes"]])

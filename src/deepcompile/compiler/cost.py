@@ -1,0 +1,90 @@
+"""Cost model: predicted seconds for collectives (and host<->device copies where a GPU exists).
+
+`LinearCostModel` is `latency + bytes / bandwidth` per kind. `calibrate` fits it from a short
+measured sweep at start-up; every rank ends with the same model (the slowest rank's timings,
+agreed with an all-reduce MAX). Pluggable: anything with `collective_s(kind, nbytes)` and
+`copy_s(nbytes)` works. No GPU-only imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Protocol
+
+import torch
+
+SWEEP_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 20)
+
+
+class CostModel(Protocol):
+    def collective_s(self, kind: str, nbytes: int) -> float: ...
+    def copy_s(self, nbytes: int) -> float: ...
+
+
+@dataclasses.dataclass
+class LinearCostModel:
+    # kind -> (latency s, seconds per byte)
+    coeffs: dict[str, tuple[float, float]]
+    copy: tuple[float, float] | None = None
+    samples: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+
+    def collective_s(self, kind: str, nbytes: int) -> float:
+        a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
+        return a + b * nbytes
+
+    def copy_s(self, nbytes: int) -> float:
+        if self.copy is None:
+            return 0.0
+        a, b = self.copy
+        return a + b * nbytes
+
+    def to_dict(self) -> dict:
+        return {"coeffs": {k: list(v) for k, v in self.coeffs.items()},
+                "copy": list(self.copy) if self.copy else None,
+                "samples": {k: [list(s) for s in v] for k, v in self.samples.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearCostModel":
+        return cls(coeffs={k: tuple(v) for k, v in d["coeffs"].items()},
+                   copy=tuple(d["copy"]) if d.get("copy") else None,
+                   samples={k: [tuple(s) for s in v] for k, v in d.get("samples", {}).items()})
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares latency + bytes * per_byte, both clamped at >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return max(0.0, my - b * mx), b
+
+
+def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
+    """Measure all-gather and reduce-scatter over a few sizes; agree across ranks (MAX)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
+    for nbytes in SWEEP_BYTES:
+        numel = max(comm.world, nbytes // 4) // comm.world * comm.world
+        full = torch.zeros(numel, dtype=torch.float32, device=device)
+        shard = full[: numel // comm.world].clone()
+        for kind, fn in (("all_gather", lambda: comm.all_gather(shard, count=False)),
+                         ("reduce_scatter", lambda: comm.reduce_scatter_avg(full, count=False))):
+            fn()  # warm
+            runs = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                runs.append(time.perf_counter() - t0)
+            times[kind].append(statistics.median(runs))
+    flat = torch.tensor(times["all_gather"] + times["reduce_scatter"], dtype=torch.float64)
+    comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)
+    k = len(SWEEP_BYTES)
+    samples = {"all_gather": list(zip(SWEEP_BYTES, flat[:k].tolist())),
+               "reduce_scatter": list(zip(SWEEP_BYTES, flat[k:].tolist()))}
+    return LinearCostModel(coeffs={kind: _fit(pts) for kind, pts in samples.items()},
+                           samples=samples)

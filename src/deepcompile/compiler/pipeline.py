@@ -1,0 +1,339 @@
+"""The profile-guided pipeline: phase schedule, rank agreement, passes, plan cache.
+
+Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
+
+  WARMUP   `warmup_steps` steps run normally (the first one compiles).
+  PROFILE  `profile_steps` steps run every graph through the profiler; at the end the local
+           profiles are agreed across ranks (per node: median over the step's runs, then MAX
+           over ranks) and the next configured pass plans from them and rewrites the graphs.
+           A pass that changed a graph is followed by another PROFILE phase, so the next pass
+           sees its effect; a pass that changed nothing is not.
+  STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
+           here: warm-up and profiling run the FX graphs).
+
+With `cache_dir`, the agreed profiles and the passes' decisions are stored under a key made of
+everything that determines them; a later run with the same key applies the stored decisions
+after warm-up and goes straight to STEADY. Rank 0 reads and writes the cache and broadcasts
+what it found, so every rank takes the same path.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .. import _compat
+from ..passes import PassContext, get_pass
+from ..runtime import registry as _registry
+from . import cache as _cache
+from .cost import CostModel, LinearCostModel, calibrate
+from .profiler import GraphProfile, NodeProfile, profile_run
+from .slots import GraphSlot
+
+log = logging.getLogger("deepcompile")
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"
+    PROFILE = "profile"
+    STEADY = "steady"
+
+
+def _param_name(pid: int) -> str:
+    try:
+        return _registry.lookup(pid).name
+    except RuntimeError:
+        return f"pid{pid}"
+
+
+def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float) -> dict:
+    """Step-level figures from per-graph profiles, weighted by how often each graph runs."""
+    runs = {k: order.count(k) or 1 for k in profiles}
+    return {
+        "collectives": sum(runs[k] * p.collectives() for k, p in profiles.items()),
+        "comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
+        "exposed_comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
+        "compute_s": sum(runs[k] * p.compute_s() for k, p in profiles.items()),
+        "peak_bytes": max((p.peak_bytes for p in profiles.values()), default=0),
+        "budget_bytes": None if budget == float("inf") else budget,
+    }
+
+
+class Pipeline:
+    def __init__(self, *, registry, comm, config, device: torch.device, engine_fingerprint: dict):
+        self.registry = registry
+        self.comm = comm
+        self.config = config
+        self.device = device
+        self.fingerprint = engine_fingerprint
+        self.slots: dict[str, GraphSlot] = {}
+        self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
+        self._steps_in_phase = 0
+        self._profile_label = "initial"
+        self._pending_passes = list(config.passes)
+        self._awaiting: dict | None = None       # pass log entry waiting for its re-profile
+        self.pass_log: list[dict] = []
+        self.order: list[str] = []               # slot keys in execution order, last profiled step
+        self._order_now: list[str] = []
+        self.cost: CostModel | None = None
+        self.memory_budget = self._agreed_budget()
+        self.cache_info: dict[str, Any] = {"enabled": config.cache_dir is not None, "hit": False}
+        self.perturb: Callable[[GraphProfile], None] | None = None  # test hook: local profiles
+        self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
+                                        "calibration_s": 0.0, "passes_s": 0.0, "steady_steps_s": []}
+        self._step_started = time.perf_counter()
+        self._calibrate_if_needed()
+
+    # -- slots ------------------------------------------------------------------------------
+    def add_slot(self, graph_index: int, kind: str, gm: fx.GraphModule) -> GraphSlot:
+        key = f"g{graph_index}.{kind}"
+        if key in self.slots:  # a recompilation of the same Dynamo graph index
+            key = f"{key}{sum(k.startswith(key) for k in self.slots)}"
+        slot = GraphSlot(key, graph_index, kind, gm, self)
+        self.slots[key] = slot
+        return slot
+
+    def run(self, slot: GraphSlot, args: list[Any]) -> Any:
+        if self.phase is Phase.PROFILE:
+            self._order_now.append(slot.key)
+            out, prof = profile_run(slot.gm, args, slot=slot.key, version=slot.version,
+                                    name_of=_param_name, runtime_bytes=self._runtime_bytes())
+            if self.perturb is not None:
+                self.perturb(prof)
+            slot.pending.append(prof)
+            return out
+        final = self.phase is Phase.STEADY
+        if slot.compiled_for != (slot.version, final):
+            slot.compiled = self._compile(slot, args, final)
+            slot.compiled_for = (slot.version, final)
+        return slot.compiled(args)
+
+    def _compile(self, slot: GraphSlot, args: list[Any], final: bool) -> Callable:
+        gm = slot.gm
+        if self.config.compiler == "inductor" and final:
+            log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
+            return _compat.inductor_compile_graph(gm, list(args))
+        return lambda a: gm.forward(*a)
+
+    def _runtime_bytes(self) -> int:
+        return 0  # buffers the runtime holds outside graphs (kept parameters come with issue 5)
+
+    # -- schedule ---------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Called by the engine after every optimizer step, on every rank."""
+        now = time.perf_counter()
+        elapsed, self._step_started = now - self._step_started, now
+        if self.phase is Phase.WARMUP:
+            self.timings["warmup_steps_s"].append(elapsed)
+            self._steps_in_phase += 1
+            if self._steps_in_phase >= self.config.warmup_steps:
+                self._after_warmup()
+        elif self.phase is Phase.PROFILE:
+            self.timings["profiled_steps_s"].append(elapsed)
+            self._steps_in_phase += 1
+            if self._steps_in_phase >= self.config.profile_steps:
+                self._finish_profile()
+        else:
+            if len(self.timings["steady_steps_s"]) < 64:
+                self.timings["steady_steps_s"].append(elapsed)
+        self._step_started = time.perf_counter()
+
+    def _enter(self, phase: Phase, label: str = "") -> None:
+        self.phase, self._steps_in_phase = phase, 0
+        if phase is Phase.PROFILE:
+            self._profile_label = label
+            self._order_now = []
+            for slot in self.slots.values():
+                slot.pending.clear()
+        log.info("deepcompile: phase %s%s", phase.value, f" ({label})" if label else "")
+
+    def _after_warmup(self) -> None:
+        if self.config.cache_dir is not None:
+            # The key describes the graphs as compiled, before any pass rewrote them.
+            self._key = self._cache_key()
+            self.cache_info["key"] = self._key[0]
+        if self.config.cache_dir is not None and self._load_cached_plan():
+            self._enter(Phase.STEADY)
+        elif self.config.profile_steps > 0:
+            self._enter(Phase.PROFILE, "initial")
+        else:
+            self._enter(Phase.STEADY)
+
+    def _calibrate_if_needed(self) -> None:
+        if self.config.profile_steps == 0:
+            return
+        t0 = time.perf_counter()
+        self.cost = calibrate(self.comm, self.device)
+        self.timings["calibration_s"] = time.perf_counter() - t0
+
+    def _finish_profile(self) -> None:
+        self.order = list(self._order_now)
+        agreed = self._agree()
+        for key, prof in agreed.items():
+            self.slots[key].history.append((self._profile_label, prof))
+        if self._awaiting is not None:
+            self._awaiting["after"] = summarize(self.latest_profiles(), self.order, self.memory_budget)
+            self._log_pass(self._awaiting)
+            self._awaiting = None
+        t0 = time.perf_counter()
+        while self._pending_passes:
+            name = self._pending_passes.pop(0)
+            entry = self._run_pass(name)
+            if entry["changed"]:
+                self._awaiting = entry
+                self.timings["passes_s"] += time.perf_counter() - t0
+                self._enter(Phase.PROFILE, f"after {name}")
+                return
+            entry["after"] = entry["before"]
+            self._log_pass(entry)
+        self.timings["passes_s"] += time.perf_counter() - t0
+        if self.config.cache_dir is not None:
+            self._save_plan()
+        self._enter(Phase.STEADY)
+
+    def _context(self, decisions: dict[str, Any] | None = None) -> PassContext:
+        return PassContext(slots=self.slots, profiles=self.latest_profiles(), order=self.order,
+                           registry=self.registry, cost=self.cost, memory_budget=self.memory_budget,
+                           world_size=self.comm.world,
+                           decisions=decisions if decisions is not None else
+                           {e["pass"]: e["decisions"] for e in self.pass_log})
+
+    def _run_pass(self, name: str, decisions: dict | None = None) -> dict:
+        p = get_pass(name)
+        ctx = self._context()
+        before = summarize(ctx.profiles, self.order, self.memory_budget)
+        if decisions is None:
+            decisions = p.plan(ctx)
+        changed = list(p.apply(ctx, decisions) or [])
+        for key in changed:
+            self.slots[key].changed()
+        return {"pass": name, "decisions": decisions, "changed": changed, "before": before}
+
+    def _log_pass(self, entry: dict) -> None:
+        b, a = entry["before"], entry["after"]
+        budget = "unbounded" if b["budget_bytes"] is None else f"{b['budget_bytes'] / 2**20:.1f} MiB"
+        log.info("deepcompile pass %s: collectives %d -> %d; exposed comm %.2f ms -> %.2f ms; "
+                 "peak %.2f MiB -> %.2f MiB (budget %s); graphs changed: %s", entry["pass"],
+                 b["collectives"], a["collectives"], b["exposed_comm_s"] * 1e3,
+                 a["exposed_comm_s"] * 1e3, b["peak_bytes"] / 2**20, a["peak_bytes"] / 2**20,
+                 budget, ", ".join(entry["changed"]) or "none")
+        self.pass_log.append(entry)
+
+    def latest_profiles(self) -> dict[str, GraphProfile]:
+        return {k: s.profile for k, s in self.slots.items() if s.profile is not None}
+
+    # -- rank agreement ---------------------------------------------------------------------
+    def _agree(self) -> dict[str, GraphProfile]:
+        """Median over this step's runs, then MAX over ranks; identical on every rank."""
+        local: dict[str, GraphProfile] = {}
+        for key in sorted(self.slots):
+            slot = self.slots[key]
+            if not slot.pending:
+                continue
+            runs = slot.pending
+            slot.local = runs[-1]
+            nodes = [NodeProfile(**{**vars(n),
+                                    "time_s": statistics.median(r.nodes[i].time_s for r in runs),
+                                    "live_bytes": max(r.nodes[i].live_bytes for r in runs),
+                                    "start_s": 0.0})
+                     for i, n in enumerate(runs[0].nodes)]
+            local[key] = GraphProfile(slot=key, version=slot.version, nodes=nodes,
+                                      total_s=statistics.median(r.total_s for r in runs))
+            slot.pending = []
+        shape = [(k, p.version, len(p.nodes)) for k, p in local.items()]
+        mine = (shape, self.order)
+        for rank, other in enumerate(self.comm.all_gather_object(mine)):
+            if other != mine:
+                raise RuntimeError(
+                    "deepcompile: ranks profiled different graphs or ran them in a different "
+                    f"order (rank {self.comm.rank}: {mine}; rank {rank}: {other}); their "
+                    "decisions would diverge and hang collectives")
+        values = [x for p in local.values() for n in p.nodes for x in (n.time_s, n.live_bytes)]
+        values += [p.total_s for p in local.values()]
+        vec = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
+        flat = vec.tolist()
+        i = 0
+        for p in local.values():
+            for n in p.nodes:
+                n.time_s, n.live_bytes = flat[i], int(flat[i + 1])
+                i += 2
+        for p in local.values():
+            p.total_s = flat[i]
+            i += 1
+        return local
+
+    def _agreed_budget(self) -> float:
+        budget = self.config.memory_budget
+        if budget is None:
+            if self.device.type != "cuda":
+                return float("inf")
+            budget = 0.9
+        if isinstance(budget, float):
+            if self.device.type != "cuda":
+                raise ValueError("Config.memory_budget: a fraction of device memory needs a "
+                                 "CUDA device; on CPU give bytes (an int) or None (unbounded)")
+            budget = budget * torch.cuda.get_device_properties(self.device).total_memory
+        vec = torch.tensor([float(budget)], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(vec, op=torch.distributed.ReduceOp.MIN, count=False)
+        return vec.item()
+
+    # -- plan cache -------------------------------------------------------------------------
+    def _cache_key(self) -> tuple[str, dict]:
+        parts = {
+            **self.fingerprint,
+            "graphs": {k: _cache.graph_signature(s.gm, _param_name) for k, s in sorted(self.slots.items())},
+        }
+        return _cache.digest(parts), parts
+
+    def _load_cached_plan(self) -> bool:
+        key, _ = self._key
+        plan = _cache.load(self.config.cache_dir, key) if self.comm.rank == 0 else None
+        plan = self.comm.broadcast_object(plan)
+        if plan is None:
+            return False
+        self.cost = LinearCostModel.from_dict(plan["cost"]) if plan.get("cost") else self.cost
+        self.order = plan["order"]
+        for key_, hist in plan["profiles"].items():
+            if key_ in self.slots:
+                self.slots[key_].history = [(label, _cache.profile_from_dict(p)) for label, p in hist]
+        for entry in plan["passes"]:
+            applied = self._run_pass(entry["pass"], decisions=entry["decisions"])
+            entry = {**entry, "changed": applied["changed"]}
+            self.pass_log.append(entry)
+        self._pending_passes = []
+        self.cache_info.update(hit=True, saved_s=plan.get("profiling_overhead_s", 0.0),
+                               path=str(_cache.path_for(self.config.cache_dir, key)))
+        log.info("deepcompile: plan loaded from cache (%s); profiling skipped, saving about %.1f s",
+                 self.cache_info["path"], self.cache_info["saved_s"])
+        return True
+
+    def profiling_overhead_s(self) -> float:
+        t = self.timings
+        normal = min(t["warmup_steps_s"][1:] or t["warmup_steps_s"] or [0.0])
+        extra = sum(max(0.0, s - normal) for s in t["profiled_steps_s"])
+        return extra + t["calibration_s"] + t["passes_s"]
+
+    def _save_plan(self) -> None:
+        key, parts = self._key
+        if self.comm.rank != 0:
+            return
+        plan = {
+            "key_parts": parts,
+            "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
+            "order": self.order,
+            "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
+                         for k, s in self.slots.items() if s.history},
+            "passes": [{"pass": e["pass"], "decisions": e["decisions"], "before": e["before"],
+                        "after": e["after"]} for e in self.pass_log],
+            "profiling_overhead_s": self.profiling_overhead_s(),
+        }
+        path = _cache.save(self.config.cache_dir, key, plan)
+        self.cache_info["path"] = str(path)
+        log.info("deepcompile: plan saved to %s", path)

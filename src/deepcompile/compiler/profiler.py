@@ -1,0 +1,207 @@
+"""Profiling a partitioned graph on its real inputs, in one pass.
+
+The profile run executes the graph's nodes once, in graph order, freeing each value after its
+last use exactly as the generated FX code does — no per-node replay, no extra copies, so it
+allocates what the graph itself allocates. Per node it records the time (wall clock on CPU;
+CUDA events on GPU), the output bytes, and the live bytes after the node: on CUDA
+`torch.cuda.memory_allocated()`, on CPU the bytes of distinct storages alive in the graph
+(inputs count as alive for the whole graph, as they are in the caller's argument list) plus
+the bytes the runtime holds outside the graph.
+
+[Note: CPU memory model] Storages are keyed by data pointer with reference counts over live
+values, so views cost nothing and a value freed while a view survives stays counted. The
+static model in `liveness.py` computes the same curve from shapes alone; tests compare them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from ..runtime import ops
+
+COMM_KINDS = {ops.ALLGATHER: "all_gather", ops.REDUCE_GRAD: "reduce_scatter"}
+
+
+@dataclasses.dataclass
+class NodeProfile:
+    name: str
+    op: str            # target name
+    kind: str          # "compute" or a collective kind
+    param: str | None  # parameter name for communication nodes
+    time_s: float
+    start_s: float     # offset from the start of the graph run
+    out_bytes: int
+    live_bytes: int
+
+
+@dataclasses.dataclass
+class GraphProfile:
+    slot: str
+    version: int               # graph version (bumped by every pass that changes it)
+    nodes: list[NodeProfile]
+    total_s: float             # wall time of the whole run
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((n.live_bytes for n in self.nodes), default=0)
+
+    def comm_s(self) -> float:
+        return sum(n.time_s for n in self.nodes if n.kind != "compute")
+
+    def compute_s(self) -> float:
+        return sum(n.time_s for n in self.nodes if n.kind == "compute")
+
+    def collectives(self) -> int:
+        return sum(1 for n in self.nodes if n.kind != "compute")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def nbytes_of(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """node -> values whose last use is that node (placeholders excluded: kept to the end)."""
+    last: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for inp in node.all_input_nodes:
+            last[inp] = node
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last.items():
+        if value.op != "placeholder":
+            out.setdefault(user, []).append(value)
+    return out
+
+
+class _LiveStorages:
+    """Reference-counted distinct storages of the values alive in a run (CPU memory model)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, list[int]] = {}
+        self.bytes = 0
+
+    def add(self, value: Any) -> None:
+        for t in tensors_in(value):
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key == 0 or t.device.type == "meta":
+                continue
+            entry = self._refs.get(key)
+            if entry is None:
+                self._refs[key] = [s.nbytes(), 1]
+                self.bytes += s.nbytes()
+            else:
+                entry[1] += 1
+
+    def remove(self, value: Any) -> None:
+        for t in tensors_in(value):
+            key = t.untyped_storage().data_ptr()
+            entry = self._refs.get(key)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes -= entry[0]
+                del self._refs[key]
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", None) or str(t)
+
+
+def _param_of(node: fx.Node, name_of: Callable[[int], str]) -> str | None:
+    if node.op == "call_function" and node.target in COMM_KINDS:
+        return name_of(int(node.args[1]))
+    return None
+
+
+def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
+                name_of: Callable[[int], str], runtime_bytes: int = 0) -> tuple[Any, GraphProfile]:
+    """Run `gm` on `args` once, node by node; return its outputs and its profile."""
+    graph = gm.graph
+    cuda = any(t.is_cuda for t in tensors_in(args))
+    free_after = last_uses(graph)
+    env: dict[fx.Node, Any] = {}
+    live = _LiveStorages()
+    records: list[tuple[fx.Node, Any, Any, int, int]] = []  # node, start, end, out, live
+    arg_iter = iter(args)
+    clock = time.perf_counter
+    if cuda:
+        torch.cuda.synchronize()
+    t_begin = clock()
+    result = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            value = next(arg_iter)
+            env[node] = value
+            live.add(value)
+            continue
+        if node.op == "output":
+            result = fx.graph.map_arg(node.args[0], env.__getitem__)
+            break
+        a, kw = fx.graph.map_arg((node.args, node.kwargs), env.__getitem__)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = clock()
+        if node.op == "call_function":
+            value = node.target(*a, **kw)
+        elif node.op == "call_method":
+            value = getattr(a[0], node.target)(*a[1:], **kw)
+        elif node.op == "get_attr":
+            value = _fetch_attr(gm, node.target)
+        elif node.op == "call_module":
+            value = gm.get_submodule(node.target)(*a, **kw)
+        else:
+            raise RuntimeError(f"deepcompile profiler: unexpected node op {node.op!r}")
+        if cuda:
+            end.record()
+        else:
+            end = clock()
+        env[node] = value
+        live.add(value)
+        for dead in free_after.get(node, ()):
+            live.remove(env.pop(dead))
+        used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes
+        records.append((node, start, end, nbytes_of(value), used))
+    if cuda:
+        torch.cuda.synchronize()
+    total = clock() - t_begin
+    nodes = []
+    for node, start, end, out_bytes, used in records:
+        if cuda:
+            t, s = start.elapsed_time(end) / 1e3, 0.0
+        else:
+            t, s = end - start, start - t_begin
+        nodes.append(NodeProfile(name=node.name, op=_target_name(node),
+                                 kind=COMM_KINDS.get(node.target, "compute")
+                                 if node.op == "call_function" else "compute",
+                                 param=_param_of(node, name_of), time_s=t, start_s=s,
+                                 out_bytes=out_bytes, live_bytes=used))
+    if cuda:  # event offsets need a common origin: cumulative times are a faithful ordering
+        acc = 0.0
+        for n in nodes:
+            n.start_s, acc = acc, acc + n.time_s
+    return result, GraphProfile(slot=slot, version=version, nodes=nodes, total_s=total)
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
