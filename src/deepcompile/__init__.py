@@ -1,6 +1,7 @@
 """deepcompile: train an unmodified PyTorch model data-parallel (ZeRO) by compiling it.
 
-Public API: `initialize`, `Config`, and the `Engine` it returns.
+Public API: `initialize`, `Config`, the `Engine` it returns, and `register_pass` (with the
+`PassContext` a pass receives) for user-defined optimization passes.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from torch import nn
 
 from .config import Config
 from .engine import Engine, OptimizerFactory
+from .passes import PassContext, register_pass
 
-__all__ = ["initialize", "Config", "Engine"]
+__all__ = ["initialize", "Config", "Engine", "register_pass", "PassContext"]
 __version__ = "0.1.0"
 
 

@@ -1,12 +1,15 @@
 """Static liveness: the live-bytes curve of a graph computed from shapes alone.
 
 Mirrors the CPU memory model of `profiler.py` (distinct storages of live values, inputs alive
-for the whole graph, values freed after their last use) using the fake tensors AOTAutograd
-leaves in `node.meta["val"]`. Views share their base's storage. Used to check the measured
-curve, and by passes to simulate the memory effect of a rewrite before running it.
+for the whole graph, values freed after their last use) from the fake values AOTAutograd leaves
+in `node.meta["val"]`. Aliasing comes from the op schemas: the output of a view op (and a
+`getitem` of one) shares its base's storage. Used to check the measured curve, and by passes to
+simulate the memory effect of a rewrite before running it.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -14,27 +17,51 @@ from torch import fx
 from .profiler import last_uses
 
 
-def _storage_bytes(node: fx.Node) -> list[tuple[int, int]]:
-    """(storage key, bytes) of each tensor in node's value, from its fake value."""
+def _roots(node: fx.Node) -> list[tuple[tuple[fx.Node, int | None], int]]:
+    """(storage root, bytes) of each tensor a node's value holds."""
+    if node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], fx.Node):
+            base = node.args[0]
+            if _is_view(base):
+                return _roots(base.args[0])
+            val = node.meta.get("val")
+            return [((base, node.args[1]), _nbytes(val))] if isinstance(val, torch.Tensor) else []
+        if _is_view(node):
+            return _roots(node.args[0])
     val = node.meta.get("val")
-    out = []
-    for t in torch.utils._pytree.tree_leaves(val):
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            out.append((id(s) if not hasattr(s, "_cdata") else s._cdata, s.nbytes()))
-    return out
+    if isinstance(val, torch.Tensor):
+        return [((node, None), _nbytes(val))]
+    if isinstance(val, (list, tuple)):
+        return [((node, i), _nbytes(v)) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
+    return []
+
+
+# Ops whose schema says "new tensor" but whose output shares the input's storage at run time.
+_ALIASING = {torch.ops.aten._unsafe_view.default}
+
+
+def _is_view(node: fx.Node) -> bool:
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and (t.is_view or t in _ALIASING)
+            and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def static_live_bytes(gm: fx.GraphModule, runtime_bytes: int = 0) -> list[int]:
     """Live bytes after each non-placeholder, non-output node, in graph order."""
     free_after = last_uses(gm.graph)
-    refs: dict[int, list[int]] = {}
+    refs: dict[tuple, list[int]] = {}
     total = 0
     curve: list[int] = []
 
     def add(node):
         nonlocal total
-        for key, nbytes in _storage_bytes(node):
+        for key, nbytes in _roots(node):
             if key in refs:
                 refs[key][1] += 1
             else:
@@ -43,7 +70,7 @@ def static_live_bytes(gm: fx.GraphModule, runtime_bytes: int = 0) -> list[int]:
 
     def remove(node):
         nonlocal total
-        for key, _ in _storage_bytes(node):
+        for key, _ in _roots(node):
             entry = refs.get(key)
             if entry is None:
                 continue

@@ -81,6 +81,7 @@ class Pipeline:
         self.pass_log: list[dict] = []
         self.order: list[str] = []               # slot keys in execution order, last profiled step
         self._order_now: list[str] = []
+        self._step_order: list[str] = []
         self.cost: CostModel | None = None
         self.memory_budget = self._agreed_budget()
         self.cache_info: dict[str, Any] = {"enabled": config.cache_dir is not None, "hit": False}
@@ -112,7 +113,10 @@ class Pipeline:
         if slot.compiled_for != (slot.version, final):
             slot.compiled = self._compile(slot, args, final)
             slot.compiled_for = (slot.version, final)
-        return slot.compiled(args)
+        t0 = time.perf_counter()
+        out = slot.compiled(args)
+        slot.run_s.append(time.perf_counter() - t0)
+        return out
 
     def _compile(self, slot: GraphSlot, args: list[Any], final: bool) -> Callable:
         gm = slot.gm
@@ -137,6 +141,7 @@ class Pipeline:
         elif self.phase is Phase.PROFILE:
             self.timings["profiled_steps_s"].append(elapsed)
             self._steps_in_phase += 1
+            self._step_order, self._order_now = self._order_now, []
             if self._steps_in_phase >= self.config.profile_steps:
                 self._finish_profile()
         else:
@@ -173,7 +178,7 @@ class Pipeline:
         self.timings["calibration_s"] = time.perf_counter() - t0
 
     def _finish_profile(self) -> None:
-        self.order = list(self._order_now)
+        self.order = list(self._step_order)  # one step's execution order
         agreed = self._agree()
         for key, prof in agreed.items():
             self.slots[key].history.append((self._profile_label, prof))
@@ -237,14 +242,17 @@ class Pipeline:
             if not slot.pending:
                 continue
             runs = slot.pending
-            slot.local = runs[-1]
+            last = runs[-1]
             nodes = [NodeProfile(**{**vars(n),
                                     "time_s": statistics.median(r.nodes[i].time_s for r in runs),
-                                    "live_bytes": max(r.nodes[i].live_bytes for r in runs),
-                                    "start_s": 0.0})
-                     for i, n in enumerate(runs[0].nodes)]
-            local[key] = GraphProfile(slot=key, version=slot.version, nodes=nodes,
-                                      total_s=statistics.median(r.total_s for r in runs))
+                                    "live_bytes": max(r.nodes[i].live_bytes for r in runs)})
+                     for i, n in enumerate(last.nodes)]
+            total = statistics.median(r.total_s for r in runs)
+            # this rank's own medians (start offsets from the last run), for the trace
+            slot.local = GraphProfile(slot=key, version=slot.version, nodes=nodes, total_s=total)
+            local[key] = GraphProfile(slot=key, version=slot.version, total_s=total,
+                                      nodes=[NodeProfile(**{**vars(n), "start_s": 0.0})
+                                             for n in nodes])
             slot.pending = []
         shape = [(k, p.version, len(p.nodes)) for k, p in local.items()]
         mine = (shape, self.order)

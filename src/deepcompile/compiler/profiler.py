@@ -64,6 +64,12 @@ class GraphProfile:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    if value is None or isinstance(value, (int, float, bool)):
+        return []
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -91,25 +97,30 @@ class _LiveStorages:
         self._refs: dict[int, list[int]] = {}
         self.bytes = 0
 
-    def add(self, value: Any) -> None:
+    def add(self, value: Any) -> tuple[list[int], int]:
+        """Count `value`'s storages; returns their keys (for `remove`) and the output bytes."""
+        keys, out_bytes = [], 0
         for t in tensors_in(value):
+            out_bytes += t.numel() * t.element_size()
+            if t.device.type == "meta":
+                continue
             s = t.untyped_storage()
             key = s.data_ptr()
-            if key == 0 or t.device.type == "meta":
+            if key == 0:
                 continue
+            keys.append(key)
             entry = self._refs.get(key)
             if entry is None:
-                self._refs[key] = [s.nbytes(), 1]
-                self.bytes += s.nbytes()
+                nbytes = s.nbytes()
+                self._refs[key] = [nbytes, 1]
+                self.bytes += nbytes
             else:
                 entry[1] += 1
+        return keys, out_bytes
 
-    def remove(self, value: Any) -> None:
-        for t in tensors_in(value):
-            key = t.untyped_storage().data_ptr()
-            entry = self._refs.get(key)
-            if entry is None:
-                continue
+    def remove(self, keys: list[int]) -> None:
+        for key in keys:
+            entry = self._refs[key]
             entry[1] -= 1
             if entry[1] == 0:
                 self.bytes -= entry[0]
@@ -136,6 +147,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
     cuda = any(t.is_cuda for t in tensors_in(args))
     free_after = last_uses(graph)
     env: dict[fx.Node, Any] = {}
+    held: dict[fx.Node, list[int]] = {}   # storage keys each live value holds
     live = _LiveStorages()
     records: list[tuple[fx.Node, Any, Any, int, int]] = []  # node, start, end, out, live
     arg_iter = iter(args)
@@ -148,7 +160,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         if node.op == "placeholder":
             value = next(arg_iter)
             env[node] = value
-            live.add(value)
+            live.add(value)  # inputs stay alive to the end: never removed
             continue
         if node.op == "output":
             result = fx.graph.map_arg(node.args[0], env.__getitem__)
@@ -174,11 +186,12 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         else:
             end = clock()
         env[node] = value
-        live.add(value)
+        held[node], out_bytes = live.add(value)
         for dead in free_after.get(node, ()):
-            live.remove(env.pop(dead))
+            del env[dead]
+            live.remove(held.pop(dead))
         used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes
-        records.append((node, start, end, nbytes_of(value), used))
+        records.append((node, start, end, out_bytes, used))
     if cuda:
         torch.cuda.synchronize()
     total = clock() - t_begin

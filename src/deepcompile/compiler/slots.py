@@ -8,6 +8,7 @@ code is rebuilt lazily on the next call.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import fx
@@ -34,6 +35,8 @@ class GraphSlot:
         self.compiled: Callable | None = None
         self.compiled_for: tuple[int, bool] | None = None  # (version, final) of `compiled`
         self.calls = 0
+        # wall time of recent unprofiled runs (compiles excluded), to check profiles against
+        self.run_s: collections.deque[float] = collections.deque(maxlen=64)
 
     @property
     def profile(self) -> "GraphProfile | None":
