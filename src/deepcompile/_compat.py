@@ -70,9 +70,16 @@ def inductor_compile_graph(gm, example_inputs: list) -> Callable:
 
     Called from inside AOTAutograd's runtime (grad mode off), so Inductor compiles it as an
     inference graph: no second partitioning. Returns a callable taking the arguments as a list."""
+    import torch._inductor.config as iconfig
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, example_inputs)
+    # Locality reordering glues each prefetch start back onto its wait (DESIGN §3): off for
+    # our graphs, scoped to this compile.
+    # Detached examples: the graph is compiled for a no-grad call (AOT's inference path); the
+    # shards it is called with at run time are leaves that require grad.
+    examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with iconfig.patch(reorder_for_locality=False):
+        compiled = compile_fx(gm, examples)
     # compile_fx returns AOTAutograd's unboxed `forward(*args)` (which copies the inner boxed
     # function's attributes, `_boxed_call` included: do not trust it).
     return lambda args: compiled(*args)
@@ -85,6 +92,13 @@ def no_autograd_cache():
 
     with fconfig.patch(enable_autograd_cache=False):
         yield
+
+
+def run_and_get_code(fn, *args, **kwargs):
+    """Run `fn`, returning (its result, the source of every Inductor module it compiled)."""
+    from torch._inductor.utils import run_and_get_code as _run
+
+    return _run(fn, *args, **kwargs)
 
 
 def must_recompute_policy():

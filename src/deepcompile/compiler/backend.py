@@ -87,7 +87,7 @@ class Backend:
         with _compat.no_autograd_cache():
             compiled = _compat.aot_module_simplified(
                 gm, inputs, fw_compiler=make_slot("fw"), bw_compiler=make_slot("bw"),
-                inference_compiler=make_slot("inference"), partition_fn=_compat.min_cut_partition,
+                inference_compiler=make_slot("inference"), partition_fn=_partition,
                 decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None)
         log.info("deepcompile: graph %d: %d parameters gathered (%s)", record.index, len(params),
                  self.compiler)
@@ -114,6 +114,23 @@ def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
                         entry.shape, dtype=entry.compute_dtype, device=entry.shard.device)
     graph.lint()
     gm.recompile()
+
+
+def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """Min-cut partitioning, with every alias of a gathered parameter recomputed too.
+
+    The gather is tagged MUST_RECOMPUTE, but the min-cut partitioner may still save a *view*
+    of it (a transpose of a grouped-GEMM expert weight, for instance), which keeps the whole
+    gathered parameter alive until the backward. Views (and `_unsafe_view`) of gathered values
+    inherit the tag, so the backward re-gathers and re-derives them."""
+    policy = _compat.must_recompute_policy()
+    stack = G.call_nodes(joint, ops.ALLGATHER)
+    while stack:
+        for user in stack.pop().users:
+            if G.is_alias_of_input(user) and user.meta.get("recompute") is None:
+                user.meta["recompute"] = policy
+                stack.append(user)
+    return _compat.min_cut_partition(joint, joint_inputs, **kwargs)
 
 
 def check_no_gathered_param_saved(fw: fx.GraphModule) -> None:

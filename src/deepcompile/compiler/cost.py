@@ -53,13 +53,14 @@ class LinearCostModel:
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares latency + bytes * per_byte, both clamped at >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
-    return max(0.0, my - b * mx), b
+    """latency + bytes * per_byte through the smallest and the largest message.
+
+    A least-squares fit over a noisy sweep can put the intercept at or below zero, and a model
+    without latency never fuses; the smallest message is latency-bound, so it is the latency."""
+    points = sorted(points)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    per_byte = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    return max(y0 - per_byte * x0, 0.0), per_byte
 
 
 def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:

@@ -21,19 +21,27 @@ def output_values(gm: fx.GraphModule) -> Iterator[fx.Node]:
             yield arg
 
 
+# Ops whose schema says "new tensor" but whose output shares the input's storage at run time.
+_ALIASING = {torch.ops.aten._unsafe_view.default}
+
+
+def is_alias_of_input(node: fx.Node) -> bool:
+    """`node` is a view (by schema, or `_unsafe_view`) of its first argument."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and (t.is_view or t in _ALIASING)
+            and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
 def gathered_source(node: fx.Node) -> fx.Node | None:
     """The allgather_param node whose output `node` is, or aliases through view ops."""
-    while True:
-        if node.op != "call_function":
-            return None
+    while node.op == "call_function":
         if node.target is ops.ALLGATHER:
             return node
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target.is_view and node.args \
-                and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-            continue
-        return None
+        if not is_alias_of_input(node):
+            return None
+        node = node.args[0]
+    return None
 
 
 def first_user(node: fx.Node) -> fx.Node | None:

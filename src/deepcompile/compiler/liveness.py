@@ -14,6 +14,7 @@ import operator
 import torch
 from torch import fx
 
+from .graph import is_alias_of_input
 from .profiler import last_uses
 
 
@@ -23,11 +24,11 @@ def _roots(node: fx.Node) -> list[tuple[tuple[fx.Node, int | None], int]]:
         target = node.target
         if target is operator.getitem and isinstance(node.args[0], fx.Node):
             base = node.args[0]
-            if _is_view(base):
+            if is_alias_of_input(base):
                 return _roots(base.args[0])
             val = node.meta.get("val")
             return [((base, node.args[1]), _nbytes(val))] if isinstance(val, torch.Tensor) else []
-        if _is_view(node):
+        if is_alias_of_input(node):
             return _roots(node.args[0])
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
@@ -35,17 +36,6 @@ def _roots(node: fx.Node) -> list[tuple[tuple[fx.Node, int | None], int]]:
     if isinstance(val, (list, tuple)):
         return [((node, i), _nbytes(v)) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
     return []
-
-
-# Ops whose schema says "new tensor" but whose output shares the input's storage at run time.
-_ALIASING = {torch.ops.aten._unsafe_view.default}
-
-
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
-            and (t.is_view or t in _ALIASING)
-            and bool(node.args) and isinstance(node.args[0], fx.Node))
 
 
 def _nbytes(t: torch.Tensor) -> int:

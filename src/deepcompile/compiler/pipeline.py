@@ -30,6 +30,7 @@ from torch import fx
 
 from .. import _compat
 from ..passes import PassContext, get_pass
+from ..runtime import inflight
 from ..runtime import registry as _registry
 from . import cache as _cache
 from .cost import CostModel, LinearCostModel, calibrate
@@ -58,7 +59,7 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
     return {
         "collectives": sum(runs[k] * p.collectives() for k, p in profiles.items()),
         "comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
-        "exposed_comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
+        "exposed_comm_s": sum(runs[k] * p.exposed_comm_s() for k, p in profiles.items()),
         "compute_s": sum(runs[k] * p.compute_s() for k, p in profiles.items()),
         "peak_bytes": max((p.peak_bytes for p in profiles.values()), default=0),
         "budget_bytes": None if budget == float("inf") else budget,
@@ -104,12 +105,16 @@ class Pipeline:
         if self.phase is Phase.PROFILE:
             self._order_now.append(slot.key)
             out, prof = profile_run(slot.gm, args, slot=slot.key, version=slot.version,
-                                    name_of=_param_name, runtime_bytes=self._runtime_bytes())
+                                    name_of=_param_name, runtime_bytes=self._runtime_bytes)
             if self.perturb is not None:
                 self.perturb(prof)
             slot.pending.append(prof)
             return out
-        final = self.phase is Phase.STEADY
+        # [Note: first call] A graph's first call runs inside the first invocation of the graph
+        # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace of our
+        # custom ops) fails; a graph that first appears in steady state (a recompilation for a
+        # new shape) runs its FX code once and is compiled on its second call.
+        final = self.phase is Phase.STEADY and slot.calls > 1
         if slot.compiled_for != (slot.version, final):
             slot.compiled = self._compile(slot, args, final)
             slot.compiled_for = (slot.version, final)
@@ -125,8 +130,10 @@ class Pipeline:
             return _compat.inductor_compile_graph(gm, list(args))
         return lambda a: gm.forward(*a)
 
-    def _runtime_bytes(self) -> int:
-        return 0  # buffers the runtime holds outside graphs (kept parameters come with issue 5)
+    @staticmethod
+    def _runtime_bytes() -> int:
+        """Buffers the runtime holds outside graph values: gathers in flight."""
+        return inflight.inflight_bytes()
 
     # -- schedule ---------------------------------------------------------------------------
     def end_step(self) -> None:

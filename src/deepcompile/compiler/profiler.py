@@ -24,7 +24,10 @@ from torch import fx
 
 from ..runtime import ops
 
-COMM_KINDS = {ops.ALLGATHER: "all_gather", ops.REDUCE_GRAD: "reduce_scatter"}
+COMM_KINDS = {ops.ALLGATHER: "all_gather", ops.REDUCE_GRAD: "reduce_scatter",
+              ops.ALLGATHER_START: "all_gather_start", ops.ALLGATHER_WAIT: "all_gather_wait"}
+LAUNCH_KINDS = ("all_gather", "reduce_scatter", "all_gather_start")   # one collective each
+BLOCKING_KINDS = ("all_gather", "reduce_scatter", "all_gather_wait")  # host waits on comm
 
 
 @dataclasses.dataclass
@@ -53,11 +56,15 @@ class GraphProfile:
     def comm_s(self) -> float:
         return sum(n.time_s for n in self.nodes if n.kind != "compute")
 
+    def exposed_comm_s(self) -> float:
+        """Time the graph spends blocked on communication (sync collectives and waits)."""
+        return sum(n.time_s for n in self.nodes if n.kind in BLOCKING_KINDS)
+
     def compute_s(self) -> float:
         return sum(n.time_s for n in self.nodes if n.kind == "compute")
 
     def collectives(self) -> int:
-        return sum(1 for n in self.nodes if n.kind != "compute")
+        return sum(1 for n in self.nodes if n.kind in LAUNCH_KINDS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,12 +143,15 @@ def _target_name(node: fx.Node) -> str:
 
 def _param_of(node: fx.Node, name_of: Callable[[int], str]) -> str | None:
     if node.op == "call_function" and node.target in COMM_KINDS:
-        return name_of(int(node.args[1]))
+        pids = node.args[1]
+        return ",".join(name_of(int(p)) for p in pids) if isinstance(pids, (list, tuple)) \
+            else name_of(int(pids))
     return None
 
 
 def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
-                name_of: Callable[[int], str], runtime_bytes: int = 0) -> tuple[Any, GraphProfile]:
+                name_of: Callable[[int], str],
+                runtime_bytes: Callable[[], int] = lambda: 0) -> tuple[Any, GraphProfile]:
     """Run `gm` on `args` once, node by node; return its outputs and its profile."""
     graph = gm.graph
     cuda = any(t.is_cuda for t in tensors_in(args))
@@ -190,7 +200,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         for dead in free_after.get(node, ()):
             del env[dead]
             live.remove(held.pop(dead))
-        used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes
+        used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes()
         records.append((node, start, end, out_bytes, used))
     if cuda:
         torch.cuda.synchronize()

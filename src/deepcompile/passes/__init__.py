@@ -67,3 +67,10 @@ def get_pass(name: str) -> Pass:
 
 def known_passes() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+def _register_builtin() -> None:
+    from . import prefetch  # noqa: F401  (registers "prefetch")
+
+
+_register_builtin()

@@ -28,7 +28,10 @@ class Comm:
         entry[1] += nbytes
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {k: {"count": c, "bytes": b} for k, (c, b) in sorted(self._stats.items())}
+        """Every kind ever used, and always the three training kinds (zero when unused)."""
+        kinds = sorted(set(self._stats) | {"all_gather", "reduce_scatter", "all_reduce"})
+        return {k: {"count": self._stats[k][0], "bytes": self._stats[k][1]} if k in self._stats
+                else {"count": 0, "bytes": 0} for k in kinds}
 
     def reset_stats(self) -> None:
         self._stats.clear()
@@ -40,6 +43,13 @@ class Comm:
             self._count("all_gather", out.numel() * out.element_size())
         _compat.all_gather_flat(out, shard.contiguous(), self.group)
         return out
+
+    def all_gather_async(self, shard: torch.Tensor):
+        """Launch an all-gather of flat shards; returns (output buffer, work handle)."""
+        out = shard.new_empty(shard.numel() * self.world)
+        self._count("all_gather", out.numel() * out.element_size())
+        work = _compat.all_gather_flat(out, shard.contiguous(), self.group, async_op=True)
+        return out, work
 
     def reduce_scatter_avg(self, full: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Average of `full` (flat, world*k elements) over ranks, this rank's k-slice.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from . import registry
+from . import inflight, registry
 
 NAMESPACE = "deepcompile"
 
@@ -59,5 +59,35 @@ def _backward(ctx, grad):
 
 allgather_param.register_autograd(_backward, setup_context=_setup_context)
 
+
+
+# -- asynchronous, fused gathers (inserted after partitioning by the prefetch pass) ----------
+@torch.library.custom_op(f"{NAMESPACE}::allgather_start", mutates_args=())
+def allgather_start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.allgather_start[{names}]"):
+        return inflight.start(shards, pids, dtype)
+
+
+@allgather_start.register_fake
+def _(shards, pids, dtype):
+    return shards[0].new_empty((1,), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::allgather_wait", mutates_args=())
+def allgather_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.allgather_wait[{names}]"):
+        return inflight.wait(token, pids)
+
+
+@allgather_wait.register_fake
+def _(token, pids):
+    entries = [registry.lookup(p) for p in pids]
+    return [token.new_empty(e.shape, dtype=e.compute_dtype) for e in entries]
+
+
 ALLGATHER = torch.ops.deepcompile.allgather_param.default
+ALLGATHER_START = torch.ops.deepcompile.allgather_start.default
+ALLGATHER_WAIT = torch.ops.deepcompile.allgather_wait.default
 REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default

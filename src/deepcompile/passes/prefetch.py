@@ -1,0 +1,203 @@
+"""Pass `prefetch`: asynchronous, fused parameter gathers, scheduled from the profile.
+
+Every synchronous `allgather_param` of a partitioned graph becomes `allgather_start` (launch) and
+`allgather_wait` (where the parameter is first needed). Plan, per graph, in gather order:
+
+* fuse: a gather joins the previous group when the cost model says one collective of the
+  summed bytes is cheaper than two (`cost(a + b) < cost(a) + cost(b)`: the per-collective
+  latency dominates), the group stays under `MAX_FUSED_BYTES`, and the compute between the two
+  uses is shorter than the newcomer's own predicted time (it would be in flight with the group
+  anyway); a group is waited for where its first member is used;
+* hide, within budget: the group's start moves up, node by node, until the profiled compute it
+  passes covers the group's predicted collective time, and no further; it never passes a node
+  where the simulated live memory (profiled live bytes + every earlier group's buffers in flight
+  or gathered early + this one) would exceed the memory budget, and starts keep the order of
+  their waits (collectives complete in issue order);
+* a budget below the graph's insertion-only peak is unattainable: the plan says so with the
+  figures and changes nothing.
+
+The simulation is the memory model of the profiler: the plan's predicted curve is what the
+re-profile measures (up to padding of the gathered buffers). Gathers across graph boundaries
+and the reduce side (bucketed asynchronous reduce-scatters) are not done yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..compiler import graph as G
+from ..runtime import ops
+from ..runtime.registry import lookup
+from . import PassContext, register_pass
+
+log = logging.getLogger("deepcompile")
+
+MAX_FUSED_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Step:
+    """One profiled node: what the planner needs of it."""
+    name: str
+    kind: str          # "compute" or a communication kind
+    time_s: float
+    live_bytes: int
+
+
+@dataclasses.dataclass
+class Gather:
+    name: str
+    index: int         # position of the gather in the node sequence
+    nbytes: int        # bytes of the gathered (padded) buffer
+    pid: int
+
+
+def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
+               max_fused_bytes: int = MAX_FUSED_BYTES) -> dict[str, Any]:
+    """The prefetch plan of one graph; pure (unit-tested on synthetic graphs)."""
+    live = [s.live_bytes for s in steps]
+    peak_before = max(live, default=0)
+    if peak_before > budget:
+        return {"unattainable": True, "budget_bytes": budget, "insertion_peak_bytes": peak_before,
+                "groups": [], "peak_before": peak_before, "peak_after": peak_before}
+    compute = [s.time_s if s.kind == "compute" else 0.0 for s in steps]
+    extra = [0] * len(steps)   # bytes in flight / gathered early, per node, over the plan so far
+    c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
+
+    def fits(lo: int, hi: int, nbytes: int) -> bool:
+        return all(live[j] + extra[j] + nbytes <= budget for j in range(lo, hi))
+
+    groups: list[dict[str, Any]] = []
+    last_start = 0
+    k = 0
+    while k < len(gathers):
+        members = [gathers[k]]
+        k += 1
+        # fuse the following gathers while the cost model favours it and memory allows
+        while k < len(gathers):
+            nxt, first = gathers[k], members[0]
+            total = sum(m.nbytes for m in members)
+            between = sum(compute[first.index:nxt.index])
+            if (total + nxt.nbytes <= max_fused_bytes
+                    and c(total + nxt.nbytes) < c(total) + c(nxt.nbytes)
+                    and between < c(nxt.nbytes)
+                    and fits(first.index, nxt.index, nxt.nbytes)):
+                members.append(nxt)
+                k += 1
+            else:
+                break
+        first = members[0]
+        nbytes = sum(m.nbytes for m in members)
+        need = c(nbytes)
+        for m in members[1:]:   # fused members are gathered early: alive from the group's wait
+            for j in range(first.index, m.index):
+                extra[j] += m.nbytes
+        s, hidden = first.index, 0.0
+        while s > last_start and hidden < need:
+            j = s - 1
+            if live[j] + extra[j] + nbytes > budget:
+                break
+            s, hidden = j, hidden + compute[j]
+        for j in range(s, first.index):
+            extra[j] += nbytes
+        last_start = s
+        groups.append({
+            "members": [m.name for m in members], "pids": [m.pid for m in members],
+            "start_before": steps[s].name, "wait_at": first.name, "bytes": nbytes,
+            "predicted_s": need, "hidden_s": hidden, "moved_nodes": first.index - s,
+            "overlaps": [steps[s].name, steps[first.index - 1].name] if s < first.index else [],
+        })
+    peak_after = max((live[j] + extra[j] for j in range(len(steps))), default=0)
+    return {"unattainable": False, "budget_bytes": budget, "groups": groups,
+            "peak_before": peak_before, "peak_after": peak_after}
+
+
+def plan(ctx: PassContext) -> dict[str, Any]:
+    decisions: dict[str, Any] = {}
+    for key in sorted(ctx.slots):
+        slot, prof = ctx.slots[key], ctx.profiles.get(key)
+        if prof is None:
+            continue
+        by_name = {n.name: n for n in slot.gm.graph.nodes}
+        steps = [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in prof.nodes]
+        gathers = []
+        for i, n in enumerate(prof.nodes):
+            node = by_name[n.name]
+            if node.op == "call_function" and node.target is ops.ALLGATHER:
+                entry = lookup(int(node.args[1]))
+                nbytes = entry.padded_numel * entry.compute_dtype.itemsize
+                gathers.append(Gather(n.name, i, nbytes, entry.pid))
+        if not gathers:
+            continue
+        budget = ctx.memory_budget
+        decision = plan_graph(steps, gathers, ctx.cost, budget)
+        if decision["unattainable"]:
+            log.warning("deepcompile prefetch: %s: memory budget %.2f MiB is below the graph's "
+                        "insertion-only peak %.2f MiB: unattainable, no prefetching", key,
+                        budget / 2**20, decision["insertion_peak_bytes"] / 2**20)
+        for g in decision["groups"]:
+            g["params"] = [lookup(p).name for p in g["pids"]]
+        decisions[key] = decision
+    return decisions
+
+
+def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
+    changed = []
+    for key, decision in sorted(decisions.items()):
+        groups = decision["groups"]
+        if not groups:
+            continue
+        graph = ctx.slots[key].gm.graph
+        by_name = {n.name: n for n in graph.nodes}
+        # Anchors are taken from the original order, before any gather is erased: a start goes
+        # before the first non-gather node of its planned range, or right before its own wait.
+        order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+        index = {n.name: i for i, n in enumerate(order)}
+        gathered = {name for g in groups for name in g["members"]}
+        anchors = [next((order[j] for j in range(index[g["start_before"]], index[g["wait_at"]])
+                         if order[j].name not in gathered), by_name[g["wait_at"]]) for g in groups]
+        for g, anchor in zip(groups, anchors):
+            members = [by_name[name] for name in g["members"]]
+            dtype = members[0].args[3]
+            with graph.inserting_before(anchor):
+                start = graph.call_function(ops.ALLGATHER_START,
+                                            ([m.args[0] for m in members], list(g["pids"]), dtype))
+            start.meta["val"] = _fake_buffer(members[0], g["bytes"], dtype)
+            with graph.inserting_before(members[0]):
+                wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(g["pids"])))
+                wait.meta["val"] = [m.meta.get("val") for m in members]
+                for i, m in enumerate(members):
+                    part = graph.call_function(operator.getitem, (wait, i))
+                    part.meta["val"] = m.meta.get("val")
+                    m.replace_all_uses_with(part)
+            for m in members:
+                graph.erase_node(m)
+        _check_order(graph)
+        changed.append(key)
+    return changed
+
+
+def _fake_buffer(like: fx.Node, nbytes: int, dtype: torch.dtype):
+    """The static model's stand-in for the in-flight buffer a start holds (runtime-owned)."""
+    val = like.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return val.new_empty((nbytes // dtype.itemsize,), dtype=dtype)
+
+
+def _check_order(graph: fx.Graph) -> None:
+    """Starts precede their waits, and waits come in the order of their starts."""
+    starts = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.ALLGATHER_START]
+    waits = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.ALLGATHER_WAIT]
+    if [w.args[0] for w in waits] != starts:
+        raise RuntimeError("deepcompile prefetch: waits are not in the order of their starts")
+    graph.lint()
+
+
+register_pass("prefetch", plan, apply, __doc__.splitlines()[0])
