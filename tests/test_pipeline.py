@@ -274,3 +274,24 @@ def test_export_trace(tmp_path):
         assert {e["tid"] for e in comm} == {1} and {e["tid"] for e in compute} == {0}
         params = {e["args"]["param"] for e in comm}
         assert params == {n for n, _ in _models.build_model("mlp").named_parameters()}
+
+
+# ------------------------------------------------------------ torch.profiler labels
+def _labels_job(rank, world):
+    engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
+                                            "profile_steps": 1, "passes": ("prefetch",)}, steps=3)
+    batch = _models.local_batch("mlp", 99, rank, world)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.backward(_models.loss_of(engine(**batch)))
+        engine.step()
+    return sorted({e.name for e in prof.events() if e.name.startswith("deepcompile.")})
+
+
+def test_profiler_labels_name_the_parameters():
+    names = run_distributed(_labels_job, WORLD, timeout=300)[0]
+    params = [n for n, _ in _models.build_model("mlp").named_parameters()]
+    starts = [n for n in names if n.startswith("deepcompile.allgather_start[")]
+    reduces = [n for n in names if n.startswith("deepcompile.reduce_scatter[")]
+    assert starts and any("deepcompile.allgather_wait[" in n for n in names)
+    assert {p for n in starts for p in n[len("deepcompile.allgather_start["):-1].split(",")} == set(params)
+    assert {n[len("deepcompile.reduce_scatter["):-1] for n in reduces} == set(params)

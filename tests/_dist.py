@@ -1,0 +1,179 @@
+"""Run a function on N ranks as separate processes (gloo on CPU) and collect what each returns.
+
+    results = run_distributed(fn, world_size, *args, timeout=600)
+
+`fn(rank, world_size, *args)` must be a picklable top-level function (it is imported by name
+in each spawned child).  Each child:
+  * gets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK in its env,
+    OMP_NUM_THREADS=1, torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
+    <repo>/build/inductor-cache;
+  * calls dist.init_process_group("gloo") itself, runs fn, and destroys the group;
+  * sends its result back as bytes written by torch.save (CPU tensors, floats, dicts, ...).
+
+The parent returns [result of rank 0, ..., rank N-1].  An exception in any child is re-raised
+in the parent as `DistributedTestError` with every failing rank's traceback.  A hard timeout
+terminates (then kills) every child and fails -- it never hangs.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+INDUCTOR_CACHE = REPO_ROOT / "build" / "inductor-cache"
+
+# After the first failure, wait this long for the other ranks to report theirs (they are
+# usually stuck in a collective with the failed rank) before terminating everything.
+_GRACE_S = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, died, or the job ran past its timeout."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
+        # Inductor compiles in-process: no worker pool competing for the 2 cores
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout_s: float):
+    os.environ.update(child_env(rank, world_size, port))
+    payload: tuple
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        payload = (rank, "ok", buf.getvalue())
+    except BaseException:  # noqa: BLE001 -- everything goes back to the parent
+        payload = (rank, "error", f"rank {rank}:\n{traceback.format_exc()}")
+    results.put(payload)
+    results.close()
+    results.join_thread()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return the list of results."""
+    import torch
+
+    INDUCTOR_CACHE.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, timeout),
+                         name=f"rank{r}", daemon=True)
+             for r in range(world_size)]
+    saved = dict(os.environ)
+    try:
+        for r, p in enumerate(procs):
+            # a spawned child copies the parent's environment when it starts: set it before
+            # the child imports torch (OMP_NUM_THREADS, compile threads, cache dir)
+            os.environ.update(child_env(r, world_size, port))
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+    deadline = time.monotonic() + timeout
+    got: dict[int, bytes] = {}
+    errors: dict[int, str] = {}
+    first_error_at: float | None = None
+    timed_out = False
+
+    def record(item) -> None:
+        nonlocal first_error_at
+        rank, status, data = item
+        if status == "ok":
+            got[rank] = data
+        else:
+            errors[rank] = data
+            first_error_at = first_error_at or time.monotonic()
+
+    try:
+        while len(got) + len(errors) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                break
+            if first_error_at is not None and now - first_error_at > _GRACE_S:
+                break
+            try:
+                record(results.get(timeout=0.5))
+                continue
+            except queue_mod.Empty:
+                pass
+            # a child that exited without reporting (segfault, os._exit, killed for memory)
+            dead = [r for r, p in enumerate(procs)
+                    if r not in got and r not in errors and not p.is_alive()]
+            if dead:
+                try:  # its message may have arrived just now
+                    record(results.get(timeout=1.0))
+                    continue
+                except queue_mod.Empty:
+                    pass
+                for r in dead:
+                    errors[r] = (f"rank {r}: exited with code {procs[r].exitcode} "
+                                 "without reporting a result")
+                first_error_at = first_error_at or time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=0 if (errors or timed_out) else 10)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+
+    if errors or timed_out:
+        msg = []
+        if timed_out:
+            missing = sorted(set(range(world_size)) - set(got) - set(errors))
+            msg.append(f"distributed job {getattr(fn, '__name__', fn)} on {world_size} ranks "
+                       f"timed out after {timeout:.0f}s; ranks without a result: {missing}")
+        for r in sorted(errors):
+            msg.append(errors[r])
+        raise DistributedTestError("\n".join(msg))
+
+    out = []
+    for r in range(world_size):
+        out.append(torch.load(io.BytesIO(got[r]), weights_only=False))
+    return out
+

@@ -1,0 +1,229 @@
+"""Deterministic model and data builders shared by the distributed tests.
+
+Every builder seeds the global RNG before constructing, so the reference process and every
+rank get bit-identical initial weights.  Data is generated per micro-step from a dedicated
+`torch.Generator`, as one *global* batch; rank r trains on slice r of the batch dimension and
+the reference trains on the whole batch.
+
+Models:
+  mlp          Linear(13, 37) -> GELU -> Linear(37, 29) -> Linear(29, 7); sizes are divisible by
+               neither 2, 3 nor 4, so every shard is padded.  `mlp_nobias` is the same without biases.
+  llama        tiny HF LlamaForCausalLM (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads).
+  llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
+  mixtral      tiny HF MixtralForCausalLM (4 experts, top-2, hidden 32, 2 layers), with
+               transformers' default experts implementation ("grouped_mm": one graph, a custom
+               op with its own autograd); `mixtral_eager` uses experts_implementation="eager"
+               (a data-dependent loop over the hit experts: nonzero -> graph breaks).
+  graph_break  two blocks with torch._dynamo.graph_break() between them; `shared` is used on
+               both sides of the break, i.e. in two compiled graphs.
+  disabled     a submodule called from a @torch.compiler.disable method (runs eagerly, outside
+               every compiled graph) between compiled Linear layers.
+  loop_break   a loop over an nn.ModuleList with a graph break inside the loop body.
+  nested_break a graph break inside a submodule's forward, then a loop (with a graph break)
+               that uses the submodule's own parameter directly: runs eagerly after Dynamo
+               traced the submodule's call (and hooks) into the enclosing graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 128
+SEQ = 16          # tokens per sequence for the causal LMs
+MLP_IN, MLP_OUT = 13, 7
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+SEED = 1234
+
+
+# --------------------------------------------------------------------------------- models
+class MLP(nn.Module):
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(MLP_IN, 37, bias=bias)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(37, 29, bias=bias)
+        self.fc3 = nn.Linear(29, MLP_OUT, bias=bias)
+
+    def forward(self, x, y):
+        out = self.fc3(self.fc2(self.act(self.fc1(x))))
+        return F.mse_loss(out, y)
+
+
+class GraphBreakModel(nn.Module):
+    """Two compiled regions; `shared` appears in both (so it is used by two graphs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block1 = nn.Sequential(nn.Linear(MLP_IN, 23), nn.Tanh())
+        self.shared = nn.Linear(23, 23)
+        self.block2 = nn.Sequential(nn.Linear(23, 19), nn.Tanh(), nn.Linear(19, MLP_OUT))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.shared(self.block1(x)))
+        torch._dynamo.graph_break()
+        h = self.shared(h) + h
+        out = self.block2(h)
+        return F.mse_loss(out, y)
+
+
+class DisabledSubmoduleModel(nn.Module):
+    """`side` only ever runs inside a @torch.compiler.disable method (eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 21)
+        self.side = nn.Linear(21, 21)
+        self.out = nn.Linear(21, MLP_OUT)
+
+    @torch.compiler.disable
+    def eager_part(self, h):
+        return torch.relu(self.side(h)) + h
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        h = self.eager_part(h)
+        out = self.out(h)
+        return F.mse_loss(out, y)
+
+
+class LoopBreakModel(nn.Module):
+    """A loop over an nn.ModuleList with a graph break in the loop body."""
+
+    def __init__(self, n_layers: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 17)
+        self.layers = nn.ModuleList(nn.Linear(17, 17) for _ in range(n_layers))
+        self.out = nn.Linear(17, MLP_OUT)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+            torch._dynamo.graph_break()
+            h = h * 0.9
+        out = self.out(h)
+        return F.mse_loss(out, y)
+
+
+class _NestedBreakInner(nn.Module):
+    """Owns a parameter it uses directly (not through a submodule) after a graph break, in a
+    loop with a graph break in its body -- the shape of HF Mixtral's eager experts loop."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+
+    def forward(self, h):
+        h = torch.tanh(h)
+        torch._dynamo.graph_break()
+        for _ in range(2):
+            h = h @ self.w
+            torch._dynamo.graph_break()
+        return h
+
+
+class NestedBreakModel(nn.Module):
+    """A graph break inside a submodule's forward (Dynamo inlined the call, so the submodule's
+    hooks were traced, then resumes inside it and runs the loop eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 17)
+        self.inner = _NestedBreakInner(17)
+        self.out = nn.Linear(17, MLP_OUT)
+
+    def forward(self, x, y):
+        out = self.out(self.inner(self.inp(x)))
+        return F.mse_loss(out, y)
+
+
+def _llama(tie: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+        tie_word_embeddings=tie, attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg)
+    if tie:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def _mixtral(experts: str) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        attn_implementation="eager", experts_implementation=experts,
+    )
+    model = MixtralForCausalLM(cfg)
+    assert model.config._experts_implementation == experts
+    return model
+
+
+_BUILDERS = {
+    "mlp": lambda: MLP(bias=True),
+    "mlp_nobias": lambda: MLP(bias=False),
+    "llama": lambda: _llama(tie=False),
+    "llama_tied": lambda: _llama(tie=True),
+    "mixtral": lambda: _mixtral("grouped_mm"),       # transformers' default; one graph
+    "mixtral_eager": lambda: _mixtral("eager"),      # loop over hit experts: graph breaks
+    "graph_break": GraphBreakModel,
+    "disabled": DisabledSubmoduleModel,
+    "loop_break": LoopBreakModel,
+    "nested_break": NestedBreakModel,
+}
+
+MODEL_NAMES = tuple(_BUILDERS)
+LM_MODELS = ("llama", "llama_tied", "mixtral", "mixtral_eager")
+
+
+def build_model(name: str, seed: int = SEED) -> nn.Module:
+    """A freshly initialised fp32 CPU model; the same `seed` gives bit-identical weights."""
+    torch.manual_seed(seed)
+    model = _BUILDERS[name]()
+    return model.float().train()
+
+
+# ----------------------------------------------------------------------------------- data
+def global_batch(name: str, micro_step: int, seed: int = SEED) -> dict[str, torch.Tensor]:
+    """The global batch (GLOBAL_BATCH rows) of micro-step `micro_step`, as model kwargs."""
+    g = torch.Generator().manual_seed(seed * 1000 + micro_step)
+    if name in LM_MODELS:
+        # learnable sequences (so that losses fall within a few steps): a random first token,
+        # then t -> (5 t + 3) mod VOCAB (a bijection: the next token is a function of this one)
+        ids = torch.empty(GLOBAL_BATCH, SEQ, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=g)
+        for j in range(1, SEQ):
+            ids[:, j] = (ids[:, j - 1] * 5 + 3) % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+    x = torch.randn(GLOBAL_BATCH, MLP_IN, generator=g)
+    y = torch.randn(GLOBAL_BATCH, MLP_OUT, generator=g)
+    return {"x": x, "y": y}
+
+
+def local_batch(name: str, micro_step: int, rank: int, world: int,
+                seed: int = SEED) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s slice (GLOBAL_BATCH / world rows) of the global batch."""
+    assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
+    per = GLOBAL_BATCH // world
+    return {k: v[rank * per:(rank + 1) * per].contiguous()
+            for k, v in global_batch(name, micro_step, seed).items()}
+
+
+def loss_of(output) -> torch.Tensor:
+    """The scalar loss of a model output (a tensor for ours, `.loss` for HF models)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)):
+        loss = output[0]
+    if loss is None and isinstance(output, dict):
+        loss = output["loss"]
+    return loss

@@ -1,0 +1,385 @@
+"""The one training loop of the test suite, distributed (`run_training`) and reference
+(`reference_training`), plus the comparison helpers the test files share.
+
+A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
+
+    {"id": "mlp-sgd-gas4-clip",            # name used in test ids and reports
+     "model": "mlp",                        # a name from _models.MODEL_NAMES
+     "optim": ("sgd", {"lr": 0.1}),         # optimizer class name and kwargs
+     "config": {"compiler": "fx", "gradient_accumulation_steps": 4, "max_grad_norm": 0.1},
+     "steps": 8,                            # optimizer steps
+     "record": ("comm", "memory")}          # optional extra measurements: "comm",
+                                            # "memory", "initial_state", "step_every_micro"
+
+`run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
+job, several scenarios: the processes and the process group are set up once) and returns one
+result dict per scenario.  `torch._dynamo.reset()` separates scenarios.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import _models
+
+DEFAULT_STEPS = 8
+
+OPTIMIZERS = {
+    "sgd": torch.optim.SGD,
+    "adamw": torch.optim.AdamW,
+}
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+# ------------------------------------------------------------------------------- scenarios
+def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
+             clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
+             record: tuple[str, ...] = (), **config) -> dict:
+    """Build a scenario dict (see module docstring)."""
+    kwargs = {"lr": lr}
+    if optim == "sgd":
+        kwargs["momentum"] = 0.9
+    cfg = {"compiler": compiler, "gradient_accumulation_steps": gas, "max_grad_norm": clip}
+    cfg.update(config)
+    return {"id": id, "model": model, "optim": (optim, kwargs), "config": cfg,
+            "steps": steps, "record": tuple(record)}
+
+
+def make_optimizer(spec):
+    name, kwargs = spec
+    return functools.partial(OPTIMIZERS[name], **kwargs)
+
+
+def scenario_key(sc: dict) -> str:
+    return json.dumps({k: v for k, v in sc.items() if k != "record"}, sort_keys=True, default=str)
+
+
+def gas_of(sc: dict) -> int:
+    return int(sc["config"].get("gradient_accumulation_steps", 1))
+
+
+def clip_of(sc: dict) -> float | None:
+    return sc["config"].get("max_grad_norm")
+
+
+# ------------------------------------------------------------------------------- reference
+@functools.lru_cache(maxsize=None)
+def _reference(key: str) -> dict:
+    sc = json.loads(key)
+    name, (opt_name, opt_kwargs) = sc["model"], sc["optim"]
+    gas, clip = gas_of(sc), clip_of(sc)
+    model = _models.build_model(name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = OPTIMIZERS[opt_name](params, **opt_kwargs)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    losses, norms = [], []
+    micro = 0
+    for _step in range(sc["steps"]):
+        for _m in range(gas):
+            loss = _models.loss_of(model(**_models.global_batch(name, micro)))
+            (loss / gas).backward()
+            losses.append(loss.item())
+            micro += 1
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        else:
+            norms.append(float(torch.nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None])))
+        opt.step()
+        opt.zero_grad()
+    final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": final}
+
+
+def reference_training(sc: dict) -> dict:
+    """Plain eager training of `sc` in this process on the whole global batch (cached).
+
+    Returns losses (one per micro-step, on the global batch), the pre-clipping global gradient
+    norm of every optimizer step, and the initial and final parameters by fqn (tied weights
+    under each of their fqns).  Runs single-threaded, like the ranks.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(scenario_key(sc))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- distributed
+def _comm(engine) -> dict:
+    # (test_counts asserts separately that all three kinds are always reported)
+    stats = engine.comm_stats()
+    zero = {"count": 0, "bytes": 0}
+    return {k: (int(stats.get(k, zero)["count"]), int(stats.get(k, zero)["bytes"]))
+            for k in COMM_KINDS}
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: (a[k][0] - b[k][0], a[k][1] - b[k][1]) for k in COMM_KINDS}
+
+
+def _memory_snapshot(engine) -> dict:
+    module = engine.module
+    opt = engine.optimizer
+    mparams = list(module.parameters())
+    oparams = [p for g in opt.param_groups for p in g["params"]]
+    state_numel: dict[str, int] = {}
+    for p in oparams:
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                state_numel[k] = state_numel.get(k, 0) + v.numel()
+    return {
+        "module_storage_nbytes": [p.untyped_storage().nbytes() for p in mparams],
+        "module_shapes": [tuple(p.shape) for p in mparams],
+        "module_grads": [None if p.grad is None else p.grad.numel() for p in mparams],
+        "opt_param_numel": [p.numel() for p in oparams],
+        "opt_param_dim": [p.dim() for p in oparams],
+        "opt_param_dtype": [str(p.dtype) for p in oparams],
+        "opt_param_is_parameter": [isinstance(p, torch.nn.Parameter) for p in oparams],
+        "opt_grads": [None if p.grad is None else p.grad.numel() for p in oparams],
+        "opt_state_numel": state_numel,
+    }
+
+
+def _graph_stats() -> dict:
+    from torch._dynamo.utils import counters
+    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def _one_scenario(rank: int, world: int, sc: dict) -> dict:
+    import deepcompile
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    t0 = time.perf_counter()
+    name = sc["model"]
+    gas = gas_of(sc)
+    record = set(sc.get("record", ()))
+    cfg = {k: v for k, v in sc["config"].items()}
+    for k in ("param_dtype", "reduce_dtype"):
+        if isinstance(cfg.get(k), str):
+            cfg[k] = getattr(torch, cfg[k])
+    model = _models.build_model(name)
+    model_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
+                                    config=deepcompile.Config(**cfg))
+    res: dict = {"id": sc["id"], "rank": rank, "world": world, "losses": [],
+                 "model_shapes": model_shapes}
+    if "memory" in record:
+        res["memory_init"] = _memory_snapshot(engine)
+        res["memory_micro"] = []
+        res["memory_step"] = []
+    if "comm" in record:
+        res["comm_init"] = _comm(engine)
+        res["comm_raw_init"] = {k: dict(v) for k, v in engine.comm_stats().items()}
+        res["comm_fwd"], res["comm_bwd"], res["comm_step"] = [], [], []
+    if "initial_state" in record:
+        before = _comm(engine)
+        res["initial_state"] = {k: v.detach().clone() for k, v in engine.full_state_dict().items()}
+        res["comm_initial_state"] = _diff(_comm(engine), before)
+
+    micro = 0
+    for _step in range(sc["steps"]):
+        for _m in range(gas):
+            t_micro = time.perf_counter()
+            batch = _models.local_batch(name, micro, rank, world)
+            c0 = _comm(engine) if "comm" in record else None
+            loss = _models.loss_of(engine(**batch))
+            c1 = _comm(engine) if "comm" in record else None
+            engine.backward(loss)
+            if "comm" in record:
+                c2 = _comm(engine)
+                res["comm_fwd"].append(_diff(c1, c0))
+                res["comm_bwd"].append(_diff(c2, c1))
+            if "memory" in record:
+                res["memory_micro"].append(_memory_snapshot(engine))
+            res["losses"].append(float(loss.detach().float().item()))
+            res.setdefault("micro_seconds", []).append(time.perf_counter() - t_micro)
+            micro += 1
+            if "step_every_micro" in record and _m < gas - 1:
+                # before the accumulation boundary step() must do nothing at all
+                c0 = _comm(engine)
+                engine.step()
+                res.setdefault("comm_step_nonboundary", []).append(_diff(_comm(engine), c0))
+        c0 = _comm(engine) if "comm" in record else None
+        engine.step()
+        if "comm" in record:
+            res["comm_step"].append(_diff(_comm(engine), c0))
+        if "memory" in record:
+            res["memory_step"].append(_memory_snapshot(engine))
+
+    c0 = _comm(engine)
+    state = engine.full_state_dict()
+    res["comm_full_state_dict"] = _diff(_comm(engine), c0)
+    res["state"] = {k: v.detach().clone() for k, v in state.items()}
+    res["state_devices"] = sorted({str(v.device) for v in state.values()})
+    res["graphs"] = _graph_stats()
+    res["opt_param_dtypes"] = sorted({str(p.dtype) for g in engine.optimizer.param_groups
+                                      for p in g["params"]})
+    res["seconds"] = time.perf_counter() - t0
+    del engine, model
+    torch._dynamo.reset()
+    return res
+
+
+SCENARIO_BARRIER_S = 300
+
+
+def run_training(rank: int, world: int, scenarios: list[dict]) -> list[dict]:
+    """Run every scenario on this rank (inside a process group); one result dict each.
+
+    An exception in a scenario is returned as {"id", "rank", "error": traceback} and the job
+    goes on with the next scenario, so one failing scenario fails only its own tests.  (The
+    errors seen in practice -- compile errors, failed checks -- happen on every rank at the same
+    point.  Should one rank fail alone while the others wait in a collective, the monitored
+    barrier after the scenario or the harness's timeout ends the job.)
+    """
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    out = []
+    for sc in scenarios:
+        try:
+            out.append(_one_scenario(rank, world, sc))
+        except Exception:  # noqa: BLE001 -- reported per scenario by Jobs.results
+            out.append({"id": sc["id"], "rank": rank, "error": traceback.format_exc()})
+            torch._dynamo.reset()
+        dist.monitored_barrier(timeout=timedelta(seconds=SCENARIO_BARRIER_S))
+    return out
+
+
+class Jobs:
+    """Runs each distributed job (a world size and a list of scenarios) at most once per test
+    session and hands out its per-scenario results; a failed job fails every test that uses it
+    with the same error, without re-running."""
+
+    def __init__(self, jobs: dict[str, tuple[int, list[dict]]], timeout: float = 600.0):
+        self.jobs = jobs
+        self.timeout = timeout
+        self._done: dict[str, object] = {}
+
+    def params(self, *, marks_for=lambda job: ()):
+        """(job, scenario) pairs for pytest.mark.parametrize, with readable ids."""
+        import pytest
+
+        return [pytest.param(job, sc, id=f"{job}-{sc['id']}", marks=marks_for(job))
+                for job, (_world, scs) in self.jobs.items() for sc in scs]
+
+    def results(self, job: str, scenario_id: str | None = None):
+        """Every rank's result of `scenario_id` in `job` (or of every scenario if None)."""
+        from _dist import run_distributed
+
+        if job not in self._done:
+            world, scs = self.jobs[job]
+            t0 = time.perf_counter()
+            try:
+                per_rank = run_distributed(run_training, world, scs, timeout=self.timeout)
+            except BaseException as exc:  # noqa: BLE001 -- remembered, re-raised per test
+                self._done[job] = exc
+            else:
+                self._done[job] = {sc["id"]: [r[i] for r in per_rank] for i, sc in enumerate(scs)}
+                print(f"\n[job] {job}: {len(scs)} scenarios on {world} ranks in "
+                      f"{time.perf_counter() - t0:.1f}s")
+        done = self._done[job]
+        if isinstance(done, BaseException):
+            raise done
+        if scenario_id is None:
+            return done
+        per_rank = done[scenario_id]
+        errors = [r for r in per_rank if "error" in r]
+        if errors:
+            from _dist import DistributedTestError
+
+            by_text: dict[str, list[int]] = {}
+            for r in errors:
+                by_text.setdefault(r["error"], []).append(r["rank"])
+            raise DistributedTestError(
+                f"scenario {scenario_id} of job {job} failed:\n" + "\n".join(
+                    f"ranks {ranks}:\n{text}" for text, ranks in by_text.items()))
+        return per_rank
+
+
+# ------------------------------------------------------------------------------- comparing
+DEVIATIONS: list[dict] = []   # filled by compare_to_reference; printed by conftest
+# every measured deviation is also appended here (one JSON object a line, with a timestamp)
+_DEVIATION_FILE = Path(__file__).resolve().parents[1] / "build" / "test-deviations.jsonl"
+
+
+def mean_losses(results: list[dict]) -> list[float]:
+    """The distributed loss of each micro-step: the mean of the ranks' local losses."""
+    per_rank = [r["losses"] for r in results]
+    return [sum(v) / len(v) for v in zip(*per_rank)]
+
+
+def max_param_deviation(state: dict, ref: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k, v in ref.items():
+        d = (state[k].float() - v.float()).abs().max().item()
+        if d > worst or not where:
+            worst, where = d, k
+    return worst, where
+
+
+def check_state_consistent(results: list[dict]) -> None:
+    """full_state_dict is the same (bitwise) on every rank, on CPU."""
+    base = results[0]["state"]
+    for r in results:
+        assert r["state_devices"] == ["cpu"], r["state_devices"]
+        assert set(r["state"]) == set(base)
+        for k in base:
+            assert torch.equal(r["state"][k], base[k]), f"rank {r['rank']} differs on {k}"
+
+
+def compare_to_reference(sc: dict, results: list[dict], *, loss_tol: float = 1e-5,
+                         param_tol: float | None = None, kind: str = "") -> dict:
+    """Assert parity of a distributed run with the eager reference; return the deviations."""
+    ref = reference_training(sc)
+    world = len(results)
+    losses = mean_losses(results)
+    assert len(losses) == len(ref["losses"]) == sc["steps"] * gas_of(sc)
+    assert all(math.isfinite(x) for x in losses), losses
+    loss_dev = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+    check_state_consistent(results)
+    state = results[0]["state"]
+    assert set(state) == set(ref["params"]), (sorted(state), sorted(ref["params"]))
+    for k, v in ref["params"].items():
+        assert state[k].shape == v.shape, (k, state[k].shape, v.shape)
+        assert state[k].dtype == torch.float32, (k, state[k].dtype)
+    param_dev, where = max_param_deviation(state, ref["params"])
+    moved, _ = max_param_deviation(ref["params"], ref["initial"])
+    if param_tol is None:
+        param_tol = 1e-5 if sc["optim"][0] == "sgd" else 1e-4
+    entry = {"id": sc["id"], "kind": kind or sc["model"], "world": world,
+             "compiler": sc["config"].get("compiler"), "optim": sc["optim"][0],
+             "gas": gas_of(sc), "clip": clip_of(sc), "steps": sc["steps"],
+             "max_loss_dev": loss_dev, "max_param_dev": param_dev, "worst_param": where,
+             "max_param_change": moved,
+             "seconds_rank0": round(results[0].get("seconds", 0.0), 1),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    DEVIATIONS.append(entry)
+    try:
+        _DEVIATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+        with _DEVIATION_FILE.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    except OSError:
+        pass
+    print(f"\n[deviation] {sc['id']} world={world}: loss {loss_dev:.3g}, "
+          f"param {param_dev:.3g} ({where}); params moved {moved:.3g}")
+    assert moved > 10 * param_tol, f"training barely moved the parameters ({moved})"
+    assert loss_dev <= loss_tol, \
+        f"{sc['id']}: loss deviation {loss_dev:.3g} > {loss_tol}\n dist {losses}\n ref {ref['losses']}"
+    assert param_dev <= param_tol, \
+        f"{sc['id']}: parameter deviation {param_dev:.3g} > {param_tol} at {where}"
+    return entry

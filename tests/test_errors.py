@@ -1,0 +1,152 @@
+"""Errors of deepcompile.initialize and Config validation (in-process; a world-size-1 gloo
+group where one is needed, destroyed after each test)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import deepcompile
+from deepcompile import Config
+
+_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+@pytest.fixture
+def group(tmp_path):
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+# --------------------------------------------------------------------------- process group
+def test_no_process_group_and_no_torchrun_env(monkeypatch):
+    for k in _TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises((RuntimeError, ValueError), match="MASTER_ADDR") as info:
+        deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+    assert "process group" in str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_initialize_uses_existing_group(group):
+    engine = deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+    assert isinstance(engine.optimizer, torch.optim.SGD)
+
+
+# ------------------------------------------------------------------------------- the model
+def test_meta_device_model(group):
+    with torch.device("meta"):
+        model = _model()
+    with pytest.raises((ValueError, RuntimeError), match="meta"):
+        deepcompile.initialize(model, optimizer=SGD, config={"compiler": "fx"})
+
+
+def test_model_must_be_a_module(group):
+    with pytest.raises((TypeError, ValueError)):
+        deepcompile.initialize(lambda x: x, optimizer=SGD)
+
+
+# --------------------------------------------------------------------------- the optimizer
+@pytest.mark.parametrize("bad", [42, "adamw", [torch.optim.SGD]])
+def test_optimizer_not_callable(group, bad):
+    with pytest.raises((TypeError, ValueError), match="optimizer"):
+        deepcompile.initialize(_model(), optimizer=bad, config={"compiler": "fx"})
+
+
+def test_optimizer_instance_rejected(group):
+    model = _model()
+    with pytest.raises((TypeError, ValueError), match="optimizer"):
+        deepcompile.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               config={"compiler": "fx"})
+
+
+def test_optimizer_factory_must_return_an_optimizer(group):
+    with pytest.raises((TypeError, ValueError), match="Optimizer"):
+        deepcompile.initialize(_model(), optimizer=lambda params: list(params),
+                               config={"compiler": "fx"})
+
+
+def test_default_optimizer_is_adamw(group):
+    engine = deepcompile.initialize(_model(), config={"compiler": "fx"})
+    assert isinstance(engine.optimizer, torch.optim.AdamW)
+
+
+# ------------------------------------------------------------------------------ the config
+@pytest.mark.parametrize("stage", [0, 1, 2, 4, "3", True])
+def test_zero_stage_other_than_3(group, stage):
+    with pytest.raises(ValueError, match="zero_stage"):
+        deepcompile.initialize(_model(), optimizer=SGD, config={"zero_stage": stage})
+    with pytest.raises(ValueError, match="zero_stage"):
+        Config(zero_stage=stage)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("compiler", "tvm"),
+    ("compiler", None),
+    ("gradient_accumulation_steps", 0),
+    ("gradient_accumulation_steps", -2),
+    ("gradient_accumulation_steps", 1.5),
+    ("max_grad_norm", -1.0),
+    ("max_grad_norm", 0.0),
+    ("max_grad_norm", "1.0"),
+    ("param_dtype", "float8"),
+    ("param_dtype", "bogus"),
+    ("param_dtype", torch.int32),
+    ("reduce_dtype", "int8"),
+    ("passes", ("no-such-pass",)),
+    ("passes", "prefetch"),
+])
+def test_invalid_config_value_names_the_key(group, key, value):
+    with pytest.raises(ValueError, match=key):
+        Config(**{key: value})
+    with pytest.raises(ValueError, match=key):
+        Config.from_dict({key: value})
+    with pytest.raises(ValueError, match=key):
+        deepcompile.initialize(_model(), optimizer=SGD, config={key: value})
+
+
+def test_unknown_config_key_names_the_key(group):
+    with pytest.raises(ValueError, match="zero_stag"):
+        deepcompile.initialize(_model(), optimizer=SGD, config={"zero_stag": 3})
+    with pytest.raises(ValueError, match="learning_rate"):
+        Config.from_dict({"compiler": "fx", "learning_rate": 1.0})
+
+
+def test_config_not_a_mapping(group):
+    with pytest.raises(ValueError):
+        deepcompile.initialize(_model(), optimizer=SGD, config=[("compiler", "fx")])
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("torch.float16", torch.float16),
+    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), (None, None),
+])
+def test_valid_dtypes_accepted(given, expected):
+    cfg = Config(param_dtype=given, reduce_dtype=given)
+    assert cfg.param_dtype is expected and cfg.reduce_dtype is expected
+
+
+def test_config_dict_and_dataclass_equivalent():
+    d = {"zero_stage": 3, "compiler": "fx", "gradient_accumulation_steps": 4,
+         "max_grad_norm": 1, "param_dtype": "bf16", "reduce_dtype": None, "passes": []}
+    cfg = Config.from_dict(d)
+    assert cfg == Config(zero_stage=3, compiler="fx", gradient_accumulation_steps=4,
+                         max_grad_norm=1.0, param_dtype=torch.bfloat16)
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert Config() == Config.from_dict({})

@@ -1,0 +1,88 @@
+"""Parity on models that stress the parameter bookkeeping (fx compiler, 2 ranks, 8 steps):
+
+  tied weights     tiny Llama with tie_word_embeddings=True: one parameter under two fqns;
+                   full_state_dict reports both fqns with the same values.
+  graph break      two Dynamo graphs; one parameter (`shared`) used in both.
+  eager fallback   a submodule inside a @torch.compiler.disable method, and a loop over a
+                   ModuleList with a graph break in the loop body (Dynamo skips that frame, so
+                   the whole forward runs eagerly): both must train correctly with the module's
+                   parameters freed between uses; and a graph break inside a submodule's
+                   forward followed by an eager loop using that submodule's own parameter.
+  MoE              tiny Mixtral (4 experts, top-2) in fp32, with transformers' default experts
+                   implementation and with the eager one (graph breaks at nonzero).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _train import Jobs, compare_to_reference, scenario
+
+_SCENARIOS = [
+    scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory",)),
+    scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1),
+    scenario("graph_break-sgd-gas2-clip", "graph_break", "sgd", 0.1, gas=2, clip=0.1),
+    scenario("graph_break-adamw-gas1", "graph_break", "adamw", 1e-2),
+    scenario("disabled-sgd-gas2", "disabled", "sgd", 0.1, gas=2, record=("memory",)),
+    scenario("disabled-adamw-gas1-clip", "disabled", "adamw", 1e-2, clip=0.1),
+    scenario("loop_break-sgd-gas1", "loop_break", "sgd", 0.1, record=("memory",)),
+    scenario("loop_break-adamw-gas2-clip", "loop_break", "adamw", 1e-2, gas=2, clip=0.1),
+    scenario("nested_break-sgd-gas2-clip", "nested_break", "sgd", 0.1, gas=2, clip=0.1,
+             record=("memory",)),
+    scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2),
+    scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1),
+    scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1),
+]
+JOBS = Jobs({"fx2": (2, _SCENARIOS)})
+_BY_ID = {sc["id"]: sc for sc in _SCENARIOS}
+
+# Known limit (README): Dynamo inlines the submodule call (tracing its hooks, so the eager
+# fallback's module hooks do nothing at run time), graph-breaks inside its forward and runs the
+# rest eagerly, where the module's own parameter is read directly from freed storage. Strict:
+# these start failing the suite the day they pass, so the mark goes with the fix.
+_EAGER_INSIDE_FORWARD = pytest.mark.xfail(
+    strict=True, raises=Exception,
+    reason="eager code inside an inlined module's forward reads its parameters directly")
+
+
+def _limited(sid):
+    return pytest.param(sid, marks=_EAGER_INSIDE_FORWARD) if sid.startswith(
+        ("nested_break", "mixtral_eager")) else sid
+
+
+def _results(sid):
+    return JOBS.results("fx2", sid)
+
+
+@pytest.mark.parametrize("sid", [_limited(sid) for sid in _BY_ID])
+def test_parity(sid):
+    sc = _BY_ID[sid]
+    compare_to_reference(sc, _results(sid), kind=sc["model"])
+
+
+@pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "llama_tied-adamw-gas2-clip"])
+def test_tied_weights_reported_under_both_names(sid):
+    for r in _results(sid):
+        state = r["state"]
+        emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+        assert torch.equal(emb, head)
+        # one parameter, one shard: 20 optimizer parameters for 21 fqns
+        assert len(state) == len(r["model_shapes"]) + 1 == 21
+
+
+@pytest.mark.parametrize("sid", ["graph_break-sgd-gas2-clip", "graph_break-adamw-gas1"])
+def test_graph_break_model_compiles_two_graphs(sid):
+    for r in _results(sid):
+        assert r["graphs"]["unique_graphs"] >= 2, r["graphs"]
+        assert r["graphs"]["graph_breaks"] >= 1, r["graphs"]
+
+
+@pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "disabled-sgd-gas2", "loop_break-sgd-gas1",
+                                 _limited("nested_break-sgd-gas2-clip")])
+def test_parameters_freed_after_eager_use(sid):
+    """Eagerly run submodules gather their parameters and free them again."""
+    for r in _results(sid):
+        for snap in [r["memory_init"]] + r["memory_micro"] + r["memory_step"]:
+            assert all(n == 0 for n in snap["module_storage_nbytes"]), snap["module_storage_nbytes"]
+            assert all(g is None for g in snap["module_grads"]), snap["module_grads"]
