@@ -13,7 +13,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 # --- collectives -----------------------------------------------------------------------------
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
@@ -106,8 +105,3 @@ def must_recompute_policy():
 
     return CheckpointPolicy.MUST_RECOMPUTE
 
-
-def dynamo_counters():
-    from torch._dynamo.utils import counters
-
-    return counters

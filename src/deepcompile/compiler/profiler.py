@@ -80,10 +80,6 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def nbytes_of(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_in(value))
-
-
 def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """node -> values whose last use is that node (placeholders excluded: kept to the end)."""
     last: dict[fx.Node, fx.Node] = {}

@@ -57,10 +57,6 @@ def register_pass(name: str, plan: Callable[[PassContext], dict],
     return _REGISTRY[name]
 
 
-def unregister_pass(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
 def get_pass(name: str) -> Pass:
     return _REGISTRY[name]
 
