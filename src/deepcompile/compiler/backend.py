@@ -79,6 +79,11 @@ class Backend:
             def compile_piece(piece: fx.GraphModule, _example_inputs):
                 if kind == "fw":
                     check_no_gathered_param_saved(piece)
+                # The recompute tags did their job in the partitioner; left on the pieces they
+                # would make Inductor's final (inference) compile look for backward regions.
+                for node in piece.graph.nodes:
+                    node.meta.pop("recompute", None)
+                    node.meta.pop("ac_graph_id", None)
                 slot = self.pipeline.add_slot(record.index, kind, piece)
                 record.slots.append(slot.key)
                 return slot

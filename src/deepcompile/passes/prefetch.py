@@ -98,10 +98,15 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         for m in members[1:]:   # fused members are gathered early: alive from the group's wait
             for j in range(first.index, m.index):
                 extra[j] += m.nbytes
+        # The start placed before node s adds its buffer after node s-1 (the point where the
+        # start itself runs) and after every node up to the wait.
+        def point(k: int) -> int:
+            return live[max(k, 0)] + extra[max(k, 0)]
+
         s, hidden = first.index, 0.0
         while s > last_start and hidden < need:
             j = s - 1
-            if live[j] + extra[j] + nbytes > budget:
+            if point(j) + nbytes > budget or point(j - 1) + nbytes > budget:
                 break
             s, hidden = j, hidden + compute[j]
         for j in range(s, first.index):
@@ -113,9 +118,22 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
             "predicted_s": need, "hidden_s": hidden, "moved_nodes": first.index - s,
             "overlaps": [steps[s].name, steps[first.index - 1].name] if s < first.index else [],
         })
-    peak_after = max((live[j] + extra[j] for j in range(len(steps))), default=0)
+    peak_after = max([live[j] + extra[j] for j in range(len(steps))] +
+                     _start_points(groups, steps, live, extra), default=0)
     return {"unattainable": False, "budget_bytes": budget, "groups": groups,
             "peak_before": peak_before, "peak_after": peak_after}
+
+
+def _start_points(groups, steps, live, extra) -> list[int]:
+    """Live bytes right after each start (placed between node s-1 and node s)."""
+    index = {st.name: i for i, st in enumerate(steps)}
+    out = []
+    for g in groups:
+        s = index[g["start_before"]]
+        # at the very top the graph holds its inputs only: node 0's figure bounds it, and
+        # extra[0] already counts this buffer
+        out.append(live[0] + extra[0] if s == 0 else live[s - 1] + extra[s - 1] + g["bytes"])
+    return out
 
 
 def plan(ctx: PassContext) -> dict[str, Any]:
