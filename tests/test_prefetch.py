@@ -262,14 +262,7 @@ def _inductor_code_job(rank, world):
 
     for _ in range(3):   # warm-up, profile, re-profile after the pass
         step()
-
-    def two_steps():
-        # run_and_get_code resets Dynamo: the graphs are traced again, run their FX code on
-        # their first call and are compiled by Inductor on the second
-        step()
-        step()
-
-    _, code = _compat.run_and_get_code(two_steps)
+    _, code = _compat.inductor_code_of(step)   # steady: Inductor compiles forward and backward
     return code
 
 

@@ -72,12 +72,13 @@ def inductor_compile_graph(gm, example_inputs: list) -> Callable:
     import torch._inductor.config as iconfig
     from torch._inductor.compile_fx import compile_fx
 
-    # Locality reordering glues each prefetch start back onto its wait (DESIGN §3): off for
-    # our graphs, scoped to this compile.
+    # Locality reordering glues each prefetch start back onto its wait (DESIGN §3), and the
+    # peak-memory reordering sinks each start (it allocates) down to its wait: both off for our
+    # graphs, whose order the passes chose within the memory budget; scoped to this compile.
     # Detached examples: the graph is compiled for a no-grad call (AOT's inference path); the
     # shards it is called with at run time are leaves that require grad.
     examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    with iconfig.patch(reorder_for_locality=False):
+    with iconfig.patch(reorder_for_locality=False, reorder_for_peak_memory=False):
         compiled = compile_fx(gm, examples)
     # compile_fx returns AOTAutograd's unboxed `forward(*args)` (which copies the inner boxed
     # function's attributes, `_boxed_call` included: do not trust it).
@@ -93,11 +94,21 @@ def no_autograd_cache():
         yield
 
 
-def run_and_get_code(fn, *args, **kwargs):
-    """Run `fn`, returning (its result, the source of every Inductor module it compiled)."""
-    from torch._inductor.utils import run_and_get_code as _run
+def inductor_code_of(fn, *args, **kwargs):
+    """Run `fn`, returning (its result, the source of every Inductor module compiled meanwhile).
 
-    return _run(fn, *args, **kwargs)
+    Unlike torch._inductor.utils.run_and_get_code, Dynamo is not reset (our passes ran on the
+    graphs already compiled), and the FX graph cache is off so that a hit does not hide code."""
+    from unittest import mock
+
+    import torch._inductor.config as iconfig
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append), \
+            iconfig.patch(fx_graph_cache=False):
+        result = fn(*args, **kwargs)
+    return result, codes
 
 
 def must_recompute_policy():

@@ -99,6 +99,10 @@ class Pipeline:
             key = f"{key}{sum(k.startswith(key) for k in self.slots)}"
         slot = GraphSlot(key, graph_index, kind, gm, self)
         self.slots[key] = slot
+        if self.phase is Phase.STEADY and self.config.passes:
+            log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
+                        "recompilation, e.g. for a new input shape); it runs with insertion "
+                        "only, without the passes %s", key, ", ".join(self.config.passes))
         return slot
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:

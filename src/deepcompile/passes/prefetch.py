@@ -68,10 +68,19 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
                 "groups": [], "peak_before": peak_before, "peak_after": peak_before}
     compute = [s.time_s if s.kind == "compute" else 0.0 for s in steps]
     extra = [0] * len(steps)   # bytes in flight / gathered early, per node, over the plan so far
+    # Every gather not planned yet must still fit where it would run unmoved (after the node
+    # before it): earlier groups may not spend that memory.
+    reserve = [0] * len(steps)
+    for g in gathers:
+        reserve[max(g.index - 1, 0)] = max(reserve[max(g.index - 1, 0)], g.nbytes)
     c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
 
+    def point(k: int) -> int:
+        k = max(k, 0)
+        return live[k] + extra[k] + reserve[k]
+
     def fits(lo: int, hi: int, nbytes: int) -> bool:
-        return all(live[j] + extra[j] + nbytes <= budget for j in range(lo, hi))
+        return all(point(j) + nbytes <= budget for j in range(lo, hi))
 
     groups: list[dict[str, Any]] = []
     last_start = 0
@@ -93,6 +102,8 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
             else:
                 break
         first = members[0]
+        for m in members:   # planned now: their own checks below replace the reserve
+            reserve[max(m.index - 1, 0)] = 0
         nbytes = sum(m.nbytes for m in members)
         need = c(nbytes)
         for m in members[1:]:   # fused members are gathered early: alive from the group's wait
@@ -100,9 +111,6 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
                 extra[j] += m.nbytes
         # The start placed before node s adds its buffer after node s-1 (the point where the
         # start itself runs) and after every node up to the wait.
-        def point(k: int) -> int:
-            return live[max(k, 0)] + extra[max(k, 0)]
-
         s, hidden = first.index, 0.0
         while s > last_start and hidden < need:
             j = s - 1
