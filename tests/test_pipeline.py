@@ -295,3 +295,14 @@ def test_profiler_labels_name_the_parameters():
     assert starts and any("deepcompile.allgather_wait[" in n for n in names)
     assert {p for n in starts for p in n[len("deepcompile.allgather_start["):-1].split(",")} == set(params)
     assert {n[len("deepcompile.reduce_scatter["):-1] for n in reduces} == set(params)
+
+
+def test_cost_model_fit_keeps_latency():
+    from deepcompile.compiler.cost import LinearCostModel, _fit
+
+    # a noisy sweep whose least-squares intercept would be negative still has a latency
+    latency, per_byte = _fit([(4096, 1.0e-3), (32768, 0.9e-3), (1 << 20, 3.0e-3)])
+    assert latency > 0 and per_byte > 0
+    model = LinearCostModel(coeffs={"all_gather": (latency, per_byte)})
+    assert model.collective_s("all_gather", 2 << 20) > model.collective_s("all_gather", 1 << 20)
+    assert LinearCostModel.from_dict(model.to_dict()) == model

@@ -82,10 +82,30 @@ def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
                 sync()
                 runs.append(time.perf_counter() - t0)
             times[kind].append(statistics.median(runs))
-    flat = torch.tensor(times["all_gather"] + times["reduce_scatter"], dtype=torch.float64)
-    comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)
+    if device.type == "cuda":  # host->device copies (offloading plans with them)
+        times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
+    kinds = list(times)
+    flat = torch.tensor([t for k in kinds for t in times[k]], dtype=torch.float64, device=device)
+    comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)  # the slowest rank's
+    flat = flat.tolist()
     k = len(SWEEP_BYTES)
-    samples = {"all_gather": list(zip(SWEEP_BYTES, flat[:k].tolist())),
-               "reduce_scatter": list(zip(SWEEP_BYTES, flat[k:].tolist()))}
-    return LinearCostModel(coeffs={kind: _fit(pts) for kind, pts in samples.items()},
-                           samples=samples)
+    samples = {kind: list(zip(SWEEP_BYTES, flat[i * k:(i + 1) * k])) for i, kind in enumerate(kinds)}
+    return LinearCostModel(coeffs={kind: _fit(samples[kind]) for kind in ("all_gather", "reduce_scatter")},
+                           copy=_fit(samples["h2d"]) if "h2d" in samples else None, samples=samples)
+
+
+def _copy_sweep(device: torch.device, repeats: int) -> list[tuple[int, float]]:
+    """Pinned host -> device copy times (CUDA only)."""
+    out = []
+    for nbytes in SWEEP_BYTES:
+        host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+        dev = torch.empty_like(host, device=device)
+        runs = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - t0)
+        out.append((nbytes, statistics.median(runs[1:])))
+    return out
