@@ -157,15 +157,13 @@ class Engine:
 
     def _fingerprint(self) -> dict:
         """What determines a plan besides the graphs (the plan cache's key)."""
-        import torch as _torch
-
         from . import __version__
         cfg = self.config.to_dict()
         cfg.pop("cache_dir", None)
         return {
             "world_size": self._comm.world,
             "device": self.device.type,
-            "torch": _torch.__version__,
+            "torch": torch.__version__,
             "deepcompile": __version__,
             "config": cfg,
             "params": [(e.name, list(e.shape), str(e.compute_dtype), str(e.shard.dtype),

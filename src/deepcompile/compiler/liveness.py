@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from .graph import is_alias_of_input
-from .profiler import last_uses
+from .profiler import RefCountedBytes, last_uses
 
 
 def _roots(node: fx.Node) -> list[tuple[tuple[fx.Node, int | None], int]]:
@@ -45,37 +45,17 @@ def _nbytes(t: torch.Tensor) -> int:
 def static_live_bytes(gm: fx.GraphModule, runtime_bytes: int = 0) -> list[int]:
     """Live bytes after each non-placeholder, non-output node, in graph order."""
     free_after = last_uses(gm.graph)
-    refs: dict[tuple, list[int]] = {}
-    total = 0
+    live = RefCountedBytes()
     curve: list[int] = []
-
-    def add(node):
-        nonlocal total
-        for key, nbytes in _roots(node):
-            if key in refs:
-                refs[key][1] += 1
-            else:
-                refs[key] = [nbytes, 1]
-                total += nbytes
-
-    def remove(node):
-        nonlocal total
-        for key, _ in _roots(node):
-            entry = refs.get(key)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] == 0:
-                total -= entry[0]
-                del refs[key]
-
     for node in gm.graph.nodes:
         if node.op == "output":
             break
-        add(node)
+        for key, nbytes in _roots(node):
+            live.add(key, nbytes)
         if node.op == "placeholder":
             continue
         for dead in free_after.get(node, ()):
-            remove(dead)
-        curve.append(total + runtime_bytes)
+            for key, _ in _roots(dead):
+                live.remove(key)
+        curve.append(live.bytes + runtime_bytes)
     return curve

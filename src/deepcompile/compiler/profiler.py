@@ -93,41 +93,43 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return out
 
 
-class _LiveStorages:
-    """Reference-counted distinct storages of the values alive in a run (CPU memory model)."""
+class RefCountedBytes:
+    """Bytes of distinct storages, each counted once while any live value refers to it.
+
+    Shared by the measured CPU memory model (keys: storage data pointers) and the static one in
+    `liveness.py` (keys: alias roots from the op schemas)."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, list[int]] = {}
+        self._refs: dict[Any, list[int]] = {}
         self.bytes = 0
 
-    def add(self, value: Any) -> tuple[list[int], int]:
-        """Count `value`'s storages; returns their keys (for `remove`) and the output bytes."""
-        keys, out_bytes = [], 0
-        for t in tensors_in(value):
-            out_bytes += t.numel() * t.element_size()
-            if t.device.type == "meta":
-                continue
-            s = t.untyped_storage()
-            key = s.data_ptr()
-            if key == 0:
-                continue
-            keys.append(key)
-            entry = self._refs.get(key)
-            if entry is None:
-                nbytes = s.nbytes()
-                self._refs[key] = [nbytes, 1]
-                self.bytes += nbytes
-            else:
-                entry[1] += 1
-        return keys, out_bytes
+    def add(self, key: Any, nbytes: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [nbytes, 1]
+            self.bytes += nbytes
+        else:
+            entry[1] += 1
 
-    def remove(self, keys: list[int]) -> None:
-        for key in keys:
-            entry = self._refs[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.bytes -= entry[0]
-                del self._refs[key]
+    def remove(self, key: Any) -> None:
+        entry = self._refs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self._refs[key]
+
+
+def _storages(value: Any) -> tuple[list[tuple[int, int]], int]:
+    """(data pointer, storage bytes) of each real storage in `value`, and its output bytes."""
+    out, out_bytes = [], 0
+    for t in tensors_in(value):
+        out_bytes += t.numel() * t.element_size()
+        if t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr():
+            out.append((s.data_ptr(), s.nbytes()))
+    return out, out_bytes
 
 
 def _target_name(node: fx.Node) -> str:
@@ -154,7 +156,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
     free_after = last_uses(graph)
     env: dict[fx.Node, Any] = {}
     held: dict[fx.Node, list[int]] = {}   # storage keys each live value holds
-    live = _LiveStorages()
+    live = RefCountedBytes()
     records: list[tuple[fx.Node, Any, Any, int, int]] = []  # node, start, end, out, live
     arg_iter = iter(args)
     clock = time.perf_counter
@@ -166,7 +168,8 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         if node.op == "placeholder":
             value = next(arg_iter)
             env[node] = value
-            live.add(value)  # inputs stay alive to the end: never removed
+            for key, nbytes in _storages(value)[0]:  # inputs stay alive to the end
+                live.add(key, nbytes)
             continue
         if node.op == "output":
             result = fx.graph.map_arg(node.args[0], env.__getitem__)
@@ -192,10 +195,14 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         else:
             end = clock()
         env[node] = value
-        held[node], out_bytes = live.add(value)
+        storages, out_bytes = _storages(value)
+        for key, nbytes in storages:
+            live.add(key, nbytes)
+        held[node] = [key for key, _ in storages]
         for dead in free_after.get(node, ()):
             del env[dead]
-            live.remove(held.pop(dead))
+            for key in held.pop(dead):
+                live.remove(key)
         used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes()
         records.append((node, start, end, out_bytes, used))
     if cuda:
