@@ -1,6 +1,7 @@
 """The `deepcompile` command line.
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
+                     [--passes P1,P2]
 
 Each subcommand is a function `_cmd_<name>(args) -> int` plus an `_add_<name>(subparsers)` that
 declares its options; add both and list the adder in `_SUBCOMMANDS`. Nothing heavy (torch,
@@ -59,6 +60,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="micro-steps per optimizer step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's random weights (default: %(default)s)")
+    p.add_argument("--passes", default="prefetch,bucket_reduce", metavar="P1,P2",
+                   help="optimization passes, comma-separated, in order; '' for insertion only "
+                        "(default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="'auto' (default) uses CUDA GPUs with NCCL when available, else CPU with "
                         "gloo")
@@ -78,8 +82,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if nproc is None:
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     compiler = args.compiler or ("inductor" if device == "cuda" else "fx")
+    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    from .passes import known_passes
+
+    unknown = [p for p in passes if p not in known_passes()]
+    if unknown:
+        raise SystemExit(f"deepcompile demo: unknown pass(es) {', '.join(unknown)}; "
+                         f"known: {', '.join(known_passes())}")
     return _demo.run(_demo.DemoArgs(nproc=nproc, steps=args.steps, compiler=compiler,
-                                    grad_accum=args.grad_accum, seed=args.seed, device=device))
+                                    grad_accum=args.grad_accum, seed=args.seed, device=device,
+                                    passes=passes))
 
 
 # ---- parser ------------------------------------------------------------------------------------
