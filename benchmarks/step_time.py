@@ -1,6 +1,6 @@
 """Steady-state step time of deepcompile configurations on a tiny Llama, interleaved launches.
 
-    python benchmarks/step_time.py --launches 5 --steps 14 --configs insertion prefetch
+    python benchmarks/step_time.py --launches 5 --steps 14 --configs insertion prefetch prefetch+bucket_reduce
 
 Each launch spawns `--nproc` gloo ranks on this machine and trains for `--steps` optimizer
 steps; the configurations are interleaved launch by launch (the machine's load drifts). Per
@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 CONFIGS = {
     "insertion": {"passes": ()},
     "prefetch": {"passes": ("prefetch",)},
+    "prefetch+bucket_reduce": {"passes": ("prefetch", "bucket_reduce")},
 }
 
 
@@ -55,20 +56,23 @@ def _rank(rank, world, port, name, args, queue):
         config={"compiler": args.compiler, "gradient_accumulation_steps": args.gas,
                 **CONFIGS[name]})
     g = torch.Generator().manual_seed(rank)
-    gathers = []
+    gathers, reduces = [], []
     for _ in range(args.steps):
         before = engine.comm_stats()["all_gather"]["count"]
+        before_rs = engine.comm_stats()["reduce_scatter"]["count"]
         for _ in range(args.gas):
             ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
             engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         gathers.append(engine.comm_stats()["all_gather"]["count"] - before)
+        reduces.append(engine.comm_stats()["reduce_scatter"]["count"] - before_rs)
     rep = engine.report().to_dict()
     t = rep["timings"]
     if rank == 0:
         queue.put({"config": name, "steady_step_s": statistics.median(t["steady_steps_s"]),
                    "profiled_step_s": statistics.median(t["profiled_steps_s"]),
                    "all_gathers_per_step": gathers[-1],
+                   "reduce_scatters_per_step": reduces[-1],
                    "exposed_comm_s": rep["step_summary"]["exposed_comm_s"],
                    "peak_bytes": rep["step_summary"]["peak_bytes"]})
     dist.destroy_process_group()
@@ -111,7 +115,8 @@ def main(argv=None):
             runs[c].append(r)
             print(f"launch {i + 1}/{args.launches} {c}: steady {r['steady_step_s'] * 1e3:.1f} ms, "
                   f"profiled {r['profiled_step_s'] * 1e3:.1f} ms, all-gathers/step "
-                  f"{r['all_gathers_per_step']}, exposed comm {r['exposed_comm_s'] * 1e3:.1f} ms",
+                  f"{r['all_gathers_per_step']}, reduce-scatters/step "
+                  f"{r['reduce_scatters_per_step']}, exposed comm {r['exposed_comm_s'] * 1e3:.1f} ms",
                   flush=True)
     summary = {}
     for c, rs in runs.items():
@@ -121,13 +126,15 @@ def main(argv=None):
                       "profiled_over_steady": statistics.median(
                           r["profiled_step_s"] / r["steady_step_s"] for r in rs),
                       "all_gathers_per_step": rs[-1]["all_gathers_per_step"],
+                      "reduce_scatters_per_step": rs[-1]["reduce_scatters_per_step"],
                       "exposed_comm_ms": statistics.median(r["exposed_comm_s"] for r in rs) * 1e3,
                       "peak_bytes": rs[-1]["peak_bytes"]}
-        print(f"{c:>10}: steady step median {summary[c]['steady_step_ms']['median']:.1f} ms "
+        print(f"{c:>22}: steady step median {summary[c]['steady_step_ms']['median']:.1f} ms "
               f"(min {summary[c]['steady_step_ms']['min']:.1f}, max "
               f"{summary[c]['steady_step_ms']['max']:.1f}); profiled/steady "
               f"{summary[c]['profiled_over_steady']:.2f}; all-gathers/step "
-              f"{summary[c]['all_gathers_per_step']}; exposed comm {summary[c]['exposed_comm_ms']:.1f} ms")
+              f"{summary[c]['all_gathers_per_step']}; reduce-scatters/step "
+              f"{summary[c]['reduce_scatters_per_step']}; exposed comm {summary[c]['exposed_comm_ms']:.1f} ms")
     meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),

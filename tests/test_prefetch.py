@@ -11,6 +11,7 @@ re-profile, and an unattainable budget reported with its figures.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -117,6 +118,50 @@ def test_unattainable_budget_is_reported_not_ignored():
     assert plan["insertion_peak_bytes"] == 500 and plan["budget_bytes"] == 400
 
 
+# ------------------------------------------------------------------------- across graphs
+def test_successions_are_only_the_graphs_that_always_follow_each_other():
+    step = ["f0", "f1", "b1", "b0"] * 2                    # two micro-steps, one graph break
+    assert P.successions(step) == [("f0", "f1"), ("f1", "b1"), ("b1", "b0")]  # not b0 -> f0
+    # a graph Dynamo reuses for two layers is preceded by two graphs: no pair into or out of it
+    assert P.successions(["f0", "f1", "f1", "f2"]) == []
+    assert P.successions(["f0", "f1", "f2", "f1"]) == []   # f1 preceded by f0 and f2
+
+
+def _across(b_hidden, budget=INF, live_a=None):
+    steps_a = [P.Step(f"a{i}", "compute", 1.0, (live_a or [100] * 4)[i]) for i in range(4)]
+    steps_b = [P.Step("b0", "all_gather", 0.1, 100), P.Step("b1", "compute", 1.0, 100)]
+    decisions = {"B": {"unattainable": False, "budget_bytes": budget, "peak_before": 100,
+                       "peak_after": 150, "curve": [150, 100], "groups": [
+                           {"members": ["b0"], "pids": [7], "start_before": "b0", "wait_at": "b0",
+                            "bytes": 50, "predicted_s": 2.5, "hidden_s": b_hidden}]}}
+    P.plan_across("A", "B", steps_a, steps_b, decisions, budget)
+    return decisions
+
+
+def test_a_group_the_next_graph_cannot_hide_starts_just_early_enough_in_the_previous():
+    d = _across(b_hidden=0.0)
+    (ahead,) = d["A"]["for_next"]
+    # B cannot hide 2.5 s: A's last three nodes (3 s) cover it, two would not
+    assert ahead["start_before"] == "a1" and ahead["hidden_s"] == 3.0 and ahead["for"] == "B"
+    assert d["B"]["groups"][0]["from_prev"] == "A"
+    assert d["A"]["curve"] == [150, 150, 150, 150] and d["A"]["peak_after"] == 150
+
+
+def test_a_group_the_next_graph_hides_itself_stays_there():
+    d = _across(b_hidden=2.5)
+    assert "A" not in d and "from_prev" not in d["B"]["groups"][0]
+
+
+def test_cross_graph_start_respects_the_budget_of_the_previous_graph():
+    d = _across(b_hidden=0.0, budget=1000, live_a=[100, 980, 100, 100])
+    (ahead,) = d["A"]["for_next"]
+    # 980 + 50 > 1000: the start may not run after a1 nor keep its buffer alive across it
+    assert ahead["start_before"] == "a3" and ahead["hidden_s"] == 1.0
+    assert max(d["A"]["curve"]) <= 1000
+    none = _across(b_hidden=0.0, budget=120)   # not even at A's end: nothing moves
+    assert "for_next" not in none.get("A", {}) and "from_prev" not in none["B"]["groups"][0]
+
+
 def test_rewrite_of_a_synthetic_graph():
     g = fx.Graph()
     s0, s1, x = g.placeholder("s0"), g.placeholder("s1"), g.placeholder("x")
@@ -145,17 +190,20 @@ def test_rewrite_of_a_synthetic_graph():
 
 # ------------------------------------------------------------------------- multi-rank
 _PREFETCH = {"passes": ("prefetch",), "warmup_steps": 1}
+_BOTH = {"passes": ("prefetch", "bucket_reduce"), "warmup_steps": 1}
 JOBS = Jobs({
     "fx2": (2, [
         scenario("llama-adamw-gas2-clip-prefetch", "llama", "adamw", 1e-2, gas=2, clip=0.1,
                  record=("comm",), **_PREFETCH),
+        scenario("llama-adamw-gas2-clip-prefetch-reduce", "llama", "adamw", 1e-2, gas=2,
+                 clip=0.1, record=("comm",), **_BOTH),
         scenario("llama-adamw-gas2-clip", "llama", "adamw", 1e-2, gas=2, clip=0.1,
                  record=("comm",), warmup_steps=1),
-        scenario("graph_break-sgd-prefetch", "graph_break", "sgd", 0.1, **_PREFETCH),
+        scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, **_BOTH),
     ]),
-    "fx4": (4, [scenario("llama-sgd-gas1-prefetch", "llama", "sgd", 0.1, **_PREFETCH)]),
-    "inductor2": (2, [scenario("llama-sgd-gas2-prefetch-inductor", "llama", "sgd", 0.1, gas=2,
-                               compiler="inductor", **_PREFETCH)]),
+    "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, **_BOTH)]),
+    "inductor2": (2, [scenario("llama-sgd-gas2-prefetch-reduce-inductor", "llama", "sgd", 0.1,
+                               gas=2, compiler="inductor", **_BOTH)]),
 }, timeout=900)
 
 
@@ -166,7 +214,8 @@ def _marks(job):
 @pytest.mark.parametrize("job, sc", JOBS.params(marks_for=_marks))
 def test_parity_with_prefetch(job, sc):
     results = JOBS.results(job, sc["id"])
-    compare_to_reference(sc, results, kind=f"{sc['model']}/{sc['config']['compiler']}+prefetch")
+    compare_to_reference(sc, results, kind=f"{sc['model']}/{sc['config']['compiler']}+"
+                         + "+".join(sc["config"].get("passes", ("insertion",))))
 
 
 def test_fusion_cuts_all_gathers_per_micro_step():
@@ -180,20 +229,31 @@ def test_fusion_cuts_all_gathers_per_micro_step():
     assert nbytes(with_pass) == nbytes(without)
 
 
+def test_buckets_cut_reduce_scatters_per_micro_step():
+    with_pass = JOBS.results("fx2", "llama-adamw-gas2-clip-prefetch-reduce")[0]
+    without = JOBS.results("fx2", "llama-adamw-gas2-clip")[0]
+    last = lambda r, i: r["comm_bwd"][-1]["reduce_scatter"][i]  # noqa: E731  (steady state)
+    print(f"reduce-scatters per micro-step: {last(without, 0)} -> {last(with_pass, 0)}")
+    assert last(with_pass, 0) < last(without, 0)
+    assert last(with_pass, 1) == last(without, 1)
+
+
 def _budget_job(rank, world, budget):
     import deepcompile
 
     model = _models.build_model("llama")
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
-                                            "passes": ("prefetch",), "memory_budget": budget})
+                                            "passes": ("prefetch", "bucket_reduce"),
+                                            "memory_budget": budget})
     for step in range(4):
         engine.backward(_models.loss_of(engine(**_models.local_batch("llama", step, rank, world))))
         engine.step()
     rep = engine.report().to_dict()
     peaks = {s["slot"]: [p["peak_bytes"] for p in s["profiles"]]
              for g in rep["graphs"] for s in g["slots"]}
-    return {"pass": rep["passes"][0], "peaks": peaks}
+    by_name = {p["pass"]: p for p in rep["passes"]}
+    return {"pass": by_name["prefetch"], "reduce": by_name["bucket_reduce"], "peaks": peaks}
 
 
 @pytest.fixture(scope="module")
@@ -219,27 +279,83 @@ def test_tight_budget_is_respected_by_the_measured_profile(unbounded):
     assert after > before   # unbounded prefetch costs memory ...
     budget = (before + after) // 2   # ... so this budget allows only part of it
     r = run_distributed(_budget_job, 2, budget, timeout=600)[0]
-    for key, d in r["pass"]["decisions"].items():
+    for key, d in [*r["pass"]["decisions"].items(), *r["reduce"]["decisions"].items()]:
         assert not d["unattainable"] and d["peak_after"] <= budget
-        assert max(r["peaks"][key]) <= budget    # initial and re-profiled, measured
+        assert max(r["peaks"][key]) <= budget    # initial and re-profiled after each pass, measured
     assert any(len(d["groups"]) for d in r["pass"]["decisions"].values())
+    assert r["reduce"]["decisions"]   # the backward graph was planned under the same budget
 
 
 def test_budget_below_insertion_peak_is_reported(unbounded):
     r = run_distributed(_budget_job, 2, 4096, timeout=600)[0]
-    assert r["pass"]["changed"] == []
-    for d in r["pass"]["decisions"].values():
+    assert r["pass"]["changed"] == [] and r["reduce"]["changed"] == []
+    for d in [*r["pass"]["decisions"].values(), *r["reduce"]["decisions"].values()]:
         assert d["unattainable"] and d["budget_bytes"] == 4096
         assert d["insertion_peak_bytes"] > 4096
 
 
+def _cross_graph_job(rank, world):
+    import deepcompile
+    from deepcompile.runtime import inflight
+
+    model = _models.build_model("graph_break")
+    engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                    config={"compiler": "fx", "warmup_steps": 1,
+                                            "gradient_accumulation_steps": 2,
+                                            "passes": ("prefetch",)})
+    for step in range(4):
+        for micro in range(2):
+            batch = _models.local_batch("graph_break", 2 * step + micro, rank, world)
+            engine.backward(_models.loss_of(engine(**batch)))
+        engine.step()
+    (decisions,) = [p["decisions"] for p in engine.report().to_dict()["passes"]]
+    out = {"misses": dict(inflight.MISSES), "order": engine._pipeline.order,
+           "for_next": {k: [a["for"] for a in d.get("for_next", [])] for k, d in decisions.items()},
+           "from_prev": {k: [g["from_prev"] for g in d["groups"] if g.get("from_prev")]
+                         for k, d in decisions.items()}}
+    # the run-time fallbacks, driven directly
+    e = next(iter(engine._registry))
+    expect = e.gather()
+    got = inflight.wait_from_prev([e.shard], [e.pid], e.compute_dtype)[0]   # nothing parked
+    inflight.start_for_next([e.pid], e.compute_dtype)                        # parked for e.shard
+    other = e.shard.clone()
+    got_other = inflight.wait_from_prev([other], [e.pid], e.compute_dtype)[0]
+    inflight.start_for_next([e.pid], e.compute_dtype)
+    out["dropped"] = inflight.drop_unused()
+    out["fallback_ok"] = bool(torch.equal(got, expect) and torch.equal(got_other, expect))
+    out["misses_after"] = dict(inflight.MISSES)
+    return out
+
+
+def test_cross_graph_prefetch_follows_the_recorded_order():
+    r = run_distributed(_cross_graph_job, 2, timeout=600)[0]
+    assert r["order"] == ["g0.fw", "g1.fw", "g1.bw", "g0.bw"] * 2
+    # every planned start has a taker in the graph that always runs next, and vice versa
+    started = sorted((a, b) for a, bs in r["for_next"].items() for b in bs)
+    taken = sorted((a, b) for b, as_ in r["from_prev"].items() for a in as_)
+    assert started == taken and len(started) >= 1
+    assert set(started) <= {("g0.fw", "g1.fw"), ("g1.fw", "g1.bw"), ("g1.bw", "g0.bw")}
+    assert r["misses"] == {"missing": 0, "other_tensors": 0, "unused": 0}   # all taken in training
+    assert r["fallback_ok"] and r["dropped"] == 1
+    assert r["misses_after"] == {"missing": 1, "other_tensors": 1, "unused": 1}
+
+
 # ------------------------------------------------ Inductor keeps each start ahead of its wait
-def _nofuse_plan(ctx):
-    """prefetch's planner under a bandwidth-only cost model (no fusion, long hoists)."""
+def _slow(ctx):
+    """`ctx` under a bandwidth-only cost model of 1 s per byte: no fusion, maximal overlap."""
     import dataclasses
 
-    slow = LinearCostModel(coeffs={"all_gather": (0.0, 1.0)})   # 1 s per byte: hoist maximally
-    return P.plan(dataclasses.replace(ctx, cost=slow))
+    return dataclasses.replace(ctx, cost=LinearCostModel(coeffs={"all_gather": (0.0, 1.0)}))
+
+
+def _nofuse_plan(ctx):
+    return P.plan(_slow(ctx))
+
+
+def _nobucket_plan(ctx):
+    from deepcompile.passes import bucket_reduce
+
+    return bucket_reduce.plan(_slow(ctx))
 
 
 def _inductor_code_job(rank, world):
@@ -247,20 +363,24 @@ def _inductor_code_job(rank, world):
     from deepcompile import _compat
     from deepcompile.passes import known_passes
 
+    from deepcompile.passes import bucket_reduce
+
     if "test_prefetch_nofuse" not in known_passes():
         deepcompile.register_pass("test_prefetch_nofuse", _nofuse_plan, P.apply)
+        deepcompile.register_pass("test_bucket_nofuse", _nobucket_plan, bucket_reduce.apply)
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
-                                            "passes": ("test_prefetch_nofuse",)})
+                                            "passes": ("test_prefetch_nofuse",
+                                                       "test_bucket_nofuse")})
     x = torch.randn(4, 16)
 
     def step():
         engine.backward(engine(x).sum())
         engine.step()
 
-    for _ in range(3):   # warm-up, profile, re-profile after the pass
+    for _ in range(4):   # warm-up, profile, re-profile after each pass
         step()
     _, code = _compat.inductor_code_of(step)   # steady: Inductor compiles forward and backward
     return code
@@ -270,16 +390,28 @@ def _inductor_code_job(rank, world):
 def test_inductor_code_keeps_starts_before_the_compute_they_overlap():
     codes = run_distributed(_inductor_code_job, 2, timeout=900)[0]
     assert len(codes) == 2   # forward and backward
-    overlapped = 0
-    for code in codes:
-        lines = [ln.strip() for ln in code.splitlines()
-                 if "allgather_start" in ln or "allgather_wait" in ln or "kernel" in ln
-                 or "extern_kernels" in ln]
-        calls = [ln for ln in lines if "(" in ln and not ln.startswith(("def ", "#", "async_compile"))]
-        starts = [i for i, ln in enumerate(calls) if "allgather_start" in ln]
-        waits = [i for i, ln in enumerate(calls) if "allgather_wait" in ln]
-        assert len(starts) == len(waits) > 0
-        for s, w in zip(starts, waits):
-            assert s < w
-            overlapped += any("allgather" not in ln for ln in calls[s + 1:w])
-    assert overlapped > 0   # compute runs between a start and its wait in the generated code
+    compute = re.compile(r"^(extern_kernels\.\w+|cpp_fused\w*|triton_\w+\.run)\(")
+    for kind, graphs in (("allgather", 2), ("reduce", 1)):   # reduce-scatters: backward only
+        overlapped = 0
+        for code in codes:
+            seq = []   # "start" / "wait" / "compute", in program order
+            for ln in (ln.strip() for ln in code.splitlines()):
+                if f"= torch.ops.deepcompile.{kind}_start.default(" in ln:
+                    seq.append("start")
+                elif f"= torch.ops.deepcompile.{kind}_wait.default(" in ln:
+                    seq.append("wait")
+                elif compute.match(ln):
+                    seq.append("compute")
+            starts = [i for i, x in enumerate(seq) if x == "start"]
+            waits = [i for i, x in enumerate(seq) if x == "wait"]
+            assert len(starts) == len(waits)
+            graphs -= bool(starts)
+            for s, w in zip(starts, waits):
+                assert s < w
+                overlapped += "compute" in seq[s + 1:w]
+        assert graphs == 0, f"{kind}: not in every graph it belongs to"
+        assert overlapped > 0, f"{kind}: no compute between a start and its wait"
+    # the backward's first group is started at the forward's tail (and Inductor kept that
+    # output-less op): the forward starts it, the backward takes it
+    assert "torch.ops.deepcompile.allgather_for_next.default(" in codes[0]
+    assert "torch.ops.deepcompile.allgather_from_prev.default(" in codes[1]

@@ -15,6 +15,7 @@ from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
+from .runtime import inflight
 from .runtime.eager import EagerFallback
 from .runtime.registry import ParamRegistry
 
@@ -92,6 +93,7 @@ class Engine:
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0
         self._optimizer_steps = 0
+        self._warned_unused = False
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
 
     # -- training loop ---------------------------------------------------------------------
@@ -108,6 +110,7 @@ class Engine:
         stepped."""
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
+        self._drop_unused_prefetches()
         if self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self.optimizer.step()
@@ -116,6 +119,16 @@ class Engine:
         self._optimizer_steps += 1
         self._pipeline.end_step()
         return True
+
+    def _drop_unused_prefetches(self) -> None:
+        """Gathers a graph started for a next graph that did not run are waited for and dropped
+        before the optimizer changes the shards they read ([Note: cross-graph prefetch])."""
+        dropped = inflight.drop_unused()
+        if dropped and not self._warned_unused:
+            self._warned_unused = True
+            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
+                        "(the graphs ran in another order than when profiled); they are dropped",
+                        dropped)
 
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -136,7 +136,7 @@ class Pipeline:
 
     @staticmethod
     def _runtime_bytes() -> int:
-        """Buffers the runtime holds outside graph values: gathers in flight."""
+        """Buffers the runtime holds outside graph values: collectives in flight."""
         return inflight.inflight_bytes()
 
     # -- schedule ---------------------------------------------------------------------------

@@ -25,9 +25,13 @@ from torch import fx
 from ..runtime import ops
 
 COMM_KINDS = {ops.ALLGATHER: "all_gather", ops.REDUCE_GRAD: "reduce_scatter",
-              ops.ALLGATHER_START: "all_gather_start", ops.ALLGATHER_WAIT: "all_gather_wait"}
-LAUNCH_KINDS = ("all_gather", "reduce_scatter", "all_gather_start")   # one collective each
-BLOCKING_KINDS = ("all_gather", "reduce_scatter", "all_gather_wait")  # host waits on comm
+              ops.ALLGATHER_START: "all_gather_start", ops.ALLGATHER_WAIT: "all_gather_wait",
+              ops.ALLGATHER_FOR_NEXT: "all_gather_start", ops.ALLGATHER_FROM_PREV: "all_gather_wait",
+              ops.REDUCE_START: "reduce_scatter_start", ops.REDUCE_WAIT: "reduce_scatter_wait"}
+# one collective each
+LAUNCH_KINDS = ("all_gather", "reduce_scatter", "all_gather_start", "reduce_scatter_start")
+# the host waits on communication
+BLOCKING_KINDS = ("all_gather", "reduce_scatter", "all_gather_wait", "reduce_scatter_wait")
 
 
 @dataclasses.dataclass

@@ -66,7 +66,7 @@ def known_passes() -> tuple[str, ...]:
 
 
 def _register_builtin() -> None:
-    from . import prefetch  # noqa: F401  (registers "prefetch")
+    from . import bucket_reduce, prefetch  # noqa: F401  (register "bucket_reduce", "prefetch")
 
 
 _register_builtin()

@@ -14,11 +14,16 @@ Every synchronous `allgather_param` of a partitioned graph becomes `allgather_st
   or gathered early + this one) would exceed the memory budget, and starts keep the order of
   their waits (collectives complete in issue order);
 * a budget below the graph's insertion-only peak is unattainable: the plan says so with the
-  figures and changes nothing.
+  figures and changes nothing;
+* across graphs: when graph B always runs right after graph A in the recorded execution order
+  (and only after A), and B's first group could not be hidden inside B (its start is at B's
+  top), that group is started at A's tail instead, moved up just far enough to cover what B
+  could not hide, within the budget on A's planned memory curve (`plan_across`). B then takes
+  the gathered parameters with `allgather_from_prev` ([Note: cross-graph prefetch]).
 
 The simulation is the memory model of the profiler: the plan's predicted curve is what the
-re-profile measures (up to padding of the gathered buffers). Gathers across graph boundaries
-and the reduce side (bucketed asynchronous reduce-scatters) are not done yet.
+re-profile measures (up to padding of the gathered buffers). The reduce side is the pass
+`bucket_reduce`.
 """
 
 from __future__ import annotations
@@ -129,7 +134,8 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
     peak_after = max([live[j] + extra[j] for j in range(len(steps))] +
                      _start_points(groups, steps, live, extra), default=0)
     return {"unattainable": False, "budget_bytes": budget, "groups": groups,
-            "peak_before": peak_before, "peak_after": peak_after}
+            "peak_before": peak_before, "peak_after": peak_after,
+            "curve": [live[j] + extra[j] for j in range(len(steps))]}
 
 
 def _start_points(groups, steps, live, extra) -> list[int]:
@@ -170,17 +176,76 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         for g in decision["groups"]:
             g["params"] = [lookup(p).name for p in g["pids"]]
         decisions[key] = decision
+    steps_of = {k: [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in p.nodes]
+                for k, p in ctx.profiles.items()}
+    for a, b in successions(ctx.order):
+        if a in steps_of and b in decisions:
+            plan_across(a, b, steps_of[a], steps_of[b], decisions, ctx.memory_budget)
     return decisions
+
+
+def successions(order: list[str]) -> list[tuple[str, str]]:
+    """(A, B) pairs where, in one step's execution order, every run of A is directly followed
+    by B and every run of B directly preceded by A (so a gather A starts for B is always
+    taken, within the same optimizer step)."""
+    pairs = []
+    for b in dict.fromkeys(order):
+        before = {order[i - 1] if i else None for i, k in enumerate(order) if k == b}
+        if len(before) != 1 or None in before:
+            continue
+        (a,) = before
+        after = {order[i + 1] if i + 1 < len(order) else None for i, k in enumerate(order) if k == a}
+        if after == {b} and a != b:
+            pairs.append((a, b))
+    return pairs
+
+
+def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
+                decisions: dict[str, Any], budget: float) -> None:
+    """Move B's first group to A's tail when B could not hide it (see the module docstring);
+    records the decision in both graphs' plans (`for_next` in A's, `from_prev` in B's group)."""
+    dec_b = decisions[b]
+    if dec_b["unattainable"] or not dec_b["groups"]:
+        return
+    first = dec_b["groups"][0]
+    need = first["predicted_s"] - first["hidden_s"]   # what B cannot hide itself
+    if need <= 0 or first["start_before"] != steps_b[0].name:
+        return
+    live_a = [st.live_bytes for st in steps_a]
+    dec_a = decisions.setdefault(a, {
+        "unattainable": max(live_a, default=0) > budget, "budget_bytes": budget, "groups": [],
+        "peak_before": max(live_a, default=0), "peak_after": max(live_a, default=0),
+        "curve": live_a})
+    curve, nbytes = dec_a.get("curve"), first["bytes"]
+    if dec_a["unattainable"] or not curve or curve[-1] + nbytes > budget:
+        return
+    # The start placed before node s runs after node s-1; its buffer is alive from there on,
+    # through the gap between the graphs, to its use in B (where B's plan already counts it).
+    s, hidden = len(steps_a), 0.0
+    while s > 0 and hidden < need:
+        j = s - 1
+        if curve[j] + nbytes > budget or (j > 0 and curve[j - 1] + nbytes > budget):
+            break
+        s, hidden = j, hidden + (steps_a[j].time_s if steps_a[j].kind == "compute" else 0.0)
+    first["from_prev"] = a
+    dec_a.setdefault("for_next", []).append({
+        "for": b, "pids": first["pids"], "params": first.get("params"), "bytes": nbytes,
+        "start_before": steps_a[s].name if s < len(steps_a) else None,
+        "moved_nodes": len(steps_a) - s, "hidden_s": hidden, "exposed_in_next_s": need})
+    for j in range(max(s - 1, 0), len(curve)):
+        curve[j] += nbytes
+    dec_a["peak_after"] = max(dec_a["peak_after"], max(curve))
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     changed = []
     for key, decision in sorted(decisions.items()):
-        groups = decision["groups"]
-        if not groups:
+        groups, ahead = decision["groups"], decision.get("for_next", [])
+        if not groups and not ahead:
             continue
         graph = ctx.slots[key].gm.graph
         by_name = {n.name: n for n in graph.nodes}
+        output = next(n for n in graph.nodes if n.op == "output")
         # Anchors are taken from the original order, before any gather is erased: a start goes
         # before the first non-gather node of its planned range, or right before its own wait.
         order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
@@ -188,25 +253,51 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         gathered = {name for g in groups for name in g["members"]}
         anchors = [next((order[j] for j in range(index[g["start_before"]], index[g["wait_at"]])
                          if order[j].name not in gathered), by_name[g["wait_at"]]) for g in groups]
+        ahead_anchors = [output if a["start_before"] is None else
+                         next((order[j] for j in range(index[a["start_before"]], len(order))
+                               if order[j].name not in gathered), output) for a in ahead]
         for g, anchor in zip(groups, anchors):
             members = [by_name[name] for name in g["members"]]
             dtype = members[0].args[3]
-            with graph.inserting_before(anchor):
-                start = graph.call_function(ops.ALLGATHER_START,
-                                            ([m.args[0] for m in members], list(g["pids"]), dtype))
-            start.meta["val"] = _fake_buffer(members[0], g["bytes"], dtype)
+            shards = [m.args[0] for m in members]
+            if g.get("from_prev"):   # started by the previous graph
+                with graph.inserting_before(members[0]):
+                    wait = graph.call_function(ops.ALLGATHER_FROM_PREV,
+                                               (shards, list(g["pids"]), dtype))
+            else:
+                with graph.inserting_before(anchor):
+                    start = graph.call_function(ops.ALLGATHER_START,
+                                                (shards, list(g["pids"]), dtype))
+                start.meta["val"] = _fake_buffer(members[0], g["bytes"], dtype)
+                with graph.inserting_before(members[0]):
+                    wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(g["pids"])))
+            wait.meta["val"] = [m.meta.get("val") for m in members]
             with graph.inserting_before(members[0]):
-                wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(g["pids"])))
-                wait.meta["val"] = [m.meta.get("val") for m in members]
                 for i, m in enumerate(members):
                     part = graph.call_function(operator.getitem, (wait, i))
                     part.meta["val"] = m.meta.get("val")
                     m.replace_all_uses_with(part)
             for m in members:
                 graph.erase_node(m)
+        for a, anchor in zip(ahead, ahead_anchors):
+            after = _tensor_before(graph, anchor)
+            dtype = lookup(a["pids"][0]).compute_dtype
+            with graph.inserting_before(anchor):
+                node = graph.call_function(ops.ALLGATHER_FOR_NEXT, (after, list(a["pids"]), dtype))
+            node.meta["val"] = None
         _check_order(graph)
         changed.append(key)
     return changed
+
+
+def _tensor_before(graph: fx.Graph, anchor: fx.Node) -> fx.Node:
+    """The last tensor-valued node before `anchor`: the input that orders a start there."""
+    node = anchor.prev
+    while node.op != "root":
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            return node
+        node = node.prev
+    raise RuntimeError("deepcompile prefetch: no tensor value to order a cross-graph start after")
 
 
 def _fake_buffer(like: fx.Node, nbytes: int, dtype: torch.dtype):

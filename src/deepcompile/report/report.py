@@ -44,7 +44,8 @@ class Report:
                     "slot": key, "kind": slot.kind, "version": slot.version,
                     "nodes": len(slot.gm.graph.nodes),
                     "all_gathers": len(G.call_nodes(slot.gm, ops.ALLGATHER)),
-                    "reduce_scatters": len(G.call_nodes(slot.gm, ops.REDUCE_GRAD)),
+                    "reduce_scatters": len(G.call_nodes(slot.gm, ops.REDUCE_GRAD))
+                    + len(G.call_nodes(slot.gm, ops.REDUCE_START)),
                     "calls": slot.calls,
                     "profiles": [{"label": label, **p.to_dict(), "comm_s": p.comm_s(),
                                   "compute_s": p.compute_s(), "peak_bytes": p.peak_bytes}

@@ -61,6 +61,15 @@ class Comm:
         _compat.reduce_scatter_flat(out, full.contiguous(), dist.ReduceOp.SUM, self.group)
         return out.div_(self.world)
 
+    def reduce_scatter_async(self, full: torch.Tensor):
+        """Launch a SUM reduce-scatter of flat `full`; returns (this rank's slice, work handle).
+        The caller divides by `world` after the wait (gloo has no AVG)."""
+        out = full.new_empty(full.numel() // self.world)
+        self._count("reduce_scatter", full.numel() * full.element_size())
+        work = _compat.reduce_scatter_flat(out, full.contiguous(), dist.ReduceOp.SUM, self.group,
+                                           async_op=True)
+        return out, work
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, count: bool = True) -> torch.Tensor:
         """`count=False` for deepcompile's own bookkeeping (calibration, agreeing profiles):
         comm_stats() reports training traffic."""

@@ -1,4 +1,4 @@
-"""Asynchronous (and fused) parameter gathers: the run-time side of the prefetch pass.
+"""Asynchronous, fused collectives: the run-time side of the `prefetch` and `bucket_reduce` passes.
 
 `start(shards, pids, dtype)` launches ONE all-gather for a group of parameters into a flat
 buffer that the runtime holds, and returns a small fresh token tensor; `wait(token, pids)` waits
@@ -9,6 +9,11 @@ in-flight table by its data pointer, so no host sync is needed to find the colle
 Buffer layout: each rank contributes the concatenation of its shards of the group; the gathered
 buffer is `[world, sum(shard_numel)]`, and parameter i is column block i of it. A group of one is
 exactly a plain gather (its full tensor is a view of the buffer, no copy).
+
+`reduce_start(grads, pids)` launches ONE reduce-scatter for a bucket of full gradients and
+`reduce_wait(token, pids)` returns each parameter's averaged shard gradient. The bucket is the
+mirror image of a fused gather: each padded gradient is viewed as `[world, shard_numel]` and the
+bucket is their concatenation along dim 1, so rank r receives the concatenation of its shards.
 """
 
 from __future__ import annotations
@@ -24,15 +29,40 @@ from .registry import ParamEntry, lookup
 @dataclasses.dataclass
 class _InFlight:
     work: object
-    buffer: torch.Tensor
+    buffer: torch.Tensor              # gather: the output; reduce: the input bucket
     entries: list[ParamEntry]
+    out: torch.Tensor | None = None   # reduce: this rank's reduced slice
+
+    @property
+    def nbytes(self) -> int:
+        held = [self.buffer] if self.out is None else [self.buffer, self.out]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 _INFLIGHT: dict[int, _InFlight] = {}
 
 
 def inflight_bytes() -> int:
-    return sum(f.buffer.numel() * f.buffer.element_size() for f in _INFLIGHT.values())
+    """Bytes the runtime holds for collectives in flight (counted by the CPU memory model)."""
+    return sum(f.nbytes for f in _INFLIGHT.values()) + sum(f.nbytes for f in _AHEAD.values())
+
+
+def _token(device: torch.device, record: _InFlight) -> torch.Tensor:
+    token = torch.empty(1, dtype=torch.uint8, device=device)
+    _INFLIGHT[token.data_ptr()] = record
+    return token
+
+
+def _pop(token: torch.Tensor, pids: list[int], what: str) -> _InFlight:
+    record = _INFLIGHT.pop(token.data_ptr(), None)
+    if record is None:
+        raise RuntimeError(f"deepcompile: {what} on a token with no collective in flight "
+                           "(waited twice, or the start was removed from the graph)")
+    record.work.wait()
+    if [e.pid for e in record.entries] != list(pids):
+        raise RuntimeError(f"deepcompile: {what} for {list(pids)} got the collective of "
+                           f"{[e.pid for e in record.entries]}")
+    return record
 
 
 def start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -45,21 +75,16 @@ def start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> to
     buffer, work = comm.all_gather_async(src)
     if memory.TRACKER is not None:
         memory.TRACKER.track(buffer)
-    token = torch.empty(1, dtype=torch.uint8, device=src.device)
-    _INFLIGHT[token.data_ptr()] = _InFlight(work, buffer, entries)
-    return token
+    return _token(src.device, _InFlight(work, buffer, entries))
 
 
 def wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
-    inflight = _INFLIGHT.pop(token.data_ptr(), None)
-    if inflight is None:
-        raise RuntimeError("deepcompile: allgather_wait on a token with no collective in flight "
-                           "(waited twice, or the start was removed from the graph)")
-    inflight.work.wait()
-    entries, buffer = inflight.entries, inflight.buffer
-    if [e.pid for e in entries] != list(pids):
-        raise RuntimeError(f"deepcompile: allgather_wait for {pids} got the collective of "
-                           f"{[e.pid for e in entries]}")
+    return _split(_pop(token, pids, "allgather_wait"))
+
+
+def _split(record: _InFlight) -> list[torch.Tensor]:
+    """The gathered parameters of a completed gather (their memory passes to the caller)."""
+    entries, buffer = record.entries, record.buffer
     if len(entries) == 1:
         e = entries[0]
         return [buffer[: e.numel].view(e.shape)]
@@ -72,3 +97,77 @@ def wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
         out.append(rows[:, offset:offset + n].reshape(-1)[: e.numel].view(e.shape))
         offset += n
     return out
+
+
+# -- gathers started by one graph for the next one (cross-graph prefetch) --------------------
+# [Note: cross-graph prefetch] A graph's inputs and outputs never change, so a gather started
+# at the tail of graph A for graph B cannot pass a token: it is parked here under its pids.
+# B's `from_prev` takes it if it was started for exactly B's shard tensors (Dynamo may reuse
+# one graph for several layers), and otherwise gathers synchronously. Every rank runs the same
+# graphs in the same order, so every rank takes the same path. Whatever was parked and not
+# taken is dropped at the optimizer step (`drop_unused`), before the shards change.
+_AHEAD: dict[tuple[int, ...], _InFlight] = {}
+MISSES = {"missing": 0, "other_tensors": 0, "unused": 0}
+
+
+def start_for_next(pids: list[int], dtype: torch.dtype) -> None:
+    entries = [lookup(pid) for pid in pids]
+    stale = _AHEAD.pop(tuple(pids), None)
+    if stale is not None:   # started twice before a use: the older one was wasted
+        stale.work.wait()
+        MISSES["unused"] += 1
+    token = start([e.shard for e in entries], pids, dtype)
+    _AHEAD[tuple(pids)] = _INFLIGHT.pop(token.data_ptr())
+
+
+def wait_from_prev(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    record = _AHEAD.pop(tuple(pids), None)
+    if record is not None:
+        record.work.wait()
+        if all(e.shard is s for e, s in zip(record.entries, shards)):
+            return _split(record)
+        MISSES["other_tensors"] += 1
+    else:
+        MISSES["missing"] += 1
+    return wait(start(shards, pids, dtype), pids)
+
+
+def drop_unused() -> int:
+    """Drop parked gathers nobody took (called at the optimizer step); how many there were."""
+    n = len(_AHEAD)
+    for record in _AHEAD.values():
+        record.work.wait()
+    _AHEAD.clear()
+    MISSES["unused"] += n
+    return n
+
+
+def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
+    entries = [lookup(pid) for pid in pids]
+    comm, dtype = entries[0].comm, entries[0].reduce_dtype
+    if any(e.reduce_dtype != dtype for e in entries):
+        raise RuntimeError("deepcompile: a reduce bucket mixes reduce dtypes")
+    blocks = []
+    for g, e in zip(grads, entries):
+        flat = g.detach().reshape(-1).to(dtype)
+        if e.padded_numel != e.numel:
+            flat = torch.nn.functional.pad(flat, (0, e.padded_numel - e.numel))
+        blocks.append(flat.view(comm.world, -1))
+    bucket = blocks[0].reshape(-1) if len(blocks) == 1 else torch.cat(blocks, dim=1).reshape(-1)
+    out, work = comm.reduce_scatter_async(bucket)
+    return _token(bucket.device, _InFlight(work, bucket, entries, out))
+
+
+def reduce_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
+    record = _pop(token, pids, "reduce_wait")
+    out = record.out.div_(record.entries[0].comm.world)
+    if len(record.entries) == 1:
+        e = record.entries[0]
+        return [out.to(e.shard.dtype)]
+    grads, offset = [], 0
+    for e in record.entries:
+        n = e.shard.numel()
+        # one new tensor per parameter (outputs of an op may not share memory)
+        grads.append(out[offset:offset + n].to(e.shard.dtype, copy=True))
+        offset += n
+    return grads

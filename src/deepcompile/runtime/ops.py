@@ -61,7 +61,7 @@ allgather_param.register_autograd(_backward, setup_context=_setup_context)
 
 
 
-# -- asynchronous, fused gathers (inserted after partitioning by the prefetch pass) ----------
+# -- asynchronous, fused collectives (inserted after partitioning by prefetch / bucket_reduce) --
 @torch.library.custom_op(f"{NAMESPACE}::allgather_start", mutates_args=())
 def allgather_start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
     names = ",".join(registry.lookup(p).name for p in pids)
@@ -87,7 +87,66 @@ def _(token, pids):
     return [token.new_empty(e.shape, dtype=e.compute_dtype) for e in entries]
 
 
+@torch.library.custom_op(f"{NAMESPACE}::allgather_for_next", mutates_args=())
+def allgather_for_next(after: torch.Tensor, pids: list[int], dtype: torch.dtype) -> None:
+    """Start the gather of a group of the NEXT graph's parameters (their shards come from the
+    registry); `after` only orders the start after the node that produced it. No output: the
+    op is registered as side-effecting so that FX and Inductor keep it."""
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.allgather_for_next[{names}]"):
+        inflight.start_for_next(pids, dtype)
+
+
+@allgather_for_next.register_fake
+def _(after, pids, dtype):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::allgather_from_prev", mutates_args=())
+def allgather_from_prev(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The parameters whose gather the previous graph started (gathered here if it did not)."""
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.allgather_from_prev[{names}]"):
+        return inflight.wait_from_prev(shards, pids, dtype)
+
+
+@allgather_from_prev.register_fake
+def _(shards, pids, dtype):
+    entries = [registry.lookup(p) for p in pids]
+    return [shards[0].new_empty(e.shape, dtype=dtype) for e in entries]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_start", mutates_args=())
+def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.reduce_start[{names}]"):
+        return inflight.reduce_start(grads, pids)
+
+
+@reduce_start.register_fake
+def _(grads, pids):
+    return grads[0].new_empty((1,), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_wait", mutates_args=())
+def reduce_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
+    names = ",".join(registry.lookup(p).name for p in pids)
+    with record_function(f"deepcompile.reduce_wait[{names}]"):
+        return inflight.reduce_wait(token, pids)
+
+
+@reduce_wait.register_fake
+def _(token, pids):
+    entries = [registry.lookup(p) for p in pids]
+    return [token.new_empty((e.shard.numel(),), dtype=e.shard.dtype) for e in entries]
+
+
 ALLGATHER = torch.ops.deepcompile.allgather_param.default
 ALLGATHER_START = torch.ops.deepcompile.allgather_start.default
 ALLGATHER_WAIT = torch.ops.deepcompile.allgather_wait.default
+ALLGATHER_FOR_NEXT = torch.ops.deepcompile.allgather_for_next.default
+ALLGATHER_FROM_PREV = torch.ops.deepcompile.allgather_from_prev.default
+torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
 REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default
+REDUCE_START = torch.ops.deepcompile.reduce_start.default
+REDUCE_WAIT = torch.ops.deepcompile.reduce_wait.default
