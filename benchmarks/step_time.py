@@ -141,6 +141,11 @@ def main(argv=None):
             "load_avg": os.getloadavg(), "args": vars(args)}
     out = Path(args.out or Path(__file__).parent / "results" /
                f"{meta['date']}-cpu{os.cpu_count()}" / f"step_time-{args.compiler}.json")
+    if args.out is None:   # never overwrite an earlier result of the same day
+        n = 1
+        while out.exists():
+            n += 1
+            out = out.with_name(f"step_time-{args.compiler}-{n}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "launches": runs}, indent=1))
     print(f"wrote {out}")

@@ -20,7 +20,6 @@ import statistics
 
 import pytest
 import torch
-from torch import fx
 
 import _models
 from _dist import run_distributed

@@ -19,7 +19,7 @@ from torch import fx, nn
 
 import _models
 from _dist import run_distributed
-from _train import Jobs, compare_to_reference, reference_training, scenario
+from _train import Jobs, compare_to_reference, scenario
 from deepcompile.compiler.cost import LinearCostModel
 from deepcompile.passes import prefetch as P
 from deepcompile.runtime import ops

@@ -33,7 +33,7 @@ from torch import fx
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
-from .prefetch import Step
+from ._common import Step, profiled_graphs
 
 log = logging.getLogger("deepcompile")
 
@@ -116,23 +116,14 @@ def _nbytes(val) -> int:
 
 def plan(ctx: PassContext) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
-    for key in sorted(ctx.slots):
-        slot, prof = ctx.slots[key], ctx.profiles.get(key)
-        if prof is None:
-            continue
-        by_name = {n.name: n for n in slot.gm.graph.nodes}
-        steps = [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in prof.nodes]
+    for key, steps, calls in profiled_graphs(ctx, ops.REDUCE_GRAD):
         reduces = []
-        for i, n in enumerate(prof.nodes):
-            node = by_name[n.name]
-            if node.op == "call_function" and node.target is ops.REDUCE_GRAD:
-                entry = lookup(int(node.args[1]))
-                size = entry.reduce_dtype.itemsize
-                reduces.append(Reduce(n.name, i, entry.padded_numel * size,
-                                      _nbytes(node.args[0].meta.get("val")), entry.pid,
-                                      entry.shard.numel() * size))
-        if not reduces:
-            continue
+        for i, node in calls:
+            entry = lookup(int(node.args[1]))
+            size = entry.reduce_dtype.itemsize
+            reduces.append(Reduce(node.name, i, entry.padded_numel * size,
+                                  _nbytes(node.args[0].meta.get("val")), entry.pid,
+                                  entry.shard.numel() * size))
         decision = plan_graph(steps, reduces, ctx.cost, ctx.memory_budget)
         if decision["unattainable"]:
             log.warning("deepcompile bucket_reduce: %s: memory budget %.2f MiB is below the "

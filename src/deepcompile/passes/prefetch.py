@@ -36,23 +36,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..compiler import graph as G
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
+from ._common import Step, profiled_graphs, steps_of
 
 log = logging.getLogger("deepcompile")
 
 MAX_FUSED_BYTES = 64 << 20
-
-
-@dataclasses.dataclass
-class Step:
-    """One profiled node: what the planner needs of it."""
-    name: str
-    kind: str          # "compute" or a communication kind
-    time_s: float
-    live_bytes: int
 
 
 @dataclasses.dataclass
@@ -152,21 +143,12 @@ def _start_points(groups, steps, live, extra) -> list[int]:
 
 def plan(ctx: PassContext) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
-    for key in sorted(ctx.slots):
-        slot, prof = ctx.slots[key], ctx.profiles.get(key)
-        if prof is None:
-            continue
-        by_name = {n.name: n for n in slot.gm.graph.nodes}
-        steps = [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in prof.nodes]
+    for key, steps, calls in profiled_graphs(ctx, ops.ALLGATHER):
         gathers = []
-        for i, n in enumerate(prof.nodes):
-            node = by_name[n.name]
-            if node.op == "call_function" and node.target is ops.ALLGATHER:
-                entry = lookup(int(node.args[1]))
-                nbytes = entry.padded_numel * entry.compute_dtype.itemsize
-                gathers.append(Gather(n.name, i, nbytes, entry.pid))
-        if not gathers:
-            continue
+        for i, node in calls:
+            entry = lookup(int(node.args[1]))
+            gathers.append(Gather(node.name, i, entry.padded_numel * entry.compute_dtype.itemsize,
+                                  entry.pid))
         budget = ctx.memory_budget
         decision = plan_graph(steps, gathers, ctx.cost, budget)
         if decision["unattainable"]:
@@ -176,11 +158,10 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         for g in decision["groups"]:
             g["params"] = [lookup(p).name for p in g["pids"]]
         decisions[key] = decision
-    steps_of = {k: [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in p.nodes]
-                for k, p in ctx.profiles.items()}
+    steps = {k: steps_of(p) for k, p in ctx.profiles.items()}
     for a, b in successions(ctx.order):
-        if a in steps_of and b in decisions:
-            plan_across(a, b, steps_of[a], steps_of[b], decisions, ctx.memory_budget)
+        if a in steps and b in decisions:
+            plan_across(a, b, steps[a], steps[b], decisions, ctx.memory_budget)
     return decisions
 
 
