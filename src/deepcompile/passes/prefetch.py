@@ -92,7 +92,10 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
             if (total + nxt.nbytes <= max_fused_bytes
                     and c(total + nxt.nbytes) < c(total) + c(nxt.nbytes)
                     and between < c(nxt.nbytes)
-                    and fits(first.index, nxt.index, nxt.nbytes)):
+                    and fits(first.index, nxt.index, nxt.nbytes)
+                    # where the group's start runs if it cannot move up: the whole group at once
+                    and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
+                    + total + nxt.nbytes <= budget):
                 members.append(nxt)
                 k += 1
             else:
