@@ -270,11 +270,15 @@ class Jobs:
         self.timeout = timeout
         self._done: dict[str, object] = {}
 
-    def params(self, *, marks_for=lambda job: ()):
-        """(job, scenario) pairs for pytest.mark.parametrize, with readable ids."""
+    def params(self):
+        """(job, scenario) pairs for pytest.mark.parametrize, with readable ids; jobs whose
+        name starts with "inductor" are marked `inductor` (slow on CPU)."""
         import pytest
 
-        return [pytest.param(job, sc, id=f"{job}-{sc['id']}", marks=marks_for(job))
+        def marks(job):
+            return (pytest.mark.inductor,) if job.startswith("inductor") else ()
+
+        return [pytest.param(job, sc, id=f"{job}-{sc['id']}", marks=marks(job))
                 for job, (_world, scs) in self.jobs.items() for sc in scs]
 
     def results(self, job: str, scenario_id: str | None = None):

@@ -33,7 +33,8 @@ def _graph(times, reduces, live=None):
     for i, t in enumerate(times):
         steps.append(Step(f"c{i}", "compute", t, live[i]))
         if i in reduces:
-            rs.append(B.Reduce(f"r{i}", len(steps), reduces[i], reduces[i] // 2, pid=len(rs)))
+            rs.append(B.Reduce(f"r{i}", len(steps), reduces[i], pid=len(rs),
+                               grad_bytes=reduces[i] // 2))
             steps.append(Step(f"r{i}", "reduce_scatter", 0.5, live[i]))
     return steps, rs
 

@@ -57,11 +57,7 @@ JOBS = Jobs({
 }, timeout=900)
 
 
-def _marks(job):
-    return (pytest.mark.inductor,) if job.startswith("inductor") else ()
-
-
-@pytest.mark.parametrize("job, sc", JOBS.params(marks_for=_marks))
+@pytest.mark.parametrize("job, sc", JOBS.params())
 def test_parity_with_eager_reference(job, sc):
     results = JOBS.results(job, sc["id"])
     ref = reference_training(sc)

@@ -74,6 +74,17 @@ class GraphProfile:
         return dataclasses.asdict(self)
 
 
+def collectives_launched(gm: fx.GraphModule) -> dict[str, int]:
+    """How many all-gathers and reduce-scatters a graph launches per run (synchronous ones and
+    starts; a start for the next graph counts here, where it runs)."""
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for node in gm.graph.nodes:
+        kind = COMM_KINDS.get(node.target) if node.op == "call_function" else None
+        if kind in LAUNCH_KINDS:
+            counts[kind.removesuffix("_start")] += 1
+    return counts
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

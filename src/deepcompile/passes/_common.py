@@ -1,13 +1,18 @@
-"""What the scheduling passes read from a profiled graph."""
+"""What the scheduling passes (`prefetch`, `bucket_reduce`) share: the profiled steps they read,
+the collectives they plan, the fusion rule, and the graph surgery that splits a fused result."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+import logging
+import operator
+from typing import Any, Callable, Iterator
 
 from torch import fx
 
 from . import PassContext
+
+log = logging.getLogger("deepcompile")
 
 
 @dataclasses.dataclass
@@ -19,8 +24,23 @@ class Step:
     live_bytes: int
 
 
+@dataclasses.dataclass
+class Collective:
+    """One synchronous collective of a graph, as a planner sees it."""
+    name: str
+    index: int           # position of its node in the step sequence
+    nbytes: int          # bytes on the wire (the padded full tensor)
+    pid: int
+    dtype: str | None = None   # one fused collective carries one dtype
+
+
 def steps_of(prof) -> list[Step]:
     return [Step(n.name, n.kind, n.time_s, n.live_bytes) for n in prof.nodes]
+
+
+def compute_times(steps: list[Step]) -> list[float]:
+    """Per step, the compute time a collective in flight can hide behind (0 for comm nodes)."""
+    return [s.time_s if s.kind == "compute" else 0.0 for s in steps]
 
 
 def profiled_graphs(ctx: PassContext, target) -> Iterator[tuple[str, list[Step], list[tuple[int, fx.Node]]]]:
@@ -35,3 +55,68 @@ def profiled_graphs(ctx: PassContext, target) -> Iterator[tuple[str, list[Step],
                  if by_name[n.name].op == "call_function" and by_name[n.name].target is target]
         if calls:
             yield key, steps_of(prof), calls
+
+
+def fuses(cost_s: Callable[[int], float], members: list[Collective], nxt: Collective,
+          between_s: float, max_bytes: int) -> bool:
+    """Whether `nxt` joins `members` in one collective, memory aside: same dtype, under the size
+    cap, one collective of the summed bytes predicted cheaper than two, and the compute between
+    the group's first member and `nxt` shorter than `nxt`'s own collective (no member is held
+    back longer than that)."""
+    total = sum(m.nbytes for m in members)
+    return (nxt.dtype == members[0].dtype and total + nxt.nbytes <= max_bytes
+            and cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes)
+            and between_s < cost_s(nxt.nbytes))
+
+
+def unattainable(live: list[int], budget: float) -> dict[str, Any] | None:
+    """The plan of a graph whose insertion-only peak is already over the budget, else None."""
+    peak = max(live, default=0)
+    if peak <= budget:
+        return None
+    return {"unattainable": True, "budget_bytes": budget, "insertion_peak_bytes": peak,
+            "peak_before": peak, "peak_after": peak}
+
+
+def warn_unattainable(pass_name: str, key: str, decision: dict[str, Any], consequence: str) -> None:
+    log.warning("deepcompile %s: %s: memory budget %.2f MiB is below the graph's insertion-only "
+                "peak %.2f MiB: unattainable, %s", pass_name, key,
+                decision["budget_bytes"] / 2**20, decision["insertion_peak_bytes"] / 2**20,
+                consequence)
+
+
+@dataclasses.dataclass
+class NodeIndex:
+    """A graph's nodes by name and in their original order (taken before a rewrite erases any)."""
+    by_name: dict[str, fx.Node]
+    order: list[fx.Node]          # every node but placeholders and the output
+    index: dict[str, int]         # name -> position in `order`
+    output: fx.Node
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> "NodeIndex":
+        order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+        return cls({n.name: n for n in graph.nodes}, order,
+                   {n.name: i for i, n in enumerate(order)},
+                   next(n for n in graph.nodes if n.op == "output"))
+
+
+def first_kept(order: list[fx.Node], start: int, erased: set[str], default: fx.Node) -> fx.Node:
+    """The first node of `order` from `start` on that the rewrite does not erase."""
+    return next((order[j] for j in range(start, len(order)) if order[j].name not in erased),
+                default)
+
+
+def replace_with_parts(graph: fx.Graph, fused: fx.Node, members: list[fx.Node]) -> None:
+    """`fused` returns one value per member: route each member's users to its part (inserted
+    right after `fused`, in member order) and erase the members."""
+    fused.meta["val"] = [m.meta.get("val") for m in members]
+    parts = []
+    with graph.inserting_before(fused.next):
+        for i, m in enumerate(members):
+            part = graph.call_function(operator.getitem, (fused, i))
+            part.meta["val"] = m.meta.get("val")
+            parts.append(part)
+    for m, part in zip(members, parts):
+        m.replace_all_uses_with(part)
+        graph.erase_node(m)

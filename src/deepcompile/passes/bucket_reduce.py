@@ -23,8 +23,6 @@ gradients are produced:
 from __future__ import annotations
 
 import dataclasses
-import logging
-import operator
 from typing import Any
 
 import torch
@@ -33,20 +31,17 @@ from torch import fx
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
-from ._common import Step, profiled_graphs
+from ._common import (Collective, NodeIndex, Step, compute_times, first_kept, fuses,
+                      profiled_graphs, replace_with_parts, unattainable, warn_unattainable)
 
-log = logging.getLogger("deepcompile")
 
 MAX_BUCKET_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
-class Reduce:
-    name: str
-    index: int         # position of the reduce in the node sequence
-    nbytes: int        # bytes of the padded gradient in the reduce dtype (what goes on the wire)
-    grad_bytes: int    # bytes of the gradient itself, held while its bucket fills
-    pid: int
+class Reduce(Collective):
+    """A gradient reduce-scatter; `nbytes` is the padded gradient in the reduce dtype."""
+    grad_bytes: int = 0    # bytes of the gradient itself, held while its bucket fills
     shard_bytes: int = 0   # bytes of the reduced shard this rank keeps while in flight
 
 
@@ -55,11 +50,10 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
     """The bucket plan of one graph; pure (unit-tested on synthetic graphs)."""
     n = len(steps)
     live = [s.live_bytes for s in steps]
+    if (over := unattainable(live, budget)) is not None:
+        return {**over, "buckets": []}
     peak_before = max(live, default=0)
-    if peak_before > budget:
-        return {"unattainable": True, "budget_bytes": budget, "insertion_peak_bytes": peak_before,
-                "buckets": [], "peak_before": peak_before, "peak_after": peak_before}
-    compute = [s.time_s if s.kind == "compute" else 0.0 for s in steps]
+    compute = compute_times(steps)
     extra = [0] * n
     c = lambda nbytes: cost.collective_s("reduce_scatter", nbytes)  # noqa: E731
 
@@ -73,12 +67,9 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
         k += 1
         while k < len(reduces):
             nxt, first = reduces[k], members[0]
-            total = sum(m.nbytes for m in members)
             # the members' gradients stay alive from where each was produced to the newcomer
             held = [(m.index, m.grad_bytes) for m in members]
-            if (total + nxt.nbytes <= max_bucket_bytes
-                    and c(total + nxt.nbytes) < c(total) + c(nxt.nbytes)
-                    and sum(compute[first.index:nxt.index]) < c(nxt.nbytes)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes)
                     and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
                             for j in range(first.index, nxt.index))):
                 members.append(nxt)
@@ -121,15 +112,13 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         for i, node in calls:
             entry = lookup(int(node.args[1]))
             size = entry.reduce_dtype.itemsize
-            reduces.append(Reduce(node.name, i, entry.padded_numel * size,
-                                  _nbytes(node.args[0].meta.get("val")), entry.pid,
-                                  entry.shard.numel() * size))
+            reduces.append(Reduce(node.name, i, entry.padded_numel * size, entry.pid,
+                                  str(entry.reduce_dtype),
+                                  grad_bytes=_nbytes(node.args[0].meta.get("val")),
+                                  shard_bytes=entry.shard.numel() * size))
         decision = plan_graph(steps, reduces, ctx.cost, ctx.memory_budget)
         if decision["unattainable"]:
-            log.warning("deepcompile bucket_reduce: %s: memory budget %.2f MiB is below the "
-                        "graph's insertion-only peak %.2f MiB: unattainable, reduce-scatters "
-                        "stay synchronous", key, ctx.memory_budget / 2**20,
-                        decision["insertion_peak_bytes"] / 2**20)
+            warn_unattainable("bucket_reduce", key, decision, "reduce-scatters stay synchronous")
         for b in decision["buckets"]:
             b["params"] = [lookup(p).name for p in b["pids"]]
         decisions[key] = decision
@@ -143,35 +132,22 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         if not buckets:
             continue
         graph = ctx.slots[key].gm.graph
-        by_name = {n.name: n for n in graph.nodes}
-        output = next(n for n in graph.nodes if n.op == "output")
-        # Anchors from the original order, before any reduce is erased: a wait goes before the
-        # first node of its planned place that is not itself a reduce being replaced.
-        order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-        index = {n.name: i for i, n in enumerate(order)}
+        nx = NodeIndex.of(graph)
+        # A wait goes before the first node of its planned place that is not itself a reduce
+        # being replaced.
         bucketed = {name for b in buckets for name in b["members"]}
-        anchors = []
-        for b in buckets:
-            w = len(order) if b["wait_before"] is None else index[b["wait_before"]]
-            anchors.append(next((order[j] for j in range(w, len(order))
-                                 if order[j].name not in bucketed), output))
+        anchors = [first_kept(nx.order, len(nx.order) if b["wait_before"] is None
+                              else nx.index[b["wait_before"]], bucketed, nx.output)
+                   for b in buckets]
         for b, anchor in zip(buckets, anchors):
-            members = [by_name[name] for name in b["members"]]
-            with graph.inserting_after(by_name[b["start_after"]]):
+            members = [nx.by_name[name] for name in b["members"]]
+            with graph.inserting_after(nx.by_name[b["start_after"]]):
                 start = graph.call_function(ops.REDUCE_START,
                                             ([m.args[0] for m in members], list(b["pids"])))
             start.meta["val"] = _fake_in_flight(members)
             with graph.inserting_before(anchor):
                 wait = graph.call_function(ops.REDUCE_WAIT, (start, list(b["pids"])))
-                wait.meta["val"] = [m.meta.get("val") for m in members]
-                parts = []
-                for i, m in enumerate(members):
-                    part = graph.call_function(operator.getitem, (wait, i))
-                    part.meta["val"] = m.meta.get("val")
-                    parts.append(part)
-            for m, part in zip(members, parts):
-                m.replace_all_uses_with(part)
-                graph.erase_node(m)
+            replace_with_parts(graph, wait, members)
         graph.lint()
         changed.append(key)
     return changed

@@ -28,9 +28,6 @@ re-profile measures (up to padding of the gathered buffers). The reduce side is 
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import operator
 from typing import Any
 
 import torch
@@ -39,30 +36,25 @@ from torch import fx
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
-from ._common import Step, profiled_graphs, steps_of
+from ._common import (Collective, NodeIndex, Step, compute_times, first_kept, fuses,
+                      profiled_graphs, replace_with_parts, steps_of, unattainable,
+                      warn_unattainable)
 
-log = logging.getLogger("deepcompile")
 
 MAX_FUSED_BYTES = 64 << 20
 
 
-@dataclasses.dataclass
-class Gather:
-    name: str
-    index: int         # position of the gather in the node sequence
-    nbytes: int        # bytes of the gathered (padded) buffer
-    pid: int
+Gather = Collective   # a parameter gather, as the planner sees it
 
 
 def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
                max_fused_bytes: int = MAX_FUSED_BYTES) -> dict[str, Any]:
     """The prefetch plan of one graph; pure (unit-tested on synthetic graphs)."""
     live = [s.live_bytes for s in steps]
+    if (over := unattainable(live, budget)) is not None:
+        return {**over, "groups": []}
     peak_before = max(live, default=0)
-    if peak_before > budget:
-        return {"unattainable": True, "budget_bytes": budget, "insertion_peak_bytes": peak_before,
-                "groups": [], "peak_before": peak_before, "peak_after": peak_before}
-    compute = [s.time_s if s.kind == "compute" else 0.0 for s in steps]
+    compute = compute_times(steps)
     extra = [0] * len(steps)   # bytes in flight / gathered early, per node, over the plan so far
     # Every gather not planned yet must still fit where it would run unmoved (after the node
     # before it): earlier groups may not spend that memory.
@@ -88,10 +80,7 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         while k < len(gathers):
             nxt, first = gathers[k], members[0]
             total = sum(m.nbytes for m in members)
-            between = sum(compute[first.index:nxt.index])
-            if (total + nxt.nbytes <= max_fused_bytes
-                    and c(total + nxt.nbytes) < c(total) + c(nxt.nbytes)
-                    and between < c(nxt.nbytes)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes)
                     and fits(first.index, nxt.index, nxt.nbytes)
                     # where the group's start runs if it cannot move up: the whole group at once
                     and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
@@ -151,13 +140,10 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         for i, node in calls:
             entry = lookup(int(node.args[1]))
             gathers.append(Gather(node.name, i, entry.padded_numel * entry.compute_dtype.itemsize,
-                                  entry.pid))
-        budget = ctx.memory_budget
-        decision = plan_graph(steps, gathers, ctx.cost, budget)
+                                  entry.pid, str(entry.compute_dtype)))
+        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget)
         if decision["unattainable"]:
-            log.warning("deepcompile prefetch: %s: memory budget %.2f MiB is below the graph's "
-                        "insertion-only peak %.2f MiB: unattainable, no prefetching", key,
-                        budget / 2**20, decision["insertion_peak_bytes"] / 2**20)
+            warn_unattainable("prefetch", key, decision, "no prefetching")
         for g in decision["groups"]:
             g["params"] = [lookup(p).name for p in g["pids"]]
         decisions[key] = decision
@@ -195,9 +181,9 @@ def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
     need = first["predicted_s"] - first["hidden_s"]   # what B cannot hide itself
     if need <= 0 or first["start_before"] != steps_b[0].name:
         return
-    live_a = [st.live_bytes for st in steps_a]
-    dec_a = decisions.setdefault(a, {
-        "unattainable": max(live_a, default=0) > budget, "budget_bytes": budget, "groups": [],
+    live_a = [st.live_bytes for st in steps_a]   # A has no gathers of its own: its plan is empty
+    dec_a = decisions.setdefault(a, unattainable(live_a, budget) or {
+        "unattainable": False, "budget_bytes": budget, "groups": [],
         "peak_before": max(live_a, default=0), "peak_after": max(live_a, default=0),
         "curve": live_a})
     curve, nbytes = dec_a.get("curve"), first["bytes"]
@@ -205,12 +191,13 @@ def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
         return
     # The start placed before node s runs after node s-1; its buffer is alive from there on,
     # through the gap between the graphs, to its use in B (where B's plan already counts it).
+    compute_a = compute_times(steps_a)
     s, hidden = len(steps_a), 0.0
     while s > 0 and hidden < need:
         j = s - 1
         if curve[j] + nbytes > budget or (j > 0 and curve[j - 1] + nbytes > budget):
             break
-        s, hidden = j, hidden + (steps_a[j].time_s if steps_a[j].kind == "compute" else 0.0)
+        s, hidden = j, hidden + compute_a[j]
     first["from_prev"] = a
     dec_a.setdefault("for_next", []).append({
         "for": b, "pids": first["pids"], "params": first.get("params"), "bytes": nbytes,
@@ -228,18 +215,16 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         if not groups and not ahead:
             continue
         graph = ctx.slots[key].gm.graph
-        by_name = {n.name: n for n in graph.nodes}
-        output = next(n for n in graph.nodes if n.op == "output")
-        # Anchors are taken from the original order, before any gather is erased: a start goes
-        # before the first non-gather node of its planned range, or right before its own wait.
-        order = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-        index = {n.name: i for i, n in enumerate(order)}
+        nx = NodeIndex.of(graph)
+        by_name, order, index = nx.by_name, nx.order, nx.index
+        # A start goes before the first non-gather node of its planned range, or right before
+        # its own wait.
         gathered = {name for g in groups for name in g["members"]}
-        anchors = [next((order[j] for j in range(index[g["start_before"]], index[g["wait_at"]])
-                         if order[j].name not in gathered), by_name[g["wait_at"]]) for g in groups]
-        ahead_anchors = [output if a["start_before"] is None else
-                         next((order[j] for j in range(index[a["start_before"]], len(order))
-                               if order[j].name not in gathered), output) for a in ahead]
+        anchors = [first_kept(order[:index[g["wait_at"]]], index[g["start_before"]], gathered,
+                              by_name[g["wait_at"]]) for g in groups]
+        ahead_anchors = [nx.output if a["start_before"] is None else
+                         first_kept(order, index[a["start_before"]], gathered, nx.output)
+                         for a in ahead]
         for g, anchor in zip(groups, anchors):
             members = [by_name[name] for name in g["members"]]
             dtype = members[0].args[3]
@@ -255,14 +240,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                 start.meta["val"] = _fake_buffer(members[0], g["bytes"], dtype)
                 with graph.inserting_before(members[0]):
                     wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(g["pids"])))
-            wait.meta["val"] = [m.meta.get("val") for m in members]
-            with graph.inserting_before(members[0]):
-                for i, m in enumerate(members):
-                    part = graph.call_function(operator.getitem, (wait, i))
-                    part.meta["val"] = m.meta.get("val")
-                    m.replace_all_uses_with(part)
-            for m in members:
-                graph.erase_node(m)
+            replace_with_parts(graph, wait, members)
         for a, anchor in zip(ahead, ahead_anchors):
             after = _tensor_before(graph, anchor)
             dtype = lookup(a["pids"][0]).compute_dtype

@@ -4,9 +4,8 @@ import dataclasses
 import json
 from typing import Any
 
-from ..compiler import graph as G
 from ..compiler.pipeline import summarize
-from ..runtime import ops
+from ..compiler.profiler import collectives_launched
 
 
 def _mib(n: float | None) -> str:
@@ -40,12 +39,12 @@ class Report:
             slots = []
             for key in rec.slots:
                 slot = pipe.slots[key]
+                launched = collectives_launched(slot.gm)
                 slots.append({
                     "slot": key, "kind": slot.kind, "version": slot.version,
                     "nodes": len(slot.gm.graph.nodes),
-                    "all_gathers": len(G.call_nodes(slot.gm, ops.ALLGATHER)),
-                    "reduce_scatters": len(G.call_nodes(slot.gm, ops.REDUCE_GRAD))
-                    + len(G.call_nodes(slot.gm, ops.REDUCE_START)),
+                    "all_gathers": launched["all_gather"],
+                    "reduce_scatters": launched["reduce_scatter"],
                     "calls": slot.calls,
                     "profiles": [{"label": label, **p.to_dict(), "comm_s": p.comm_s(),
                                   "compute_s": p.compute_s(), "peak_bytes": p.peak_bytes}

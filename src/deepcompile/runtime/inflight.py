@@ -65,17 +65,20 @@ def _pop(token: torch.Tensor, pids: list[int], what: str) -> _InFlight:
     return record
 
 
-def start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _launch_gather(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> _InFlight:
     entries = [lookup(pid) for pid in pids]
-    comm = entries[0].comm
     flat = [s.detach().reshape(-1) for s in shards]
     src = flat[0] if len(flat) == 1 else torch.cat(flat)
     if src.dtype != dtype:
         src = src.to(dtype)
-    buffer, work = comm.all_gather_async(src)
+    buffer, work = entries[0].comm.all_gather_async(src)
     if memory.TRACKER is not None:
         memory.TRACKER.track(buffer)
-    return _token(src.device, _InFlight(work, buffer, entries))
+    return _InFlight(work, buffer, entries)
+
+
+def start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return _token(shards[0].device, _launch_gather(shards, pids, dtype))
 
 
 def wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
@@ -111,13 +114,11 @@ MISSES = {"missing": 0, "other_tensors": 0, "unused": 0}
 
 
 def start_for_next(pids: list[int], dtype: torch.dtype) -> None:
-    entries = [lookup(pid) for pid in pids]
     stale = _AHEAD.pop(tuple(pids), None)
     if stale is not None:   # started twice before a use: the older one was wasted
         stale.work.wait()
         MISSES["unused"] += 1
-    token = start([e.shard for e in entries], pids, dtype)
-    _AHEAD[tuple(pids)] = _INFLIGHT.pop(token.data_ptr())
+    _AHEAD[tuple(pids)] = _launch_gather([lookup(p).shard for p in pids], pids, dtype)
 
 
 def wait_from_prev(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -129,7 +130,9 @@ def wait_from_prev(shards: list[torch.Tensor], pids: list[int], dtype: torch.dty
         MISSES["other_tensors"] += 1
     else:
         MISSES["missing"] += 1
-    return wait(start(shards, pids, dtype), pids)
+    record = _launch_gather(shards, pids, dtype)
+    record.work.wait()
+    return _split(record)
 
 
 def drop_unused() -> int:

@@ -14,6 +14,8 @@ up).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.profiler import record_function
 
@@ -22,11 +24,17 @@ from . import inflight, registry
 NAMESPACE = "deepcompile"
 
 
+@functools.lru_cache(maxsize=4096)
+def _label(kind: str, pids: tuple[int, ...]) -> str:
+    """The profiler label of a collective, with its parameters' names (built once per group:
+    pids are never reused within a process)."""
+    return f"deepcompile.{kind}[{','.join(registry.lookup(p).name for p in pids)}]"
+
+
 @torch.library.custom_op(f"{NAMESPACE}::allgather_param", mutates_args=())
 def allgather_param(shard: torch.Tensor, pid: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    entry = registry.lookup(pid)
-    with record_function(f"deepcompile.allgather[{entry.name}]"):
-        return entry.gather(shard)
+    with record_function(_label("allgather", (pid,))):
+        return registry.lookup(pid).gather(shard)
 
 
 @allgather_param.register_fake
@@ -36,9 +44,8 @@ def _(shard, pid, shape, dtype):
 
 @torch.library.custom_op(f"{NAMESPACE}::reduce_grad", mutates_args=())
 def reduce_grad(grad: torch.Tensor, pid: int, shard_numel: int, shard_dtype: torch.dtype) -> torch.Tensor:
-    entry = registry.lookup(pid)
-    with record_function(f"deepcompile.reduce_scatter[{entry.name}]"):
-        return entry.reduce_grad(grad)
+    with record_function(_label("reduce_scatter", (pid,))):
+        return registry.lookup(pid).reduce_grad(grad)
 
 
 @reduce_grad.register_fake
@@ -64,8 +71,7 @@ allgather_param.register_autograd(_backward, setup_context=_setup_context)
 # -- asynchronous, fused collectives (inserted after partitioning by prefetch / bucket_reduce) --
 @torch.library.custom_op(f"{NAMESPACE}::allgather_start", mutates_args=())
 def allgather_start(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> torch.Tensor:
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.allgather_start[{names}]"):
+    with record_function(_label("allgather_start", tuple(pids))):
         return inflight.start(shards, pids, dtype)
 
 
@@ -76,8 +82,7 @@ def _(shards, pids, dtype):
 
 @torch.library.custom_op(f"{NAMESPACE}::allgather_wait", mutates_args=())
 def allgather_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.allgather_wait[{names}]"):
+    with record_function(_label("allgather_wait", tuple(pids))):
         return inflight.wait(token, pids)
 
 
@@ -92,8 +97,7 @@ def allgather_for_next(after: torch.Tensor, pids: list[int], dtype: torch.dtype)
     """Start the gather of a group of the NEXT graph's parameters (their shards come from the
     registry); `after` only orders the start after the node that produced it. No output: the
     op is registered as side-effecting so that FX and Inductor keep it."""
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.allgather_for_next[{names}]"):
+    with record_function(_label("allgather_for_next", tuple(pids))):
         inflight.start_for_next(pids, dtype)
 
 
@@ -105,8 +109,7 @@ def _(after, pids, dtype):
 @torch.library.custom_op(f"{NAMESPACE}::allgather_from_prev", mutates_args=())
 def allgather_from_prev(shards: list[torch.Tensor], pids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """The parameters whose gather the previous graph started (gathered here if it did not)."""
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.allgather_from_prev[{names}]"):
+    with record_function(_label("allgather_from_prev", tuple(pids))):
         return inflight.wait_from_prev(shards, pids, dtype)
 
 
@@ -118,8 +121,7 @@ def _(shards, pids, dtype):
 
 @torch.library.custom_op(f"{NAMESPACE}::reduce_start", mutates_args=())
 def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.reduce_start[{names}]"):
+    with record_function(_label("reduce_start", tuple(pids))):
         return inflight.reduce_start(grads, pids)
 
 
@@ -130,8 +132,7 @@ def _(grads, pids):
 
 @torch.library.custom_op(f"{NAMESPACE}::reduce_wait", mutates_args=())
 def reduce_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
-    names = ",".join(registry.lookup(p).name for p in pids)
-    with record_function(f"deepcompile.reduce_wait[{names}]"):
+    with record_function(_label("reduce_wait", tuple(pids))):
         return inflight.reduce_wait(token, pids)
 
 
