@@ -18,6 +18,7 @@ from .runtime.comm import Comm
 from .runtime import inflight
 from .runtime.eager import EagerFallback
 from .runtime.registry import ParamRegistry
+from .runtime.state import StepState
 
 log = logging.getLogger("deepcompile")
 
@@ -80,8 +81,9 @@ class Engine:
         self.device = _model_device(module)
         _check_backend(self.device, dist.get_backend(group))
         self._comm = Comm(group)
+        self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
-                                       reduce_dtype=config.reduce_dtype)
+                                       reduce_dtype=config.reduce_dtype, state=self._state)
         self.optimizer = optimizer(self._registry.trainable_shards())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
@@ -98,6 +100,7 @@ class Engine:
 
     # -- training loop ---------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
         return self._compiled(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -117,6 +120,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self._micro_steps = 0
         self._optimizer_steps += 1
+        self._state.optimizer_steps = self._optimizer_steps
         self._pipeline.end_step()
         return True
 

@@ -27,8 +27,11 @@ def graph_signature(gm: fx.GraphModule, name_of: Callable[[int], str]) -> str:
     lines = []
     for node in gm.graph.nodes:
         args = node.args
-        if node.op == "call_function" and node.target in (ops.ALLGATHER, ops.REDUCE_GRAD):
-            args = (args[0], name_of(int(args[1])), *args[2:])
+        if node.op == "call_function" and node.target in ops.COMM_KINDS:
+            pids = args[1]   # [Note: communication op kinds]: a pid or a list of pids
+            names = [name_of(int(p)) for p in pids] if isinstance(pids, (list, tuple)) \
+                else name_of(int(pids))
+            args = (args[0], names, *args[2:])
         target = node.target if isinstance(node.target, str) else \
             getattr(node.target, "__name__", str(node.target))
         val = node.meta.get("val")

@@ -89,6 +89,10 @@ class Pipeline:
         self.perturb: Callable[[GraphProfile], None] | None = None  # test hook: local profiles
         self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
                                         "calibration_s": 0.0, "passes_s": 0.0, "steady_steps_s": []}
+        # What the runtime holds outside graph values, for the CPU memory model (on CUDA the
+        # allocator counts it): collectives in flight; features that keep more (parameters kept
+        # gathered, optimizer state) add their own source.
+        self.runtime_bytes_sources: list[Callable[[], int]] = [inflight.inflight_bytes]
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
 
@@ -134,10 +138,9 @@ class Pipeline:
             return _compat.inductor_compile_graph(gm, list(args))
         return lambda a: gm.forward(*a)
 
-    @staticmethod
-    def _runtime_bytes() -> int:
-        """Buffers the runtime holds outside graph values: collectives in flight."""
-        return inflight.inflight_bytes()
+    def _runtime_bytes(self) -> int:
+        """Buffers the runtime holds outside graph values (`runtime_bytes_sources`)."""
+        return sum(source() for source in self.runtime_bytes_sources)
 
     # -- schedule ---------------------------------------------------------------------------
     def end_step(self) -> None:

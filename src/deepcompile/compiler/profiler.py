@@ -24,14 +24,7 @@ from torch import fx
 
 from ..runtime import ops
 
-COMM_KINDS = {ops.ALLGATHER: "all_gather", ops.REDUCE_GRAD: "reduce_scatter",
-              ops.ALLGATHER_START: "all_gather_start", ops.ALLGATHER_WAIT: "all_gather_wait",
-              ops.ALLGATHER_FOR_NEXT: "all_gather_start", ops.ALLGATHER_FROM_PREV: "all_gather_wait",
-              ops.REDUCE_START: "reduce_scatter_start", ops.REDUCE_WAIT: "reduce_scatter_wait"}
-# one collective each
-LAUNCH_KINDS = ("all_gather", "reduce_scatter", "all_gather_start", "reduce_scatter_start")
-# the host waits on communication
-BLOCKING_KINDS = ("all_gather", "reduce_scatter", "all_gather_wait", "reduce_scatter_wait")
+COMM_KINDS = ops.COMM_KINDS   # op -> kind ([Note: communication op kinds] in runtime/ops.py)
 
 
 @dataclasses.dataclass
@@ -62,13 +55,13 @@ class GraphProfile:
 
     def exposed_comm_s(self) -> float:
         """Time the graph spends blocked on communication (sync collectives and waits)."""
-        return sum(n.time_s for n in self.nodes if n.kind in BLOCKING_KINDS)
+        return sum(n.time_s for n in self.nodes if n.kind in ops.BLOCKING)
 
     def compute_s(self) -> float:
         return sum(n.time_s for n in self.nodes if n.kind == "compute")
 
     def collectives(self) -> int:
-        return sum(1 for n in self.nodes if n.kind in LAUNCH_KINDS)
+        return sum(1 for n in self.nodes if n.kind in ops.LAUNCHES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,8 +73,9 @@ def collectives_launched(gm: fx.GraphModule) -> dict[str, int]:
     counts = {"all_gather": 0, "reduce_scatter": 0}
     for node in gm.graph.nodes:
         kind = COMM_KINDS.get(node.target) if node.op == "call_function" else None
-        if kind in LAUNCH_KINDS:
-            counts[kind.removesuffix("_start")] += 1
+        if kind in ops.LAUNCHES:
+            launched = ops.LAUNCHES[kind]
+            counts[launched] = counts.get(launched, 0) + 1
     return counts
 
 

@@ -39,21 +39,28 @@ class Pass:
     plan: Callable[[PassContext], dict]
     apply: Callable[[PassContext, dict], list[str]]
     description: str = ""
+    # decisions -> lines for the report (what was decided, what it costs and saves); optional
+    summary: Callable[[dict], list[str]] | None = None
 
 
 _REGISTRY: dict[str, Pass] = {}
 
 
 def register_pass(name: str, plan: Callable[[PassContext], dict],
-                  apply: Callable[[PassContext, dict], list[str]], description: str = "") -> Pass:
-    """Register an optimization pass under `name` (then usable in `Config(passes=(name,))`)."""
+                  apply: Callable[[PassContext, dict], list[str]], description: str = "",
+                  summary: Callable[[dict], list[str]] | None = None) -> Pass:
+    """Register an optimization pass under `name` (then usable in `Config(passes=(name,))`).
+
+    `summary(decisions)`, if given, returns the lines `engine.report()` prints for the pass."""
     if not isinstance(name, str) or not name:
         raise ValueError("register_pass: name must be a non-empty string")
     if name in _REGISTRY:
         raise ValueError(f"register_pass: a pass named {name!r} is already registered")
     if not callable(plan) or not callable(apply):
         raise TypeError("register_pass: plan and apply must be callables")
-    _REGISTRY[name] = Pass(name, plan, apply, description)
+    if summary is not None and not callable(summary):
+        raise TypeError("register_pass: summary must be a callable or None")
+    _REGISTRY[name] = Pass(name, plan, apply, description, summary)
     return _REGISTRY[name]
 
 

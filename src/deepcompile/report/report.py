@@ -106,6 +106,10 @@ class Report:
                            f"{b['collectives']:>6} -> {a['collectives']:<4} "
                            f"{b['exposed_comm_s'] * 1e3:>7.2f} -> {a['exposed_comm_s'] * 1e3:<7.2f} "
                            f"{_mib(b['peak_bytes']):>6} -> {_mib(a['peak_bytes']):<6}")
+            for e in self.passes:
+                lines = _pass_summary(e["pass"], e["decisions"])
+                if lines:
+                    out += ["", f"{e['pass']}:"] + [f"  {line}" for line in lines]
         if self.step_summary:
             s = self.step_summary
             out += ["", f"profiled step: {s['collectives']} collectives, comm {s['comm_s'] * 1e3:.2f} ms "
@@ -124,3 +128,11 @@ class Report:
         out.append("collectives since initialize: " + (", ".join(
             f"{k} {v['count']} ({_mib(v['bytes'])} MiB)" for k, v in self.comm.items()) or "none"))
         return "\n".join(out)
+
+
+def _pass_summary(name: str, decisions: dict) -> list[str]:
+    from ..passes import get_pass, known_passes
+
+    if name not in known_passes() or get_pass(name).summary is None:
+        return []
+    return list(get_pass(name).summary(decisions))

@@ -15,6 +15,7 @@ up).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -65,7 +66,6 @@ def _backward(ctx, grad):
 
 
 allgather_param.register_autograd(_backward, setup_context=_setup_context)
-
 
 
 # -- asynchronous, fused collectives (inserted after partitioning by prefetch / bucket_reduce) --
@@ -142,6 +142,25 @@ def _(token, pids):
     return [token.new_empty((e.shard.numel(),), dtype=e.shard.dtype) for e in entries]
 
 
+# [Note: communication op kinds] Every op that communicates is registered here with its kind,
+# so that the profiler, the report and the passes classify graph nodes without knowing every
+# op: `launches` names the collective one run of the op starts (counted per graph run), and
+# `blocking` says the host waits on communication in it (exposed communication time). Modules
+# that define more communication ops register them with `register_comm_op` at import time.
+# Convention: a communication op's second argument is its parameter id, or the list of them.
+COMM_KINDS: dict[Any, str] = {}     # op overload -> kind
+LAUNCHES: dict[str, str] = {}        # kind -> the collective it launches ("all_gather", ...)
+BLOCKING: set[str] = set()           # kinds in which the host waits on communication
+
+
+def register_comm_op(op, kind: str, *, launches: str | None = None, blocking: bool = False) -> None:
+    COMM_KINDS[op] = kind
+    if launches is not None:
+        LAUNCHES[kind] = launches
+    if blocking:
+        BLOCKING.add(kind)
+
+
 ALLGATHER = torch.ops.deepcompile.allgather_param.default
 ALLGATHER_START = torch.ops.deepcompile.allgather_start.default
 ALLGATHER_WAIT = torch.ops.deepcompile.allgather_wait.default
@@ -151,3 +170,12 @@ torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
 REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default
 REDUCE_START = torch.ops.deepcompile.reduce_start.default
 REDUCE_WAIT = torch.ops.deepcompile.reduce_wait.default
+
+register_comm_op(ALLGATHER, "all_gather", launches="all_gather", blocking=True)
+register_comm_op(REDUCE_GRAD, "reduce_scatter", launches="reduce_scatter", blocking=True)
+register_comm_op(ALLGATHER_START, "all_gather_start", launches="all_gather")
+register_comm_op(ALLGATHER_FOR_NEXT, "all_gather_start", launches="all_gather")
+register_comm_op(ALLGATHER_WAIT, "all_gather_wait", blocking=True)
+register_comm_op(ALLGATHER_FROM_PREV, "all_gather_wait", blocking=True)
+register_comm_op(REDUCE_START, "reduce_scatter_start", launches="reduce_scatter")
+register_comm_op(REDUCE_WAIT, "reduce_scatter_wait", blocking=True)

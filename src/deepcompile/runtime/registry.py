@@ -22,6 +22,7 @@ from torch import nn
 
 from . import memory
 from .comm import Comm
+from .state import StepState
 
 _NEXT_PID = itertools.count()
 _ENTRIES: "weakref.WeakValueDictionary[int, ParamEntry]" = weakref.WeakValueDictionary()
@@ -38,6 +39,7 @@ class ParamEntry:
     compute_dtype: torch.dtype     # dtype of the gathered parameter
     reduce_dtype: torch.dtype      # dtype of the gradient reduce-scatter
     comm: Comm
+    state: StepState               # the engine's step state (shared by its entries)
 
     @property
     def padded_numel(self) -> int:
@@ -92,8 +94,9 @@ class ParamRegistry:
     """The sharded parameters of one engine's module."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, param_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None) -> None:
+                 reduce_dtype: torch.dtype | None, state: StepState | None = None) -> None:
         self.comm = comm
+        self.state = state if state is not None else StepState()
         self.entries: list[ParamEntry] = []
         self._by_id: dict[int, ParamEntry] = {}
         # (compiled-for pid, actual pid) pairs seen when Dynamo reused a graph for other
@@ -123,7 +126,7 @@ class ParamRegistry:
         entry = ParamEntry(
             pid=next(_NEXT_PID), names=names, param=p, shape=p.shape, numel=p.numel(),
             shard=nn.Parameter(shard, requires_grad=p.requires_grad), compute_dtype=compute,
-            reduce_dtype=reduce_dtype or compute, comm=comm)
+            reduce_dtype=reduce_dtype or compute, comm=comm, state=self.state)
         # Free the module parameter: same shape/stride, compute dtype, zero-size storage.
         p.data = torch.empty(p.shape, dtype=compute, device=p.device)
         entry.release()
