@@ -1,11 +1,13 @@
 """Steady-state step time of deepcompile configurations on a tiny Llama, interleaved launches.
 
     python benchmarks/step_time.py --launches 5 --steps 14 --configs insertion prefetch prefetch+bucket_reduce
+    python benchmarks/step_time.py --launches 5 --steps 14 --batch 1 --seq 64 --configs zero1 zero2
 
 Each launch spawns `--nproc` gloo ranks on this machine and trains for `--steps` optimizer
 steps; the configurations are interleaved launch by launch (the machine's load drifts). Per
 launch: the median steady-state step time (after warm-up, profiling and passes), the median
-profiled step time, all-gathers per optimizer step, and the profile's exposed communication.
+profiled step time, all-gathers per optimizer step, every collective's count and bytes in the
+last optimizer step, and the profile's exposed communication.
 Reports the median of launch medians with min and max, and writes JSON under
 benchmarks/results/<date>-<machine>/.
 """
@@ -31,6 +33,9 @@ CONFIGS = {
     "insertion": {"passes": ()},
     "prefetch": {"passes": ("prefetch",)},
     "prefetch+bucket_reduce": {"passes": ("prefetch", "bucket_reduce")},
+    # ZeRO-1/2 with their default pass (bucket_reduce)
+    "zero1": {"zero_stage": 1},
+    "zero2": {"zero_stage": 2},
 }
 
 
@@ -56,23 +61,25 @@ def _rank(rank, world, port, name, args, queue):
         config={"compiler": args.compiler, "gradient_accumulation_steps": args.gas,
                 **CONFIGS[name]})
     g = torch.Generator().manual_seed(rank)
-    gathers, reduces = [], []
+    per_step = []   # {kind: (count, bytes)} of each optimizer step
     for _ in range(args.steps):
-        before = engine.comm_stats()["all_gather"]["count"]
-        before_rs = engine.comm_stats()["reduce_scatter"]["count"]
+        before = engine.comm_stats()
         for _ in range(args.gas):
             ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
             engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-        gathers.append(engine.comm_stats()["all_gather"]["count"] - before)
-        reduces.append(engine.comm_stats()["reduce_scatter"]["count"] - before_rs)
+        after = engine.comm_stats()
+        per_step.append({k: (after[k]["count"] - before.get(k, {}).get("count", 0),
+                             after[k]["bytes"] - before.get(k, {}).get("bytes", 0))
+                         for k in ("all_gather", "reduce_scatter", "all_reduce")})
     rep = engine.report().to_dict()
     t = rep["timings"]
     if rank == 0:
         queue.put({"config": name, "steady_step_s": statistics.median(t["steady_steps_s"]),
                    "profiled_step_s": statistics.median(t["profiled_steps_s"]),
-                   "all_gathers_per_step": gathers[-1],
-                   "reduce_scatters_per_step": reduces[-1],
+                   "all_gathers_per_step": per_step[-1]["all_gather"][0],
+                   "reduce_scatters_per_step": per_step[-1]["reduce_scatter"][0],
+                   "comm_per_step": per_step[-1],   # kind -> [count, bytes], last step
                    "exposed_comm_s": rep["step_summary"]["exposed_comm_s"],
                    "peak_bytes": rep["step_summary"]["peak_bytes"]})
     dist.destroy_process_group()
@@ -116,7 +123,9 @@ def main(argv=None):
             print(f"launch {i + 1}/{args.launches} {c}: steady {r['steady_step_s'] * 1e3:.1f} ms, "
                   f"profiled {r['profiled_step_s'] * 1e3:.1f} ms, all-gathers/step "
                   f"{r['all_gathers_per_step']}, reduce-scatters/step "
-                  f"{r['reduce_scatters_per_step']}, exposed comm {r['exposed_comm_s'] * 1e3:.1f} ms",
+                  f"{r['reduce_scatters_per_step']}, exposed comm {r['exposed_comm_s'] * 1e3:.1f} ms; "
+                  "per step " + ", ".join(f"{k} {c} ({b / 2**20:.3f} MiB)"
+                                          for k, (c, b) in r["comm_per_step"].items()),
                   flush=True)
     summary = {}
     for c, rs in runs.items():
@@ -127,6 +136,7 @@ def main(argv=None):
                           r["profiled_step_s"] / r["steady_step_s"] for r in rs),
                       "all_gathers_per_step": rs[-1]["all_gathers_per_step"],
                       "reduce_scatters_per_step": rs[-1]["reduce_scatters_per_step"],
+                      "comm_per_step": rs[-1]["comm_per_step"],
                       "exposed_comm_ms": statistics.median(r["exposed_comm_s"] for r in rs) * 1e3,
                       "peak_bytes": rs[-1]["peak_bytes"]}
         print(f"{c:>22}: steady step median {summary[c]['steady_step_ms']['median']:.1f} ms "

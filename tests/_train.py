@@ -9,7 +9,8 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "config": {"compiler": "fx", "gradient_accumulation_steps": 4, "max_grad_norm": 0.1},
      "steps": 8,                            # optimizer steps
      "record": ("comm", "memory")}          # optional extra measurements: "comm",
-                                            # "memory", "initial_state", "step_every_micro"
+                                            # "memory", "initial_state", "step_every_micro",
+                                            # "report", "replicas"
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -146,6 +147,8 @@ def _memory_snapshot(engine) -> dict:
         "opt_param_is_parameter": [isinstance(p, torch.nn.Parameter) for p in oparams],
         "opt_grads": [None if p.grad is None else p.grad.numel() for p in oparams],
         "opt_state_numel": state_numel,
+        # ZeRO-1: full gradients kept locally between micro-steps (0 at other stages)
+        "local_grad_bytes": engine._registry.local_grad_bytes(),
     }
 
 
@@ -224,6 +227,11 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
     res["state"] = {k: v.detach().clone() for k, v in state.items()}
     res["state_devices"] = sorted({str(v.device) for v in state.values()})
     res["graphs"] = _graph_stats()
+    if "report" in record:
+        res["report"] = engine.report().to_dict()
+    if "replicas" in record:   # the module's own parameters (ZeRO-1/2: replicated)
+        res["replicas"] = {n: p.detach().clone() for n, p in
+                           engine.module.named_parameters(remove_duplicate=False)}
     res["opt_param_dtypes"] = sorted({str(p.dtype) for g in engine.optimizer.param_groups
                                       for p in g["params"]})
     res["seconds"] = time.perf_counter() - t0

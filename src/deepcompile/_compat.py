@@ -43,6 +43,39 @@ def static_fake(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
     return fake_mode.from_tensor(tensor, static_shapes=True)
 
 
+def extend_graph_inputs(gm: torch.fx.GraphModule, names: Sequence[str],
+                        example_values: Sequence[Any]):
+    """A copy of Dynamo's graph module with extra trailing inputs; returns (copy, new nodes).
+
+    Dynamo's own graph is left untouched (Dynamo reads its placeholders after the backend
+    returns). The new placeholders have no Dynamo source, which AOTAutograd accepts (as for
+    DDPOptimizer's submodules); the module-level metadata AOTAutograd reads is carried over."""
+    graph = torch.fx.Graph()
+    val_map: dict = {}
+    out_value, _ = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in old:
+        val_map[n]._dynamo_source = getattr(n, "_dynamo_source", None)
+    last = val_map[old[-1]] if old else None
+    added = []
+    for name, value in zip(names, example_values):
+        if last is None:
+            node = graph.placeholder(name)
+        else:
+            with graph.inserting_after(last):
+                node = graph.placeholder(name)
+        node.meta["example_value"] = value
+        node._dynamo_source = None
+        added.append(node)
+        last = node
+    graph.output(out_value)
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta = gm.meta
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    return new, added
+
+
 def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
                           partition_fn, decompositions=None):
     from torch._functorch.aot_autograd import aot_module_simplified as _aot

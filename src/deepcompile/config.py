@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 _COMPILERS = ("inductor", "fx")
-_SUPPORTED_STAGES = (3,)
+_SUPPORTED_STAGES = (1, 2, 3)
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -42,14 +42,20 @@ def _dtype(key: str, value: Any) -> torch.dtype | None:
 class Config:
     """How deepcompile shards, compiles and steps a model.
 
-    zero_stage: 3 (parameters, gradients and optimizer state sharded).
+    zero_stage: 3 (parameters, gradients and optimizer state sharded); 2 (gradients and
+        optimizer state sharded, parameters replicated; gradients reduce-scattered every
+        micro-step); 1 (optimizer state sharded; gradients accumulated locally over the
+        micro-steps and reduce-scattered once per optimizer step). Every stage keeps fp32
+        masters (under param_dtype) in the sharded optimizer state.
     compiler: "inductor" (code generation) or "fx" (partitioned FX graphs run as Python;
         for debugging and fast CPU tests).
     gradient_accumulation_steps: micro-steps per optimizer step (>= 1).
     max_grad_norm: global-norm clipping over all shards when set (> 0).
     param_dtype: compute dtype of gathered parameters (masters stay fp32); None = as loaded.
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
-    passes: optimization passes by name, applied in order; () = insertion only.
+    passes: optimization passes by name, applied in order; () = insertion only; None (the
+        default) = ("bucket_reduce",) at stages 1 and 2 (bucketed, overlapped reduce-scatters
+        are part of what these stages promise; () when profile_steps is 0), () at stage 3.
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
@@ -64,7 +70,7 @@ class Config:
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    passes: tuple[str, ...] = ()
+    passes: tuple[str, ...] | None = None
     warmup_steps: int = 2
     profile_steps: int = 1
     memory_budget: int | float | None = None
@@ -92,6 +98,8 @@ class Config:
         set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
         passes = self.passes
+        if passes is None:
+            passes = ("bucket_reduce",) if self.zero_stage < 3 and self.profile_steps != 0 else ()
         if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
                              "allowed: a sequence of pass names")

@@ -15,7 +15,7 @@ from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
-from .runtime import inflight
+from .runtime import inflight, replicas
 from .runtime.eager import EagerFallback
 from .runtime.registry import ParamRegistry
 from .runtime.state import StepState
@@ -83,14 +83,17 @@ class Engine:
         self._comm = Comm(group)
         self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
-                                       reduce_dtype=config.reduce_dtype, state=self._state)
+                                       reduce_dtype=config.reduce_dtype, state=self._state,
+                                       zero_stage=config.zero_stage)
         self.optimizer = optimizer(self._registry.trainable_shards())
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        self._fallback = EagerFallback(module, self._registry)
+        self._fallback = EagerFallback(module, self._registry, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
                                   device=self.device, engine_fingerprint=self._fingerprint())
+        if config.zero_stage == 1:   # gradients kept locally between micro-steps
+            self._pipeline.runtime_bytes_sources.append(self._registry.local_grad_bytes)
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0
@@ -114,10 +117,14 @@ class Engine:
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
         self._drop_unused_prefetches()
+        if self.config.zero_stage == 1:
+            self._registry.flush_local_grads()
         if self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.config.zero_stage < 3:   # the replicas take the updated shards
+            replicas.refresh([e for e in self._registry if e.shard.requires_grad])
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps

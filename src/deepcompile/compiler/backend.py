@@ -5,17 +5,22 @@ For each Dynamo graph:
   2. insertion (ZeRO-3): swap each parameter input for its shard and follow it with
      `allgather_param`, placed just before the parameter's first use and tagged MUST_RECOMPUTE,
      so the partitioner re-gathers in the backward instead of saving the full parameter;
+     (ZeRO-1/2): the replicated parameters stay inputs; each trainable one gets its shard as
+     an extra input, which receives the reduced gradient ([Note: gradients to shards] in
+     compiler/replicated.py);
   3. AOTAutograd partitions the joint graph (min-cut; honours the recompute tags; with Inductor's
      decompositions when the final compiler is Inductor); every partitioned forward graph is
      checked: no gathered parameter may be saved for backward;
   4. each partitioned graph becomes a pipeline slot (compiler/slots.py): profiled, rewritten by
      the passes, and finally compiled by Inductor or run as FX code ("fx").
-The returned callable swaps each parameter argument for its shard at run time.
+The returned callable swaps each parameter argument for its shard at run time (ZeRO-1/2:
+appends the shards).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -26,6 +31,7 @@ from .. import _compat
 from ..runtime import ops
 from ..runtime.registry import ParamEntry, ParamRegistry, lookup
 from . import graph as G
+from . import replicated
 from .pipeline import Pipeline
 
 log = logging.getLogger("deepcompile")
@@ -70,10 +76,16 @@ class Backend:
         self.records.append(record)
 
         fake_mode = _compat.detect_fake_mode(example_inputs)
-        inputs = list(example_inputs)
-        for i, entry in params:
-            inputs[i] = _compat.static_fake(fake_mode, entry.shard) if fake_mode else entry.shard
-        _insert_gathers(gm, [(placeholders[i], entry, inputs[i]) for i, entry in params], fake_mode)
+        if self.registry.zero_stage == 3:
+            inputs = list(example_inputs)
+            for i, entry in params:
+                inputs[i] = _compat.static_fake(fake_mode, entry.shard) if fake_mode else entry.shard
+            _insert_gathers(gm, [(placeholders[i], entry, inputs[i]) for i, entry in params],
+                            fake_mode)
+            partition_fn = _partition
+        else:
+            gm, inputs, links = replicated.add_shard_inputs(gm, example_inputs, params, fake_mode)
+            partition_fn = functools.partial(_partition, links=links, n_inputs=len(inputs))
 
         def make_slot(kind: str):
             def compile_piece(piece: fx.GraphModule, _example_inputs):
@@ -92,11 +104,13 @@ class Backend:
         with _compat.no_autograd_cache():
             compiled = _compat.aot_module_simplified(
                 gm, inputs, fw_compiler=make_slot("fw"), bw_compiler=make_slot("bw"),
-                inference_compiler=make_slot("inference"), partition_fn=_partition,
+                inference_compiler=make_slot("inference"), partition_fn=partition_fn,
                 decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None)
-        log.info("deepcompile: graph %d: %d parameters gathered (%s)", record.index, len(params),
-                 self.compiler)
-        return _swap_params(compiled, params, self.registry)
+        log.info("deepcompile: graph %d: %d parameters %s (%s)", record.index, len(params),
+                 "gathered" if self.registry.zero_stage == 3 else "replicated", self.compiler)
+        if self.registry.zero_stage == 3:
+            return _swap_params(compiled, params, self.registry)
+        return replicated.append_shards(compiled, links, self.registry, _reused_entry)
 
 
 def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
@@ -121,13 +135,18 @@ def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
     gm.recompile()
 
 
-def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+def _partition(joint: fx.GraphModule, joint_inputs, links=None, n_inputs: int = 0, **kwargs):
     """Min-cut partitioning, with every alias of a gathered parameter recomputed too.
 
     The gather is tagged MUST_RECOMPUTE, but the min-cut partitioner may still save a *view*
     of it (a transpose of a grouped-GEMM expert weight, for instance), which keeps the whole
     gathered parameter alive until the backward. Views (and `_unsafe_view`) of gathered values
-    inherit the tag, so the backward re-gathers and re-derives them."""
+    inherit the tag, so the backward re-gathers and re-derives them.
+
+    ZeRO-1/2 (`links`): the replicas' gradients are routed to the shards first."""
+    if links is not None:
+        replicated.route_grads_to_shards(joint, joint_inputs, links, n_inputs,
+                                         kwargs["num_fwd_outputs"])
     policy = _compat.must_recompute_policy()
     stack = G.call_nodes(joint, ops.ALLGATHER)
     while stack:

@@ -141,9 +141,15 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                    for b in buckets]
         for b, anchor in zip(buckets, anchors):
             members = [nx.by_name[name] for name in b["members"]]
+            args = ([m.args[0] for m in members], list(b["pids"]))
+            shards = [m.args[4] if len(m.args) > 4 else None for m in members]
+            if any(sh is not None for sh in shards):   # ZeRO-1: the gradients' owners
+                if any(sh is None for sh in shards):
+                    raise RuntimeError(f"deepcompile bucket_reduce: {key}: a bucket mixes "
+                                       "reductions with and without their shards")
+                args += (shards,)
             with graph.inserting_after(nx.by_name[b["start_after"]]):
-                start = graph.call_function(ops.REDUCE_START,
-                                            ([m.args[0] for m in members], list(b["pids"])))
+                start = graph.call_function(ops.REDUCE_START, args)
             start.meta["val"] = _fake_in_flight(members)
             with graph.inserting_before(anchor):
                 wait = graph.call_function(ops.REDUCE_WAIT, (start, list(b["pids"])))

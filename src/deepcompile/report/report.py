@@ -60,7 +60,8 @@ class Report:
             config=engine.config.to_dict(),
             phase=pipe.phase.value,
             parameters={"tensors": len(reg), "numel": sum(e.numel for e in reg),
-                        "shard_numel": sum(e.shard.numel() for e in reg)},
+                        "shard_numel": sum(e.shard.numel() for e in reg),
+                        "replicated": reg.zero_stage < 3},
             memory_budget_bytes=None if budget == float("inf") else budget,
             cost_model=pipe.cost.to_dict() if hasattr(pipe.cost, "to_dict") else None,
             graphs=graphs,
@@ -83,7 +84,9 @@ class Report:
             f"deepcompile: ZeRO-{c['zero_stage']} over {self.world_size} ranks, compiler={c['compiler']}, "
             f"passes={', '.join(c['passes']) or 'insertion only'}, phase={self.phase}",
             f"parameters: {self.parameters['tensors']} tensors, {self.parameters['numel']:,} elements; "
-            f"this rank's shards: {self.parameters['shard_numel']:,} elements; memory budget: "
+            f"this rank's shards: {self.parameters['shard_numel']:,} elements"
+            + ("; module parameters replicated (refreshed after each optimizer step)"
+               if self.parameters.get("replicated") else "") + "; memory budget: "
             + ("unbounded" if self.memory_budget_bytes is None else f"{_mib(self.memory_budget_bytes)} MiB"),
             "",
             f"{'slot':<10} {'ver':>3} {'nodes':>5} {'gathers':>7} {'reduces':>7} {'calls':>5} "

@@ -9,6 +9,11 @@ nothing full-size outlives the forward.  Gradients that eager autograd accumulat
 module parameter are reduce-scattered into the shard's gradient at once.
 
 The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves).
+
+ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
+reads them directly and no forward hooks are installed; only the gradient hook is, so that a
+gradient eager autograd accumulates into a replica is reduced into its shard at once (ZeRO-1:
+kept local until the last micro-step) and no replicated `.grad` stays behind.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ class _SavedParamRef:
 
 
 class EagerFallback:
-    def __init__(self, module: nn.Module, registry: ParamRegistry) -> None:
+    def __init__(self, module: nn.Module, registry: ParamRegistry, gather: bool = True) -> None:
         self._registry = registry
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
         self._by_ptr: dict[int, ParamEntry] = {}  # data_ptr of materialized storage -> entry
         self._handles = []
-        for mod in module.modules():
+        for mod in module.modules() if gather else ():
             entries = [registry.entry_for(p) for p in mod._parameters.values() if p is not None]
             entries = [e for e in entries if e is not None]
             if not entries:
@@ -99,6 +104,8 @@ class EagerFallback:
     def _grad_hook(self, entry: ParamEntry):
         def hook(param: torch.Tensor) -> None:
             grad, param.grad = param.grad, None
+            if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
+                return
             shard_grad = entry.reduce_grad(grad)
             if entry.shard.grad is None:
                 entry.shard.grad = shard_grad

@@ -11,7 +11,9 @@ buffer is `[world, sum(shard_numel)]`, and parameter i is column block i of it. 
 exactly a plain gather (its full tensor is a view of the buffer, no copy).
 
 `reduce_start(grads, pids)` launches ONE reduce-scatter for a bucket of full gradients and
-`reduce_wait(token, pids)` returns each parameter's averaged shard gradient. The bucket is the
+`reduce_wait(token, pids)` returns each parameter's averaged shard gradient (ZeRO-1 before the
+last micro-step: nothing is launched, the gradients are kept locally, the shard gradients are
+zeros; [Note: ZeRO-1 local accumulation] in registry.py). The bucket is the
 mirror image of a fused gather: each padded gradient is viewed as `[world, shard_numel]` and the
 bucket is their concatenation along dim 1, so rank r receives the concatenation of its shards.
 """
@@ -23,7 +25,7 @@ import dataclasses
 import torch
 
 from . import memory
-from .registry import ParamEntry, lookup
+from .registry import ParamEntry, lookup, lookup_shard
 
 
 @dataclasses.dataclass
@@ -58,7 +60,8 @@ def _pop(token: torch.Tensor, pids: list[int], what: str) -> _InFlight:
     if record is None:
         raise RuntimeError(f"deepcompile: {what} on a token with no collective in flight "
                            "(waited twice, or the start was removed from the graph)")
-    record.work.wait()
+    if record.work is not None:
+        record.work.wait()
     if [e.pid for e in record.entries] != list(pids):
         raise RuntimeError(f"deepcompile: {what} for {list(pids)} got the collective of "
                            f"{[e.pid for e in record.entries]}")
@@ -145,14 +148,24 @@ def drop_unused() -> int:
     return n
 
 
-def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
+def reduce_start(grads: list[torch.Tensor], pids: list[int],
+                 shards: list[torch.Tensor] | None = None) -> torch.Tensor:
     entries = [lookup(pid) for pid in pids]
     comm, dtype = entries[0].comm, entries[0].reduce_dtype
     if any(e.reduce_dtype != dtype for e in entries):
         raise RuntimeError("deepcompile: a reduce bucket mixes reduce dtypes")
+    # ZeRO-1: the parameters that own the gradients ([Note: ZeRO-1 local accumulation])
+    owners = entries if shards is None else [lookup_shard(s) for s in shards]
+    defer = {o.defers_reduce() for o in owners}
+    if defer == {True}:   # before the last micro-step: kept local, nothing communicated
+        for g, o in zip(grads, owners):
+            o.accumulate_local(g)
+        return _token(grads[0].device, _InFlight(None, grads[0].new_empty(0), entries))
+    if len(defer) > 1:
+        raise RuntimeError("deepcompile: a reduce bucket mixes deferred and immediate reductions")
     blocks = []
-    for g, e in zip(grads, entries):
-        flat = g.detach().reshape(-1).to(dtype)
+    for g, e, o in zip(grads, entries, owners):
+        flat = o.take_local(g.detach()).reshape(-1).to(dtype)
         if e.padded_numel != e.numel:
             flat = torch.nn.functional.pad(flat, (0, e.padded_numel - e.numel))
         blocks.append(flat.view(comm.world, -1))
@@ -163,6 +176,8 @@ def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
 
 def reduce_wait(token: torch.Tensor, pids: list[int]) -> list[torch.Tensor]:
     record = _pop(token, pids, "reduce_wait")
+    if record.work is None:   # deferred (ZeRO-1): zero shard gradients
+        return [e.shard.new_zeros(e.shard.shape) for e in record.entries]
     out = record.out.div_(record.entries[0].comm.world)
     if len(record.entries) == 1:
         e = record.entries[0]

@@ -44,13 +44,17 @@ def _(shard, pid, shape, dtype):
 
 
 @torch.library.custom_op(f"{NAMESPACE}::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, pid: int, shard_numel: int, shard_dtype: torch.dtype) -> torch.Tensor:
+def reduce_grad(grad: torch.Tensor, pid: int, shard_numel: int, shard_dtype: torch.dtype,
+                shard: torch.Tensor | None = None) -> torch.Tensor:
+    """`shard` (ZeRO-1 only): the shard whose gradient this is; it names the parameter that
+    keeps the gradient locally before the last micro-step ([Note: ZeRO-1 local accumulation])."""
     with record_function(_label("reduce_scatter", (pid,))):
-        return registry.lookup(pid).reduce_grad(grad)
+        entry = registry.lookup(pid)
+        return entry.reduce_grad(grad, None if shard is None else registry.lookup_shard(shard))
 
 
 @reduce_grad.register_fake
-def _(grad, pid, shard_numel, shard_dtype):
+def _(grad, pid, shard_numel, shard_dtype, shard=None):
     return grad.new_empty((shard_numel,), dtype=shard_dtype)
 
 
@@ -119,14 +123,16 @@ def _(shards, pids, dtype):
     return [shards[0].new_empty(e.shape, dtype=dtype) for e in entries]
 
 
-@torch.library.custom_op(f"{NAMESPACE}::reduce_start", mutates_args=())
-def reduce_start(grads: list[torch.Tensor], pids: list[int]) -> torch.Tensor:
+@torch.library.custom_op(f"{NAMESPACE}::reduce_start", mutates_args=(),
+                         schema="(Tensor[] grads, int[] pids, Tensor[]? shards=None) -> Tensor")
+def reduce_start(grads, pids, shards=None):  # (an optional list has no Python annotation here)
+    """`shards`: as `reduce_grad`'s `shard`, one per gradient (ZeRO-1 only)."""
     with record_function(_label("reduce_start", tuple(pids))):
-        return inflight.reduce_start(grads, pids)
+        return inflight.reduce_start(grads, pids, shards)
 
 
 @reduce_start.register_fake
-def _(grads, pids):
+def _(grads, pids, shards=None):
     return grads[0].new_empty((1,), dtype=torch.uint8)
 
 

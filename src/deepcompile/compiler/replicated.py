@@ -1,0 +1,128 @@
+"""Insertion for ZeRO-1 and ZeRO-2: replicated parameters in, reduced shard gradients out.
+
+[Note: gradients to shards] At stages 1 and 2 the module's parameters are materialized
+replicas (compute dtype) and stay plain graph inputs: the forward needs no gather. What the
+backward must produce is each parameter's gradient reduce-scattered into its shard, without a
+replicated `param.grad` ever existing (ZeRO-2: gradient memory 1/N) and without copying
+parameters. So:
+
+1. the backend gives each Dynamo graph one extra trailing input per trainable parameter: its
+   shard (a leaf that requires grad; static-shape fake), in a copy of Dynamo's graph module;
+   the forward does not use it; the run-time wrapper passes the shard of the parameter
+   actually given (graph reuse: [Note: graph reuse] in backend.py);
+2. AOTAutograd traces the joint graph, where the replica's gradient is an output and the
+   unused shard's is None; our partition function (before min-cut) maps the joint graph's
+   primals to (replica, shard) pairs by position — Dynamo's inputs follow any inputs AOT
+   prepends — with a loud check of shapes and dtypes, then rewires: the replica's gradient
+   output becomes None and the shard's becomes `reduce_grad(grad, pid, ...)`, placed right
+   after the node that completes the gradient (so `bucket_reduce` can start it early);
+3. from then on everything is by `pid`: the reduced shard gradient reaches `shard.grad`
+   through ordinary autograd, as at ZeRO-3; accumulation across micro-steps, tied weights and
+   graph breaks need nothing else. ZeRO-1 also hands the shard to the op, which keeps the
+   gradient local before the last micro-step ([Note: ZeRO-1 local accumulation]).
+
+Bucketing and overlap are the `bucket_reduce` pass's job (the default for these stages: see
+config.py): it finds these `reduce_grad` nodes like ZeRO-3's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .. import _compat
+from ..runtime import ops
+from ..runtime.registry import ParamEntry, ParamRegistry
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A replicated parameter input and the shard input added for its gradient."""
+    param_pos: int     # position among the Dynamo graph's inputs
+    shard_pos: int     # position of the added shard input (after Dynamo's inputs)
+    entry: ParamEntry
+
+
+def add_shard_inputs(gm: fx.GraphModule, example_inputs: list[Any],
+                     params: list[tuple[int, ParamEntry]], fake_mode):
+    """(graph module with the shard inputs, its example inputs, links); see step 1 above."""
+    trainable = [(i, e) for i, e in params if e.shard.requires_grad]
+    n = len(example_inputs)
+    shards = [_compat.static_fake(fake_mode, e.shard) if fake_mode else e.shard
+              for _, e in trainable]
+    new_gm, _ = _compat.extend_graph_inputs(gm, [f"shard_{e.pid}" for _, e in trainable], shards)
+    links = [Link(i, n + k, e) for k, (i, e) in enumerate(trainable)]
+    return new_gm, list(example_inputs) + shards, links
+
+
+def route_grads_to_shards(joint: fx.GraphModule, joint_inputs, links: list[Link],
+                          n_inputs: int, num_fwd_outputs: int) -> int:
+    """Step 2 above, on the joint graph; returns the number of reduces inserted."""
+    primals = joint_inputs[0] if isinstance(joint_inputs, tuple) else joint_inputs
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    grads = outs[num_fwd_outputs:]
+    offset = len(primals) - n_inputs
+    if offset < 0 or len(grads) != len(primals):
+        raise RuntimeError(f"deepcompile: unexpected joint graph layout ({len(primals)} primals, "
+                           f"{n_inputs} graph inputs, {len(grads)} gradient outputs)")
+    inserted = 0
+    for link in links:
+        e = link.entry
+        pi, si = offset + link.param_pos, offset + link.shard_pos
+        _check(primals[pi], tuple(e.shape), e.compute_dtype, e, "parameter")
+        _check(primals[si], (e.shard.numel(),), e.shard.dtype, e, "shard")
+        if grads[si] is not None:
+            raise RuntimeError(f"deepcompile: the shard of {e.name!r} already has a gradient "
+                               "in the joint graph")
+        grad = grads[pi]
+        grads[pi] = None
+        if grad is None:      # no gradient flows to this parameter in this graph
+            continue
+        args = (grad, e.pid, e.shard.numel(), e.shard.dtype)
+        if e.zero_stage == 1:
+            args += (placeholders[si],)
+        anchor = grad if grad.op != "placeholder" else placeholders[-1]
+        with graph.inserting_after(anchor):
+            reduce = graph.call_function(ops.REDUCE_GRAD, args)
+        val = grad.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            reduce.meta["val"] = val.new_empty((e.shard.numel(),), dtype=e.shard.dtype)
+        grads[si] = reduce
+        inserted += 1
+    out.args = (type(out.args[0])(outs[:num_fwd_outputs] + grads),)
+    graph.lint()
+    joint.recompile()
+    return inserted
+
+
+def _check(value: Any, shape: tuple, dtype: torch.dtype, entry: ParamEntry, what: str) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+        got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+        raise RuntimeError(f"deepcompile: joint graph input for the {what} of {entry.name!r} is "
+                           f"{got}, expected {(shape, dtype)}; the joint graph's inputs are not "
+                           "laid out as expected (a torch version change?)")
+
+
+def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry,
+                  resolve: Callable) -> Callable:
+    """At run time the shards of the parameters actually passed follow Dynamo's arguments."""
+    if not links:
+        return compiled
+    expected = [(link.param_pos, link.entry.param, link.entry) for link in links]
+
+    def run(*args):
+        shards = []
+        for i, param, entry in expected:
+            arg = args[i]
+            if arg is not param:
+                entry = resolve(registry, arg, entry)
+            shards.append(entry.shard)
+        return compiled(*args, *shards)
+
+    return run

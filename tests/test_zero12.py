@@ -1,0 +1,269 @@
+"""ZeRO-1 and ZeRO-2 by compilation (gloo, CPU).
+
+Parity with plain eager single-process training (tolerances as tests/test_parity.py: losses
+1e-5, parameters 1e-5 SGD / 1e-4 AdamW; 8 optimizer steps):
+  fx, 2 ranks, per stage: MLP (odd sizes) {SGD gas1, SGD gas4 clip, AdamW gas1 clip, AdamW gas4}
+      and tiny Llama {SGD gas1, AdamW gas4 clip}; plus a loop over a ModuleList with a graph
+      break (one graph reused for every layer: ZeRO-1's local gradients must follow the real
+      parameter), tied embeddings, a graph break with a parameter used in both graphs, and the
+      prefetch pass configured (a no-op without gathers);
+  fx, 4 ranks: MLP and Llama, both stages;
+  inductor (marked): tiny Llama ZeRO-1 (AdamW, gas 2, clip) and MLP ZeRO-2 (SGD, gas 4).
+Communication (engine.comm_stats(), exact): no collective in the forward; the backward only
+reduce-scatters — ZeRO-1 once per optimizer step (on the last micro-step), ZeRO-2 every
+micro-step — the padded model size in the reduce dtype; one all-gather of the padded model
+size (compute dtype) after each optimizer step; all-reduce only for the clipping norm (one fp32
+scalar). Reduce-scatters are per parameter during warm-up and profiling, then one per bucket
+of the `bucket_reduce` pass (on by default at these stages).
+Memory: optimizer state per rank is sum(ceil(numel / N)) elements (1/N of the single-process
+optimizer's, up to padding); module parameters are materialized replicas and never hold a
+`.grad`; ZeRO-2 gradients are shard-sized; ZeRO-1 holds the full gradient only between the
+micro-steps of an accumulation window. No graph breaks (Dynamo's counters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import _models
+from _train import COMM_KINDS, Jobs, compare_to_reference, mean_losses, reference_training, scenario
+
+SGD_LR, ADAMW_LR, CLIP = 0.1, 1e-2, 0.1
+WARMUP_AND_PROFILE = 3     # Config defaults: 2 warm-up steps + 1 profiled step, then the pass
+RECORD = ("comm", "memory", "report", "replicas")
+
+
+def _sc(stage, model, optim, gas=1, clip=None, *, compiler="fx", record=RECORD, tag="", **kw):
+    cid = f"z{stage}-{model}-{optim}-gas{gas}-{'clip' if clip else 'noclip'}{tag}"
+    if compiler != "fx":
+        cid += f"-{compiler}"
+    return scenario(cid, model, optim, SGD_LR if optim == "sgd" else ADAMW_LR, gas=gas,
+                    clip=clip, compiler=compiler, zero_stage=stage, record=record, **kw)
+
+
+_FX2 = [s for stage in (1, 2) for s in (
+    _sc(stage, "mlp", "sgd", 1, None),
+    _sc(stage, "mlp", "sgd", 4, CLIP),
+    _sc(stage, "mlp", "adamw", 1, CLIP),
+    _sc(stage, "mlp", "adamw", 4, None),
+    _sc(stage, "llama", "sgd", 1, None),
+    _sc(stage, "llama", "adamw", 4, CLIP),
+)] + [
+    _sc(1, "loop_break", "sgd", 3, None),
+    _sc(1, "llama_tied", "adamw", 2, None),
+    _sc(2, "graph_break", "sgd", 2, CLIP),
+    _sc(2, "mlp", "sgd", 2, None, tag="-prefetch", passes=("prefetch", "bucket_reduce")),
+]
+_FX4 = [_sc(1, "mlp", "adamw", 4, CLIP), _sc(2, "mlp", "sgd", 1, None),
+        _sc(1, "llama", "sgd", 2, CLIP), _sc(2, "llama", "adamw", 1, None)]
+_INDUCTOR = [_sc(1, "llama", "adamw", 2, CLIP, compiler="inductor"),
+             _sc(2, "mlp", "sgd", 4, None, compiler="inductor")]
+# bf16 compute (fp32 masters): tolerances of tests/test_mixed_precision.py
+_BF16 = [_sc(1, "llama", "adamw", 2, CLIP, tag="-bf16", param_dtype="bfloat16"),
+         _sc(2, "llama", "adamw", 1, None, tag="-bf16-rfp32", param_dtype="bfloat16",
+             reduce_dtype="float32")]
+
+JOBS = Jobs({"fx2": (2, _FX2 + _BF16), "fx4": (4, _FX4), "inductor2": (2, _INDUCTOR)},
+            timeout=1200)
+_FP32 = [(job, sc) for job, (_w, scs) in JOBS.jobs.items() for sc in scs if sc not in _BF16]
+_SINGLE_GRAPH = ("mlp", "llama", "llama_tied")
+
+
+def _params(pairs):
+    return [pytest.param(job, s, id=f"{job}-{s['id']}",
+                         marks=(pytest.mark.inductor,) if job.startswith("inductor") else ())
+            for job, s in pairs]
+
+
+def _world(job):
+    return JOBS.jobs[job][0]
+
+
+def _stage(sc):
+    return sc["config"]["zero_stage"]
+
+
+def _unique_params(sc):
+    return list(_models.build_model(sc["model"]).parameters())
+
+
+def _padded_numel(sc, world):
+    return sum(math.ceil(p.numel() / world) * world for p in _unique_params(sc))
+
+
+def _n_buckets(result):
+    passes = {e["pass"]: e for e in result["report"]["passes"]}
+    return sum(len(d["buckets"]) for d in passes["bucket_reduce"]["decisions"].values())
+
+
+# ---------------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_parity_with_eager_reference(job, sc):
+    results = JOBS.results(job, sc["id"])
+    if sc["config"]["max_grad_norm"] is not None:  # the threshold really clips
+        assert min(reference_training(sc)["grad_norms"]) > sc["config"]["max_grad_norm"]
+    compare_to_reference(sc, results, kind=f"zero{_stage(sc)}/{sc['model']}/"
+                                           f"{sc['config']['compiler']}")
+
+
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_replicas_equal_the_masters_on_every_rank(job, sc):
+    """After training, every rank's module parameters are the gathered masters, exactly."""
+    for r in JOBS.results(job, sc["id"]):
+        assert set(r["replicas"]) == set(r["state"])
+        for k, v in r["state"].items():
+            assert torch.equal(r["replicas"][k], v), (r["rank"], k)
+
+
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_no_graph_breaks(job, sc):
+    expected = {"unique_graphs": 1, "graph_breaks": 0} if sc["model"] in _SINGLE_GRAPH else None
+    for r in JOBS.results(job, sc["id"]):
+        if expected is not None:
+            assert r["graphs"] == expected, r["graphs"]
+        elif sc["model"] == "graph_break":   # the model's own break, and only it
+            assert r["graphs"]["graph_breaks"] == 1, r["graphs"]
+
+
+@pytest.mark.parametrize("sc", _BF16, ids=lambda s: s["id"])
+def test_bf16_compute_fp32_masters(sc):
+    results = JOBS.results("fx2", sc["id"])
+    ref = reference_training(sc)
+    losses = mean_losses(results)
+    dev = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+    print(f"\n[deviation] {sc['id']}: |loss - fp32 loss| max {dev:.3g}")
+    assert dev < 2e-2 and losses[-1] < losses[0] - 0.3, (losses, ref["losses"])
+    numel = _padded_numel(sc, 2)
+    reduce_size = 4 if sc["config"].get("reduce_dtype") == "float32" else 2
+    for r in results:
+        assert r["opt_param_dtypes"] == ["torch.float32"]
+        assert {str(v.dtype) for v in r["replicas"].values()} == {"torch.bfloat16"}
+        for k, v in r["state"].items():   # the replica is the master rounded to bf16
+            assert torch.equal(r["replicas"][k], v.to(torch.bfloat16)), k
+        for s in r["comm_step"]:
+            assert s["all_gather"] == (1, numel * 2), s       # replicas refreshed in bf16
+        per_step = _per_step_reduce(r, sc)
+        assert all(b == numel * reduce_size for _c, b in per_step), per_step
+
+
+# ---------------------------------------------------------------------------- communication
+def _per_step_reduce(r, sc):
+    """(count, bytes) of reduce-scatters per optimizer step (summed over its micro-steps)."""
+    gas = sc["config"]["gradient_accumulation_steps"]
+    bwd = r["comm_bwd"]
+    return [tuple(map(sum, zip(*(b["reduce_scatter"] for b in bwd[i:i + gas]))))
+            for i in range(0, len(bwd), gas)]
+
+
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_comm_reduce_scatter_only_model_size(job, sc):
+    """Forward: nothing. Backward: reduce-scatters of the padded model size, once per optimizer
+    step (ZeRO-1, on the last micro-step) or per micro-step (ZeRO-2); no all-gather, no
+    all-reduce. Per parameter before the pass, one per bucket after it."""
+    world, stage = _world(job), _stage(sc)
+    gas = sc["config"]["gradient_accumulation_steps"]
+    padded_bytes = _padded_numel(sc, world) * 4
+    n_params = len(_unique_params(sc))
+    graphs = 1 if sc["model"] in _SINGLE_GRAPH else None
+    for r in JOBS.results(job, sc["id"]):
+        n_buckets = _n_buckets(r)
+        assert 1 <= n_buckets <= n_params
+        assert len(r["comm_bwd"]) == sc["steps"] * gas
+        for i, (f, b) in enumerate(zip(r["comm_fwd"], r["comm_bwd"])):
+            where = f"{sc['id']} rank {r['rank']} micro-step {i}"
+            assert all(f[k] == (0, 0) for k in COMM_KINDS), (where, f)
+            assert b["all_gather"] == b["all_reduce"] == (0, 0), (where, b)
+            reduces = stage == 2 or i % gas == gas - 1
+            if not reduces:
+                assert b["reduce_scatter"] == (0, 0), (where, "ZeRO-1 reduced early", b)
+                continue
+            count, nbytes = b["reduce_scatter"]
+            assert nbytes == padded_bytes, (where, b, padded_bytes)
+            if graphs == 1:
+                bucketed = i // gas >= WARMUP_AND_PROFILE
+                assert count == (n_buckets if bucketed else n_params), (where, b, n_buckets)
+
+
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_comm_after_step_one_allgather(job, sc):
+    """engine.step(): one all-gather of the padded model (fp32 here) into the replicas; the
+    clipping norm is the only all-reduce of the whole run."""
+    world = _world(job)
+    padded_bytes = _padded_numel(sc, world) * 4
+    clip = sc["config"]["max_grad_norm"] is not None
+    for r in JOBS.results(job, sc["id"]):
+        assert len(r["comm_step"]) == sc["steps"]
+        for s in r["comm_step"]:
+            assert s["all_gather"] == (1, padded_bytes), s
+            assert s["reduce_scatter"] == (0, 0), s
+            assert s["all_reduce"] == ((1, 4) if clip else (0, 0)), s
+        total_all_reduce = sum(x["all_reduce"][1] for x in r["comm_fwd"] + r["comm_bwd"]
+                               + r["comm_step"])
+        assert total_all_reduce == (4 * sc["steps"] if clip else 0)
+
+
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_report_shows_stage_and_passes(job, sc):
+    from deepcompile.report import Report
+
+    for r in JOBS.results(job, sc["id"]):
+        rep = r["report"]
+        assert rep["config"]["zero_stage"] == _stage(sc)
+        assert rep["parameters"]["replicated"] is True
+        assert f"ZeRO-{_stage(sc)} over {_world(job)} ranks" in str(Report(**rep))
+        passes = {e["pass"]: e for e in rep["passes"]}
+        assert passes["bucket_reduce"]["changed"], "bucket_reduce (the default) did nothing"
+        if "prefetch" in passes:   # nothing to prefetch without gathers: a no-op
+            assert passes["prefetch"]["changed"] == []
+        for g in rep["graphs"]:
+            assert all(s["all_gathers"] == 0 for s in g["slots"]), g
+
+
+# ----------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("job, sc", _params(_FP32))
+def test_memory_per_rank(job, sc):
+    world, stage = _world(job), _stage(sc)
+    params = _unique_params(sc)
+    shards = [math.ceil(p.numel() / world) for p in params]
+    full_bytes = sum(p.numel() for p in params) * 4
+    gas = sc["config"]["gradient_accumulation_steps"]
+    for r in JOBS.results(job, sc["id"]):
+        snaps = [r["memory_init"]] + r["memory_micro"] + r["memory_step"]
+        for snap in snaps:
+            # replicas: materialized, full size; never a replicated .grad
+            assert snap["module_storage_nbytes"] == [p.numel() * 4 for p in params]
+            assert all(g is None for g in snap["module_grads"]), snap["module_grads"]
+            # the optimizer steps flat fp32 shards
+            assert snap["opt_param_numel"] == shards
+            assert set(snap["opt_param_dim"]) == {1}
+        for i, snap in enumerate(r["memory_micro"]):
+            if stage == 2 or i % gas == gas - 1:
+                assert snap["local_grad_bytes"] == 0
+            else:   # ZeRO-1 keeps the full gradient until the last micro-step
+                assert snap["local_grad_bytes"] == full_bytes, (i, snap["local_grad_bytes"])
+            if sc["model"] in _SINGLE_GRAPH:   # every parameter gets a gradient every step
+                assert snap["opt_grads"] == shards   # shard-sized (ZeRO-2: gradient memory 1/N)
+        for snap in r["memory_step"]:
+            assert snap["local_grad_bytes"] == 0
+        if sc["optim"][0] == "adamw":
+            total = sum(shards)
+            assert total * world - sum(p.numel() for p in params) < world * len(params)
+            for snap in r["memory_step"]:
+                assert snap["opt_state_numel"] == {"exp_avg": total, "exp_avg_sq": total}
+
+
+# ----------------------------------------------------------------------------------- config
+def test_config_stages_and_default_passes():
+    from deepcompile import Config
+
+    assert Config(zero_stage=1).passes == ("bucket_reduce",)
+    assert Config(zero_stage=2).passes == ("bucket_reduce",)
+    assert Config(zero_stage=3).passes == () == Config().passes
+    assert Config(zero_stage=1, passes=()).passes == ()
+    assert Config(zero_stage=2, profile_steps=0).passes == ()
+    assert Config.from_dict(Config(zero_stage=1).to_dict()) == Config(zero_stage=1)
+    with pytest.raises(ValueError, match="profile_steps"):
+        Config(zero_stage=1, passes=("bucket_reduce",), profile_steps=0)
