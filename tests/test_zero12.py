@@ -13,14 +13,16 @@ Parity with plain eager single-process training (tolerances as tests/test_parity
   inductor (marked): tiny Llama ZeRO-1 (AdamW, gas 2, clip) and MLP ZeRO-2 (SGD, gas 4).
 Communication (engine.comm_stats(), exact): no collective in the forward; the backward only
 reduce-scatters — ZeRO-1 once per optimizer step (on the last micro-step), ZeRO-2 every
-micro-step — the padded model size in the reduce dtype; one all-gather of the padded model
+micro-step — the padded model size in the reduce dtype (a parameter used by two graphs is
+reduced in each; Mixtral's eager experts: only the experts hit); one all-gather of the padded model
 size (compute dtype) after each optimizer step; all-reduce only for the clipping norm (one fp32
 scalar). Reduce-scatters are per parameter during warm-up and profiling, then one per bucket
 of the `bucket_reduce` pass (on by default at these stages).
 Memory: optimizer state per rank is sum(ceil(numel / N)) elements (1/N of the single-process
 optimizer's, up to padding); module parameters are materialized replicas and never hold a
 `.grad`; ZeRO-2 gradients are shard-sized; ZeRO-1 holds the full gradient only between the
-micro-steps of an accumulation window. No graph breaks (Dynamo's counters).
+micro-steps of an accumulation window. No graph break caused by deepcompile (Dynamo's counters:
+one graph for models without breaks; exactly plain torch.compile's for the graph-break model).
 """
 
 from __future__ import annotations

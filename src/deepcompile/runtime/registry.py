@@ -122,7 +122,8 @@ def lookup_shard(shard: torch.Tensor) -> ParamEntry:
     """The entry whose shard is `shard` (by storage: a saved graph input may be another tensor
     object over the same memory)."""
     entry = _BY_SHARD.get(shard.data_ptr())
-    if entry is None or entry.shard.data_ptr() != shard.data_ptr():
+    if entry is None or entry.shard.data_ptr() != shard.data_ptr() \
+            or entry.shard.numel() != shard.numel():
         raise RuntimeError("deepcompile: a gradient reduction was given a tensor that is not a "
                            "registered parameter shard (was a shard's storage replaced?)")
     return entry
