@@ -27,6 +27,7 @@ one graph for models without breaks; exactly plain torch.compile's for the graph
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -313,3 +314,47 @@ def test_config_stages_and_default_passes():
     assert Config.from_dict(Config(zero_stage=1).to_dict()) == Config(zero_stage=1)
     with pytest.raises(ValueError, match="profile_steps"):
         Config(zero_stage=1, passes=("bucket_reduce",), profile_steps=0)
+
+
+# ------------------------------------------------------------------- insertion (in-process)
+@pytest.fixture
+def group(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduces_follow_their_gradients(group, stage):
+    """The forward has no collective; in the backward each gradient's reduce-scatter comes
+    right after the node that completes the gradient, so the reduces are spread through the
+    backward (what lets bucket_reduce start them while the rest of the backward runs).
+    ZeRO-1's reduces also take their shard (the owner of a locally kept gradient)."""
+    import deepcompile
+    from deepcompile.runtime import ops
+
+    torch._dynamo.reset()
+    model = _models.build_model("llama")
+    n_params = len(list(model.parameters()))
+    engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                    config={"zero_stage": stage, "compiler": "fx", "passes": ()})
+    engine.backward(_models.loss_of(engine(**_models.global_batch("llama", 0))))
+    engine.step()
+    slots = engine._pipeline.slots
+    assert sorted(slots) == ["g0.bw", "g0.fw"]
+    fw = [n for n in slots["g0.fw"].gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in fw if n.target in ops.COMM_KINDS]
+    bw = [n for n in slots["g0.bw"].gm.graph.nodes if n.op == "call_function"]
+    reduces = [i for i, n in enumerate(bw) if n.target in ops.COMM_KINDS]
+    assert len(reduces) == n_params and all(bw[i].target is ops.REDUCE_GRAD for i in reduces)
+    for i in reduces:
+        assert bw[i - 1] is bw[i].args[0], (bw[i - 1], bw[i])
+        shard = ops.reduce_grad_shard(bw[i])
+        assert (shard is not None and shard.op == "placeholder") if stage == 1 else shard is None
+    assert reduces[0] < len(bw) // 4 and reduces[-1] == len(bw) - 1, reduces
+    torch._dynamo.reset()

@@ -142,7 +142,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         for b, anchor in zip(buckets, anchors):
             members = [nx.by_name[name] for name in b["members"]]
             args = ([m.args[0] for m in members], list(b["pids"]))
-            shards = [m.args[4] if len(m.args) > 4 else None for m in members]
+            shards = [ops.reduce_grad_shard(m) for m in members]
             if any(sh is not None for sh in shards):   # ZeRO-1: the gradients' owners
                 if any(sh is None for sh in shards):
                     raise RuntimeError(f"deepcompile bucket_reduce: {key}: a bucket mixes "

@@ -58,6 +58,11 @@ def _(grad, pid, shard_numel, shard_dtype, shard=None):
     return grad.new_empty((shard_numel,), dtype=shard_dtype)
 
 
+def reduce_grad_shard(node):
+    """The `shard` argument of a `reduce_grad` graph node (ZeRO-1), else None."""
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("shard")
+
+
 def _setup_context(ctx, inputs, output):
     shard, pid, _shape, _dtype = inputs
     ctx.pid = pid
