@@ -9,7 +9,8 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "config": {"compiler": "fx", "gradient_accumulation_steps": 4, "max_grad_norm": 0.1},
      "steps": 8,                            # optimizer steps
      "record": ("comm", "memory")}          # optional extra measurements: "comm",
-                                            # "memory", "initial_state", "step_every_micro"
+                                            # "memory", "initial_state", "step_every_micro",
+                                            # "report" (engine.report().to_dict() at the end)
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -226,6 +227,8 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
     res["graphs"] = _graph_stats()
     res["opt_param_dtypes"] = sorted({str(p.dtype) for g in engine.optimizer.param_groups
                                       for p in g["params"]})
+    if "report" in record:
+        res["report"] = engine.report().to_dict()
     res["seconds"] = time.perf_counter() - t0
     del engine, model
     torch._dynamo.reset()
