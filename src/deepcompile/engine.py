@@ -97,6 +97,7 @@ class Engine:
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
             self._pipeline.runtime_bytes_sources.append(self._offload.held_bytes)
+            self._offload.provisional = True   # until planned, all movable state leaves
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0

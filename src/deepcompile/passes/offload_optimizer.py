@@ -23,11 +23,15 @@ side is `runtime/offload.py`. fp32 master shards are not moved: the graphs' gath
 throughout the step, so offloading them needs a compute-dtype shard on the device for the
 gathers (left for later).
 
-Order with other passes: each pass plans from the profile the one before left. A budget that
-only offloading can meet leaves nothing for a pass planned before this one (its insertion-only
-curve is already over the budget: it reports "unattainable"), so put `offload_optimizer` first
-(`passes=("offload_optimizer", "prefetch", ...)`): the later passes then plan with the memory it
-freed and the reloads it placed.
+Profiles and order with other passes: until this pass has planned, every movable fragment is
+offloaded after each step ([Note: provisional offload] in runtime/offload.py), so the warm-up
+and profiled steps fit even where the state does not; the plan adds those bytes back to the
+measured curve. The pipeline's before/after line for this pass therefore compares "everything
+offloaded" with the plan. Each pass plans from the profile the one before left, under the same
+budget: passes before this one (`prefetch`, ...) see the curve with the state off the device
+and may spend that memory, and this plan then keeps on the device only the state that still
+fits (everything offloaded always fits when the step does); passes after it see the plan's
+curve, reloads included, and spend only what the plan left.
 """
 
 from __future__ import annotations
@@ -166,12 +170,12 @@ def plan_step(points: list[Point], frags: list[Frag], step_bytes: int,
     for f, p, c in zip(chosen, positions, copies):
         r = reloads.setdefault(p, {"slot": points[p].slot if p < n else None,
                                    "after": points[p].name if p < n else None,
-                                   "pids": [], "params": [], "keys": [], "bytes": 0,
+                                   "pids": [], "params": [], "fragments": [], "bytes": 0,
                                    "predicted_s": 0.0})
         if f.pid not in r["pids"]:
             r["pids"].append(f.pid)
             r["params"].append(f.param)
-        r["keys"].append(f"{f.param}.{f.key}")
+        r["fragments"].append([f.param, f.key])
         r["bytes"] += f.nbytes
         r["predicted_s"] += c
     return {**out, "offloaded_bytes": total,
@@ -183,10 +187,11 @@ def plan_step(points: list[Point], frags: list[Frag], step_bytes: int,
             "peak_after": max(max(curve, default=0), step_bytes), "curve": curve}
 
 
-def timeline(ctx: PassContext) -> list[Point]:
-    """The profiled nodes of one optimizer step in execution order. Reloads may start in the
-    first run, within the last micro-step, of each backward graph (the op acts only in the
-    last micro-step, and the first of its runs there brings the state back)."""
+def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
+    """The profiled nodes of one optimizer step in execution order, `offset` bytes added to
+    each (state the profiled steps kept off the device). Reloads may start in the first run,
+    within the last micro-step, of each backward graph (the op acts only in the last
+    micro-step, and the first of its runs there brings the state back)."""
     gas = ctx.registry.state.gradient_accumulation_steps
     order = [k for k in ctx.order if k in ctx.profiles]
     last_from = len(order) - len(order) // gas if len(order) % gas == 0 else len(order)
@@ -196,7 +201,7 @@ def timeline(ctx: PassContext) -> list[Point]:
         placeable = in_last and key not in seen and ctx.slots[key].kind == "bw"
         if in_last:
             seen.add(key)
-        points += [Point(key, n.name, n.live_bytes, n.time_s, placeable)
+        points += [Point(key, n.name, n.live_bytes + offset, n.time_s, placeable)
                    for n in ctx.profiles[key].nodes]
     return points
 
@@ -205,8 +210,12 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     store = offload.store_of(ctx.registry)
     names = {e.pid: e.name for e in ctx.registry}
     frags = [Frag(pid, key, nbytes, names[pid]) for pid, key, nbytes in store.movable()]
-    decision = plan_step(timeline(ctx), frags, store.step_bytes(), ctx.cost.copy_s,
+    # the profiles were measured with every movable fragment off the device ([Note:
+    # provisional offload] in runtime/offload.py): add them back
+    offset = store.provisional_bytes()
+    decision = plan_step(timeline(ctx, offset), frags, store.step_bytes(), ctx.cost.copy_s,
                          ctx.memory_budget)
+    decision["profiled_offloaded_bytes"] = offset
     if decision["unattainable"]:
         log.warning("deepcompile offload_optimizer: memory budget %.2f MiB is unattainable: %s",
                     ctx.memory_budget / 2**20, decision["reason"])
@@ -226,9 +235,11 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
             continue   # the engine reloads these before the step
         graph = ctx.slots[r["slot"]].gm.graph
         node = next(n for n in graph.nodes if n.name == r["after"])
+        group = store.add_reload_group([(pid_of[p], k) for p, k in r["fragments"]])
         with graph.inserting_after(node):
             op = graph.call_function(offload.RELOAD_STATE,
-                                     (_order_input(graph, node), [pid_of[p] for p in r["params"]]))
+                                     (_order_input(graph, node), [pid_of[p] for p in r["params"]],
+                                      group))
         op.meta["val"] = None
         graph.lint()
     # every graph's memory curve changes (the state is off the device): all are re-profiled
@@ -266,7 +277,8 @@ def summary(d: dict[str, Any]) -> list[str]:
         f"reloads start at {len(in_graph)} points in backward graphs"
         + (f" ({in_graph[0]['slot']} after {in_graph[0]['after']}"
            f"{' ...' if len(in_graph) > 1 else ''})" if in_graph else "")
-        + (f", {sum(len(r['keys']) for r in at_step)} fragments at the step" if at_step else ""),
+        + (f", {sum(len(r['fragments']) for r in at_step)} fragments at the step"
+           if at_step else ""),
         f"predicted copy back {d['predicted_copy_s'] * 1e3:.3f} ms: hidden "
         f"{d['predicted_hidden_s'] * 1e3:.3f} ms, exposed {d['predicted_exposed_s'] * 1e3:.3f} ms",
         f"peak {_mib(d['peak_before'])} -> {_mib(d['peak_after'])} (budget "

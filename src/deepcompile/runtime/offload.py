@@ -17,6 +17,12 @@ moves them:
 
 The optimizer step itself runs on the device, on resident tensors, unchanged.
 
+[Note: provisional offload] Until the pass has planned, an engine configured with it offloads
+every movable fragment after each step (`provisional`): the warm-up and profiled steps must fit
+whatever the budget is (the state that does not fit is exactly what the plan is about), so
+they run with the least state on the device. The profiles are then measured without that state
+and the planner adds it back (`provisional_bytes`) to get the curve with all state resident.
+
 [Note: offload streams] On CUDA the copies run on one dedicated copy stream, ordered by events,
 never by luck:
   * device -> host: the copy stream first waits for the compute stream (the step's writes to the
@@ -142,12 +148,18 @@ class _Copier:
         if self.cuda:
             self.stream.synchronize()
 
-    def collect(self) -> None:
-        """Fold the timing events of completed copies into `seconds` (syncs on them)."""
+    def collect(self, block: bool = False) -> None:
+        """Fold the timing events of completed copies into `seconds`; with `block`, wait for
+        all of them (for a report), else never make the host wait."""
+        left = []
         for what, start, end in self._timed:
-            end.synchronize()
+            if block:
+                end.synchronize()
+            elif not end.query():
+                left.append((what, start, end))
+                continue
             self.seconds[what] += start.elapsed_time(end) / 1e3
-        self._timed.clear()
+        self._timed = left
 
     def _events(self):
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,9 +175,11 @@ class OptimizerStateOffload:
         self.device = device
         self._copier = _Copier(device)
         self.fragments: list[Fragment] = []
-        self._by_pid: dict[int, list[Fragment]] = {}
+        self._by_key: dict[tuple[int, str], Fragment] = {}
+        self._groups: list[list[Fragment]] = []   # what each reload op brings back
         self._buffer: torch.Tensor | None = None
         self._pending: list = []            # copy-back events the step must wait for
+        self.provisional = False            # offload everything until a plan is set
         self.stats = {"steps": 0, "d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0,
                       "reloaded_at_step": 0}
         self.last_step: dict[str, int] = {}
@@ -191,14 +205,24 @@ class OptimizerStateOffload:
                     out.append((e.pid, key, t.numel() * t.element_size()))
         return out
 
+    def provisional_bytes(self) -> int:
+        """Bytes kept off the device by the provisional offload (what the profiles miss)."""
+        return sum(f.nbytes for f in self.fragments) if self.provisional else 0
+
     def step_bytes(self) -> int:
-        """Memory the optimizer step holds, all state on the device: shards, their gradients
-        and the state (the optimizer's own temporaries are not modelled)."""
+        """Memory the optimizer step holds, all state on the device: shards, their gradients,
+        the state, and the step's temporaries, estimated as one state tensor per parameter
+        where torch's optimizers run multi-tensor (`foreach`, their default on CUDA) and the
+        largest one otherwise (a loop over parameters)."""
         shards = sum(_nbytes(e.shard) for e in self.registry)
         grads = sum(_nbytes(e.shard) for e in self.registry if e.shard.requires_grad)
-        state = sum(_nbytes(t) for e in self.registry for t in self._state(e.pid).values()
-                    if isinstance(t, torch.Tensor) and t.device == self.device)
-        return shards + grads + state
+        per_param = [[_nbytes(t) for t in self._state(e.pid).values()
+                      if isinstance(t, torch.Tensor) and t.device == self.device]
+                     for e in self.registry]
+        state = sum(map(sum, per_param))
+        largest = [max(b, default=0) for b in per_param]
+        workspace = sum(largest) if self.device.type == "cuda" else max(largest, default=0)
+        return shards + grads + state + workspace
 
     def held_bytes(self) -> int:
         """What the step holds outside graph values (the CPU memory model's runtime source):
@@ -220,6 +244,7 @@ class OptimizerStateOffload:
     # -- plan -----------------------------------------------------------------------------------
     def set_plan(self, fragments: Iterable[tuple[int, str]]) -> None:
         """Keep `fragments` on the host between steps (replaces any previous plan)."""
+        self.provisional = False
         self.reload_all()
         self.before_step(count=False)
         movable = {(pid, key): n for pid, key, n in self.movable()}
@@ -233,19 +258,27 @@ class OptimizerStateOffload:
             offsets.append(total)
             total += -(-movable[(pid, key)] // _ALIGN) * _ALIGN
         self._buffer = self._copier.host_buffer(total) if wanted else None
-        self.fragments, self._by_pid = [], {}
+        self.fragments, self._by_key, self._groups = [], {}, []
         for (pid, key), off in zip(wanted, offsets):
             t = self._state(pid)[key]
             n = movable[(pid, key)]
             host = self._buffer[off:off + n].view(t.dtype).view(t.shape)
             frag = Fragment(pid, key, lookup(pid).name, n, host)
             self.fragments.append(frag)
-            self._by_pid.setdefault(pid, []).append(frag)
+            self._by_key[(pid, key)] = frag
+
+    def add_reload_group(self, fragments: Iterable[tuple[int, str]]) -> int:
+        """Register the fragments one reload op brings back; returns the op's group id."""
+        self._groups.append([self._by_key[f] for f in fragments])
+        return len(self._groups) - 1
 
     # -- moving ---------------------------------------------------------------------------------
     def after_step(self) -> None:
         """After the optimizer step: offload every planned fragment (start the copies)."""
-        self._copier.collect()   # the previous step's copies are complete by now
+        self._copier.collect()
+        if self.provisional and not self.fragments:
+            self.set_plan([(pid, key) for pid, key, _ in self.movable()])
+            self.provisional = True
         for frag in self.fragments:
             if frag.offloaded:
                 continue
@@ -255,23 +288,25 @@ class OptimizerStateOffload:
             frag.offloaded = True
             self._step_counts["d2h_bytes"] += frag.nbytes
 
-    def reload(self, pids: list[int], *, in_graph: bool) -> None:
-        """Bring the offloaded fragments of `pids` back (start the copies)."""
-        for pid in pids:
-            for frag in self._by_pid.get(pid, ()):
-                if not frag.offloaded:
-                    continue
-                t = self._state(frag.pid)[frag.key]
-                t.untyped_storage().resize_(frag.nbytes)
-                frag.ready = self._copier.to_device(t, frag.host)
-                if frag.ready is not None:
-                    self._pending.append(frag.ready)
-                frag.offloaded = False
-                self._step_counts["h2d_bytes"] += frag.nbytes
-                self._step_counts["reloaded_in_graph" if in_graph else "reloaded_at_step"] += 1
+    def reload(self, fragments: list[Fragment], *, in_graph: bool) -> None:
+        """Bring `fragments` back where offloaded (start the copies)."""
+        for frag in fragments:
+            if not frag.offloaded:
+                continue
+            t = self._state(frag.pid)[frag.key]
+            t.untyped_storage().resize_(frag.nbytes)
+            frag.ready = self._copier.to_device(t, frag.host)
+            if frag.ready is not None:
+                self._pending.append(frag.ready)
+            frag.offloaded = False
+            self._step_counts["h2d_bytes"] += frag.nbytes
+            self._step_counts["reloaded_in_graph" if in_graph else "reloaded_at_step"] += 1
+
+    def reload_group(self, group: int) -> None:
+        self.reload(self._groups[group], in_graph=True)
 
     def reload_all(self) -> None:
-        self.reload(list(self._by_pid), in_graph=False)
+        self.reload(self.fragments, in_graph=False)
 
     def before_step(self, count: bool = True) -> None:
         """Before the optimizer step: reload what no graph reloaded (exposed), and make the
@@ -292,7 +327,7 @@ class OptimizerStateOffload:
 
     def summary(self) -> dict:
         """What is offloaded and what moved: for the report."""
-        self._copier.collect()
+        self._copier.collect(block=True)
         sec = dict(self._copier.seconds)
         copy_s = sec["d2h"] + sec["h2d"]
         # On the CPU the copies are synchronous: all of their time is exposed. On CUDA the
@@ -349,19 +384,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # -- the op the pass inserts into backward graphs -------------------------------------------------
 @torch.library.custom_op(f"{ops.NAMESPACE}::reload_state", mutates_args=())
-def reload_state(after: torch.Tensor, pids: list[int]) -> None:
-    """Start copying the offloaded optimizer state of `pids` back to the device, in the last
-    micro-step of the accumulation window only (the state is needed at the optimizer step).
-    `after` orders the op after the node that produced it; no output, so it is registered as
+def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
+    """Start copying reload group `group` (optimizer state fragments of the parameters `pids`,
+    registered by the pass with `add_reload_group`) back to the device, in the last micro-step
+    of the accumulation window only (the state is needed at the optimizer step). `after`
+    orders the op after the node that produced it; no output, so it is registered as
     side-effecting (FX and Inductor keep it)."""
     if not lookup(pids[0]).state.last_micro_step:
         return
     with record_function(ops._label("reload_state", tuple(pids))):
-        _BY_PID[pids[0]].reload(list(pids), in_graph=True)
+        _BY_PID[pids[0]].reload_group(group)
 
 
 @reload_state.register_fake
-def _(after, pids):
+def _(after, pids, group):
     return None
 
 
