@@ -56,7 +56,6 @@ import weakref
 from typing import Iterable
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
 from . import ops
