@@ -10,7 +10,8 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "steps": 8,                            # optimizer steps
      "record": ("comm", "memory")}          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
-                                            # "report", "replicas"
+                                            # "report" (engine.report().to_dict() at the end),
+                                            # "replicas"
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one

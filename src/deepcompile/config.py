@@ -128,6 +128,10 @@ class Config:
         if unknown:
             raise ValueError(f"Config.passes: unknown pass {unknown[0]!r}; "
                              f"known: {', '.join(known_passes()) or '(none registered)'}")
+        if "offload_optimizer" in self.passes and self.warmup_steps == 0:
+            raise ValueError("Config.warmup_steps: 0 is not allowed with offload_optimizer; the "
+                             "optimizer state it plans for exists after the first optimizer "
+                             "step (allowed: an integer >= 1)")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":

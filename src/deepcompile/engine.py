@@ -17,6 +17,7 @@ from .report import Report
 from .runtime.comm import Comm
 from .runtime import inflight, replicas
 from .runtime.eager import EagerFallback
+from .runtime.offload import OptimizerStateOffload
 from .runtime.registry import ParamRegistry
 from .runtime.state import StepState
 
@@ -89,11 +90,17 @@ class Engine:
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        self._offload = OptimizerStateOffload(self.optimizer, self._registry, self.device)
         self._fallback = EagerFallback(module, self._registry, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
                                   device=self.device, engine_fingerprint=self._fingerprint())
         if config.zero_stage == 1:   # gradients kept locally between micro-steps
             self._pipeline.runtime_bytes_sources.append(self._registry.local_grad_bytes)
+        if "offload_optimizer" in config.passes:
+            # the CPU memory model counts the state (and held gradients) where the pass is on:
+            # its plan and every pass before or after it read one budget for all of it
+            self._pipeline.runtime_bytes_sources.append(self._offload.held_bytes)
+            self._offload.provisional = True   # until planned, all movable state leaves
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0
@@ -121,15 +128,22 @@ class Engine:
             self._registry.flush_local_grads()
         if self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
+        self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.config.zero_stage < 3:   # the replicas take the updated shards
-            replicas.refresh([e for e in self._registry if e.shard.requires_grad])
+        self._shards_changed()
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps
         self._pipeline.end_step()
+        self._offload.after_step()    # planned fragments leave the device until the next step
         return True
+
+    def _shards_changed(self) -> None:
+        """What is derived from the shards follows them (after the optimizer step, after loading
+        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards."""
+        if self.config.zero_stage < 3:
+            replicas.refresh([e for e in self._registry if e.shard.requires_grad])
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
@@ -164,6 +178,19 @@ class Engine:
             for name in entry.names:
                 out[name] = full
         return out
+
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        """Write this rank's shards and optimizer state and the step counters under the
+        directory `path` (collective; at an optimizer-step boundary). See checkpoint.py."""
+        from . import checkpoint
+
+        return str(checkpoint.save(self, path))
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore what `save_checkpoint` wrote (collective; same world size and model)."""
+        from . import checkpoint
+
+        checkpoint.load(self, path)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self._comm.stats()

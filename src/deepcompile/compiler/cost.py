@@ -82,8 +82,8 @@ def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
                 sync()
                 runs.append(time.perf_counter() - t0)
             times[kind].append(statistics.median(runs))
-    if device.type == "cuda":  # host->device copies (offloading plans with them)
-        times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
+    # host->device copies (offloading plans with them; on the CPU a host copy stands in)
+    times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
     kinds = list(times)
     flat = torch.tensor([t for k in kinds for t in times[k]], dtype=torch.float64, device=device)
     comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)  # the slowest rank's
@@ -95,17 +95,20 @@ def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
 
 
 def _copy_sweep(device: torch.device, repeats: int) -> list[tuple[int, float]]:
-    """Pinned host -> device copy times (CUDA only)."""
+    """Host -> device copy times: from pinned memory on CUDA, host to host on the CPU."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     out = []
     for nbytes in SWEEP_BYTES:
-        host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+        host = torch.empty(nbytes // 4, dtype=torch.float32)
+        host = host.pin_memory() if cuda else host
         dev = torch.empty_like(host, device=device)
         runs = []
         for _ in range(repeats + 1):
-            torch.cuda.synchronize(device)
+            sync()
             t0 = time.perf_counter()
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(device)
+            dev.copy_(host, non_blocking=cuda)
+            sync()
             runs.append(time.perf_counter() - t0)
         out.append((nbytes, statistics.median(runs[1:])))
     return out

@@ -74,6 +74,7 @@ def known_passes() -> tuple[str, ...]:
 
 def _register_builtin() -> None:
     from . import bucket_reduce, prefetch  # noqa: F401  (register "bucket_reduce", "prefetch")
+    from . import offload_optimizer  # noqa: F401  (registers "offload_optimizer")
 
 
 _register_builtin()

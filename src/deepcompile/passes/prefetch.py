@@ -67,9 +67,6 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         k = max(k, 0)
         return live[k] + extra[k] + reserve[k]
 
-    def fits(lo: int, hi: int, nbytes: int) -> bool:
-        return all(point(j) + nbytes <= budget for j in range(lo, hi))
-
     groups: list[dict[str, Any]] = []
     last_start = 0
     k = 0
@@ -80,8 +77,12 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         while k < len(gathers):
             nxt, first = gathers[k], members[0]
             total = sum(m.nbytes for m in members)
+            # the newcomer is held from the group's wait to its use, on top of the members
+            # fused before it (each held from the wait to its own use)
             if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes)
-                    and fits(first.index, nxt.index, nxt.nbytes)
+                    and all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:]
+                                                        if j < m.index) <= budget
+                            for j in range(first.index, nxt.index))
                     # where the group's start runs if it cannot move up: the whole group at once
                     and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
                     + total + nxt.nbytes <= budget):
