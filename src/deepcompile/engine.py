@@ -15,7 +15,7 @@ from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
-from .runtime import inflight
+from .runtime import inflight, unshard
 from .runtime.eager import EagerFallback
 from .runtime.registry import ParamRegistry
 from .runtime.state import StepState
@@ -118,6 +118,7 @@ class Engine:
             self._clip_grad_norm(self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        unshard.refresh(self._registry)   # parameters kept gathered follow the updated shards
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps

@@ -73,7 +73,7 @@ def known_passes() -> tuple[str, ...]:
 
 
 def _register_builtin() -> None:
-    from . import bucket_reduce, prefetch  # noqa: F401  (register "bucket_reduce", "prefetch")
+    from . import bucket_reduce, prefetch, selective_unshard  # noqa: F401  (register them)
 
 
 _register_builtin()
