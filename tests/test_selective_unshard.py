@@ -311,7 +311,8 @@ JOBS = Jobs({
     ]),
     "fx4": (4, [scenario("llama-sgd-gas2-clip-unshard-prefetch", "llama", "sgd", 0.1, gas=2,
                          clip=0.1, record=_REC, passes=("selective_unshard", "prefetch"),
-                         warmup_steps=1)]),
+                         warmup_steps=1),
+                {**FITS_ALL, "id": FITS_ALL["id"] + "-4ranks"}]),
     "inductor2": (2, [scenario("llama-sgd-gas2-clip-prefetch-unshard-inductor", "llama", "sgd",
                                0.1, gas=2, clip=0.1, compiler="inductor", record=_REC,
                                passes=("prefetch", "selective_unshard"), warmup_steps=1)]),
@@ -356,6 +357,7 @@ def test_parity_with_selective_unshard(job, sc):
     compare_to_reference(sc, results, kind=_kind(sc))
     for r in results:
         _check_kept(r, _decisions(r))
+        assert _decisions(r) == _decisions(results[0])   # every rank decided the same
     d = _decisions(results[0])["decisions"]
     assert d["keep"], "the pass kept nothing"
     if sc["config"]["gradient_accumulation_steps"] > 1:
@@ -399,8 +401,8 @@ def _initial_peak(result) -> int:
 @pytest.fixture(scope="module")
 def budget_runs():
     """Budgets from the measured figures of the run that fits everything: its insertion-only
-    peak plus half of what keeping everything costs (a part), or plus nothing; both run in one
-    job."""
+    peak plus half of what keeping everything costs (a part), or plus nothing, and plus all of
+    it shared with prefetch and bucket_reduce; the three run in one job."""
     r = JOBS.results("fx2", FITS_ALL["id"])[0]
     d = _decisions(r)["decisions"]
     peak = _initial_peak(r)
