@@ -219,10 +219,9 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     choice = choose([[] if o["excluded"] else
                      [o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
                      for o in opts], capacity)
+    chosen = [(o, k) for o, k in zip(opts, choice) if k is not None]
     keep, accumulate = [], []
-    for o, k in zip(opts, choice):
-        if k is None:
-            continue
+    for o, k in chosen:
         w, v = o["keep_accumulate"] if k == 1 else o["keep"]
         item = {"param": o["name"], "bytes": w, "saved_s": v,
                 "gathers_per_step": o["gathers_per_step"]}
@@ -231,24 +230,22 @@ def plan(ctx: PassContext) -> dict[str, Any]:
             item["reduces_per_step"] = o["reduces_per_step"]
             accumulate.append(o["name"])
         keep.append(item)
-    names = {e.pid: e for e in ctx.registry}
-    kept_entries = [names[o["pid"]] for o, k in zip(opts, choice) if k is not None]
+    by_pid = {e.pid: e for e in ctx.registry}
     refresh = [sum(e.padded_numel * e.compute_dtype.itemsize for e in g)
-               for g in unshard.refresh_groups(kept_entries)]
-    kept_pids = {e.pid for e in kept_entries}
-    acc_pids = {o["pid"] for o, k in zip(opts, choice) if k == 1}
+               for g in unshard.refresh_groups([by_pid[o["pid"]] for o, _ in chosen])]
     decisions = {
         "budget_bytes": None if ctx.memory_budget == float("inf") else ctx.memory_budget,
         "peak_bytes": peak,
         "capacity_bytes": None if capacity == float("inf") else capacity,
         "gradient_accumulation_steps": gas,
         "keep": keep, "accumulate": accumulate,
-        "kept_bytes": sum(o["keep"][0] for o, k in zip(opts, choice) if k is not None),
+        "kept_bytes": sum(o["keep"][0] for o, _ in chosen),
         "accumulator_bytes": sum(i.get("accumulator_bytes", 0) for i in keep),
         "saved_s": sum(i["saved_s"] for i in keep),
         "refresh_bytes": refresh,
         "excluded_reuse": sorted(o["name"] for o in opts if o["excluded"]),
-        "per_step": predict_counts(colls, kept_pids, acc_pids, gas, refresh),
+        "per_step": predict_counts(colls, {o["pid"] for o, _ in chosen},
+                                   {o["pid"] for o, k in chosen if k == 1}, gas, refresh),
     }
     log.info("deepcompile pass selective_unshard: %s", summary(decisions)[0])
     return decisions
