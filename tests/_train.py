@@ -11,7 +11,7 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "record": ("comm", "memory")}          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
-                                            # "replicas"
+                                            # "replicas", "unshard"
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -153,6 +153,20 @@ def _memory_snapshot(engine) -> dict:
     }
 
 
+def _unshard_check(engine) -> dict:
+    """The parameters kept gathered, the gradients accumulated locally, and the kept copies
+    that differ from a fresh gather of their shards (selective_unshard)."""
+    from deepcompile.runtime import unshard
+
+    store = unshard.store_of(engine._registry)
+    if store is None:
+        return {"kept": [], "accumulate": [], "stale": []}
+    return {"kept": [k.entry.name for k in store.kept.values()],
+            "accumulate": sorted(k.entry.name for p, k in store.kept.items()
+                                 if p in store.accumulate),
+            "stale": store.stale()}
+
+
 def _graph_stats() -> dict:
     from torch._dynamo.utils import counters
     return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
@@ -215,10 +229,14 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
                 c0 = _comm(engine)
                 engine.step()
                 res.setdefault("comm_step_nonboundary", []).append(_diff(_comm(engine), c0))
+        if "unshard" in record:   # kept copies intact through the window (not overwritten)
+            res.setdefault("unshard_before_step", []).append(_unshard_check(engine))
         c0 = _comm(engine) if "comm" in record else None
         engine.step()
         if "comm" in record:
             res["comm_step"].append(_diff(_comm(engine), c0))
+        if "unshard" in record:   # ... and refreshed by the step (not stale)
+            res.setdefault("unshard_after_step", []).append(_unshard_check(engine))
         if "memory" in record:
             res["memory_step"].append(_memory_snapshot(engine))
 

@@ -64,11 +64,12 @@ def _reference(steps=8):
     return model, losses
 
 
+@pytest.mark.parametrize("passes", [("prefetch", "bucket_reduce"),
+                                    ("prefetch", "bucket_reduce", "selective_unshard")])
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
-def test_parity_on_one_gpu(nccl, compiler):
+def test_parity_on_one_gpu(nccl, compiler, passes):
     torch.backends.cuda.matmul.allow_tf32 = False
-    engine, losses = _train({"compiler": compiler, "passes": ("prefetch", "bucket_reduce"),
-                             "warmup_steps": 1})
+    engine, losses = _train({"compiler": compiler, "passes": passes, "warmup_steps": 1})
     ref, ref_losses = _reference()
     print(f"{compiler}: max |dloss| {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4

@@ -15,7 +15,7 @@ from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
-from .runtime import inflight, replicas
+from .runtime import inflight, replicas, unshard
 from .runtime.eager import EagerFallback
 from .runtime.offload import OptimizerStateOffload
 from .runtime.registry import ParamRegistry
@@ -141,9 +141,11 @@ class Engine:
 
     def _shards_changed(self) -> None:
         """What is derived from the shards follows them (after the optimizer step, after loading
-        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards."""
+        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards, and the
+        parameters `selective_unshard` keeps gathered are gathered again."""
         if self.config.zero_stage < 3:
             replicas.refresh([e for e in self._registry if e.shard.requires_grad])
+        unshard.refresh(self._registry)
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped

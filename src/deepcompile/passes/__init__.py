@@ -73,8 +73,7 @@ def known_passes() -> tuple[str, ...]:
 
 
 def _register_builtin() -> None:
-    from . import bucket_reduce, prefetch  # noqa: F401  (register "bucket_reduce", "prefetch")
-    from . import offload_optimizer  # noqa: F401  (registers "offload_optimizer")
+    from . import bucket_reduce, offload_optimizer, prefetch, selective_unshard  # noqa: F401
 
 
 _register_builtin()

@@ -1,0 +1,400 @@
+"""Pass `selective_unshard`: keep parameters gathered with the memory left under the budget.
+
+A kept parameter is gathered once per optimizer step (after the update, `KeptParams.refresh`)
+and every graph and micro-step uses a copy of it instead of gathering it again (forward,
+backward re-gathers, inference; [Note: kept parameters are copied out] in runtime/unshard.py).
+A kept parameter's gradient may also be accumulated locally over the micro-steps of an
+accumulation window and reduce-scattered once, on the last one, instead of every micro-step.
+
+Plan (from the agreed profiles, the recorded execution order, the cost model and the registry
+only, so every rank decides the same):
+
+* usage: every collective of every graph (a synchronous gather or reduce, or a fused group of
+  `prefetch` / `bucket_reduce`, cross-graph groups counted where they are taken), times the
+  graph's runs in the profiled optimizer step (`ctx.order`: with gradient accumulation it holds
+  each graph once per micro-step);
+* value, in predicted communication seconds saved per optimizer step (cost model): keeping a
+  parameter saves each of its gathers (all of a collective of its own; its bytes' share of a
+  fused one) and costs its bytes' share of the refresh; accumulating saves each reduce-scatter
+  of its gradient but the ones of the last micro-step;
+* weight, in bytes held by the runtime: the full parameter (compute dtype), plus the padded
+  full gradient (master dtype) when accumulated;
+* choice: per parameter one of {not kept, kept, kept + accumulated}, the most value with the
+  total weight within `memory_budget − peak` (peak: the largest live-bytes figure of the latest
+  agreed profiles): a multiple-choice 0/1 knapsack, solved exactly by dynamic programming on a
+  grid of at most `GRID_CELLS` byte cells (weights rounded up to whole cells: a choice never
+  exceeds the capacity). Unbounded budget: every option that saves something, the most
+  valuable per parameter. A parameter involved in graph reuse is not chosen
+  ([Note: local gradient accumulation and graph reuse]).
+
+Apply (passes only schedule: inputs and outputs of graphs never change): in every graph, a
+kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it is pulled out
+of the fused groups `prefetch` made (`allgather_start`/`wait`, `allgather_for_next`/`from_prev`:
+each group is rebuilt with the remaining members, or erased when none remain); an accumulated
+gradient's `reduce_grad` becomes `accumulate_grad` and is pulled out of `bucket_reduce`'s
+buckets the same way. So the pass works with or after `prefetch` and `bucket_reduce`, in any
+order. The kept parameters are gathered at once (apply runs at an optimizer-step boundary,
+after the update), also when the plan comes from the plan cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from ..runtime import ops, unshard
+from ..runtime.registry import lookup
+from . import PassContext, register_pass
+
+log = logging.getLogger("deepcompile")
+
+GRID_CELLS = 4096
+
+# consumers of gathers and reduces: (op, the argument holding its input tensors or None)
+_GATHER_SYNC, _REDUCE_SYNC = ops.ALLGATHER, ops.REDUCE_GRAD
+_GATHER_GROUPS = (ops.ALLGATHER_WAIT, ops.ALLGATHER_FROM_PREV)
+_REDUCE_GROUPS = (ops.REDUCE_WAIT,)
+
+
+# ------------------------------------------------------------------------------- planning
+@dataclasses.dataclass
+class Collective:
+    """One collective of one graph run, as this planner sees it."""
+    kind: str                      # "all_gather" or "reduce_scatter"
+    runs: int                      # runs per optimizer step (of the graph that takes it)
+    members: list[tuple[int, int]]  # (pid, bytes on the wire)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.members)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A parameter that could be kept: its sizes and options."""
+    pid: int
+    name: str
+    keep_bytes: int        # held by the runtime when kept
+    accum_bytes: int       # held by the runtime when its gradient is accumulated
+    refresh_bytes: int     # its bytes in the refresh collective
+
+
+def collectives_of(graphs: dict[str, fx.GraphModule], order: list[str]) -> list[Collective]:
+    """Every gather and reduce collective of `graphs` with its runs per optimizer step."""
+    out = []
+    for key in sorted(graphs):
+        runs = order.count(key)
+        for node in graphs[key].graph.nodes:
+            if node.op != "call_function":
+                continue
+            t = node.target
+            if t is _GATHER_SYNC or t is _REDUCE_SYNC:
+                kind, pids = ("all_gather" if t is _GATHER_SYNC else "reduce_scatter"), [node.args[1]]
+            elif t in _GATHER_GROUPS or t in _REDUCE_GROUPS:
+                kind, pids = ("all_gather" if t in _GATHER_GROUPS else "reduce_scatter"), node.args[1]
+            else:
+                continue
+            out.append(Collective(kind, runs, [(int(p), _wire_bytes(kind, int(p))) for p in pids]))
+    return out
+
+
+def _wire_bytes(kind: str, pid: int) -> int:
+    e = lookup(pid)
+    return e.padded_numel * (e.compute_dtype if kind == "all_gather" else e.reduce_dtype).itemsize
+
+
+def _saving(cost, c: Collective, nbytes: int) -> float:
+    """Seconds saved by taking `nbytes` out of one run of collective `c` (all of it when it is
+    that member's own collective; its bytes' share when fused with others)."""
+    if len(c.members) == 1:
+        return cost.collective_s(c.kind, nbytes)
+    return cost.collective_s(c.kind, c.nbytes) - cost.collective_s(c.kind, c.nbytes - nbytes)
+
+
+def options_of(cands: list[Candidate], colls: list[Collective], cost, gas: int,
+               excluded: set[int]) -> list[dict[str, Any]]:
+    """Per candidate: the value (seconds saved per optimizer step) and weight (bytes) of
+    keeping it, and of keeping it with its gradient accumulated locally."""
+    uses: dict[tuple[str, int], list[tuple[Collective, int]]] = {}
+    for c in colls:
+        for p, b in c.members:
+            uses.setdefault((c.kind, p), []).append((c, b))
+    out = []
+    for cand in cands:
+        gathers = uses.get(("all_gather", cand.pid), [])
+        reduces = uses.get(("reduce_scatter", cand.pid), [])
+        refresh = cost.collective_s("all_gather", cand.refresh_bytes) - cost.collective_s("all_gather", 0)
+        keep_s = sum(c.runs * _saving(cost, c, b) for c, b in gathers) - refresh
+        accum_s = sum(c.runs * (1 - 1 / gas) * _saving(cost, c, b) for c, b in reduces)
+        out.append({"pid": cand.pid, "name": cand.name, "excluded": cand.pid in excluded,
+                    "gathers_per_step": sum(c.runs for c, _ in gathers),
+                    "reduces_per_step": sum(c.runs for c, _ in reduces),
+                    "keep": (cand.keep_bytes, keep_s),
+                    "keep_accumulate": (cand.keep_bytes + cand.accum_bytes, keep_s + accum_s)
+                    if gas > 1 and reduces else None})
+    return out
+
+
+def choose(options: list[list[tuple[int, float]]], capacity: float,
+           cells: int = GRID_CELLS) -> list[int | None]:
+    """Multiple-choice 0/1 knapsack: per item at most one of its (weight, value) options, the
+    most total value with total weight <= capacity. Exact on a grid of at most `cells` cells of
+    ceil(capacity / cells) bytes (weights rounded up to whole cells, so the true total never
+    exceeds the capacity). Returns the chosen option's index per item, or None. Options of
+    value <= 0 are never chosen. Deterministic: ties keep the earlier (lighter) decision."""
+    useful = [[(k, w, v) for k, (w, v) in enumerate(opts) if v > 0] for opts in options]
+    best = [max(u, key=lambda o: (o[2], -o[1]), default=None) for u in useful]
+    if sum(o[1] for o in best if o is not None) <= capacity:   # everything useful fits
+        return [None if o is None else o[0] for o in best]
+    if capacity <= 0:
+        return [None] * len(options)
+    unit = max(1, math.ceil(capacity / cells))
+    n_cells = int(capacity // unit)
+    dp = torch.zeros(n_cells + 1, dtype=torch.float64)          # best value within c cells
+    picks = torch.full((len(options), n_cells + 1), -1, dtype=torch.int16)
+    for i, opts in enumerate(useful):
+        new = dp.clone()
+        for k, w, v in opts:
+            wc = math.ceil(w / unit)
+            if wc > n_cells:
+                continue
+            cand = torch.full_like(dp, -math.inf)
+            cand[wc:] = dp[: n_cells + 1 - wc] + v
+            better = cand > new
+            new = torch.where(better, cand, new)
+            picks[i][better] = k
+        dp = new
+    out: list[int | None] = [None] * len(options)
+    c = n_cells
+    for i in range(len(options) - 1, -1, -1):
+        k = int(picks[i][c])
+        if k >= 0:
+            out[i] = k
+            c -= math.ceil(options[i][k][0] / unit)
+    return out
+
+
+def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int], gas: int,
+                   refresh: list[int]) -> dict[str, dict[str, dict[str, int]]]:
+    """Collectives and bytes per optimizer step, before and after (`refresh`: the bytes of
+    each refresh collective)."""
+    out = {k: {"before": {"count": 0, "bytes": 0}, "after": {"count": 0, "bytes": 0}}
+           for k in ("all_gather", "reduce_scatter")}
+    for c in colls:
+        before, after = out[c.kind]["before"], out[c.kind]["after"]
+        before["count"] += c.runs
+        before["bytes"] += c.runs * c.nbytes
+        gone = keep if c.kind == "all_gather" else accumulate
+        left = [b for p, b in c.members if p not in gone]
+        if left:
+            after["count"] += c.runs
+            after["bytes"] += c.runs * sum(left)
+        if c.kind == "reduce_scatter":   # accumulated: each reduced alone, last micro-step only
+            once = [b for p, b in c.members if p in accumulate]
+            after["count"] += c.runs // gas * len(once)
+            after["bytes"] += c.runs // gas * sum(once)
+    out["all_gather"]["after"]["count"] += len(refresh)
+    out["all_gather"]["after"]["bytes"] += sum(refresh)
+    return out
+
+
+def plan(ctx: PassContext) -> dict[str, Any]:
+    graphs = {k: s.gm for k, s in ctx.slots.items()}
+    colls = collectives_of(graphs, ctx.order)
+    gas = ctx.registry.state.gradient_accumulation_steps
+    used = {p for c in colls for p, _ in c.members}
+    cands = [Candidate(e.pid, e.name, unshard.kept_bytes(e), unshard.accumulator_bytes(e),
+                       e.padded_numel * e.compute_dtype.itemsize)
+             for e in ctx.registry if e.pid in used]
+    excluded = {p for pair in ctx.registry.reuses for p in pair}
+    opts = options_of(cands, colls, ctx.cost, gas, excluded)
+    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    capacity = ctx.memory_budget - peak
+    choice = choose([[] if o["excluded"] else
+                     [o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
+                     for o in opts], capacity)
+    chosen = [(o, k) for o, k in zip(opts, choice) if k is not None]
+    keep, accumulate = [], []
+    for o, k in chosen:
+        w, v = o["keep_accumulate"] if k == 1 else o["keep"]
+        item = {"param": o["name"], "bytes": w, "saved_s": v,
+                "gathers_per_step": o["gathers_per_step"]}
+        if k == 1:
+            item["accumulator_bytes"] = w - o["keep"][0]
+            item["reduces_per_step"] = o["reduces_per_step"]
+            accumulate.append(o["name"])
+        keep.append(item)
+    by_pid = {e.pid: e for e in ctx.registry}
+    refresh = [sum(e.padded_numel * e.compute_dtype.itemsize for e in g)
+               for g in unshard.refresh_groups([by_pid[o["pid"]] for o, _ in chosen])]
+    decisions = {
+        "budget_bytes": None if ctx.memory_budget == float("inf") else ctx.memory_budget,
+        "peak_bytes": peak,
+        "capacity_bytes": None if capacity == float("inf") else capacity,
+        "gradient_accumulation_steps": gas,
+        "keep": keep, "accumulate": accumulate,
+        "kept_bytes": sum(o["keep"][0] for o, _ in chosen),
+        "accumulator_bytes": sum(i.get("accumulator_bytes", 0) for i in keep),
+        "saved_s": sum(i["saved_s"] for i in keep),
+        "refresh_bytes": refresh,
+        "excluded_reuse": sorted(o["name"] for o in opts if o["excluded"]),
+        "per_step": predict_counts(colls, {o["pid"] for o, _ in chosen},
+                                   {o["pid"] for o, k in chosen if k == 1}, gas, refresh),
+    }
+    log.info("deepcompile pass selective_unshard: %s", summary(decisions)[0])
+    return decisions
+
+
+def summary(decisions: dict[str, Any]) -> list[str]:
+    d, size = decisions, _size
+    ag, rs = d["per_step"]["all_gather"], d["per_step"]["reduce_scatter"]
+    room = "unbounded" if d["capacity_bytes"] is None else size(max(d["capacity_bytes"], 0))
+    lines = [
+        f"kept {len(d['keep'])} parameters ({size(d['kept_bytes'])}) and {len(d['accumulate'])} "
+        f"gradient accumulators ({size(d['accumulator_bytes'])}) in {room} (budget − peak); "
+        f"per optimizer step: all-gathers {ag['before']['count']} -> {ag['after']['count']} "
+        f"({size(ag['before']['bytes'])} -> {size(ag['after']['bytes'])}), reduce-scatters "
+        f"{rs['before']['count']} -> {rs['after']['count']} ({size(rs['before']['bytes'])} -> "
+        f"{size(rs['after']['bytes'])}); predicted comm saved {d['saved_s'] * 1e3:.2f} ms",
+    ]
+    for i in d["keep"]:
+        acc = (f", gradient accumulated ({size(i['accumulator_bytes'])}, "
+               f"{i['reduces_per_step']} reduce-scatters/step -> once)") if "accumulator_bytes" in i else ""
+        lines.append(f"{i['param']}: {size(i['bytes'])}, {i['gathers_per_step']} gathers/step -> "
+                     f"refresh{acc}; saves {i['saved_s'] * 1e3:.3f} ms/step")
+    if d["excluded_reuse"]:
+        lines.append(f"not considered (graph reuse): {', '.join(d['excluded_reuse'])}")
+    return lines
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+# -------------------------------------------------------------------------------- rewrite
+def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
+    by_name = {e.name: e for e in ctx.registry}
+    keep = {by_name[i["param"]].pid for i in decisions["keep"]}
+    accumulate = {by_name[n].pid for n in decisions["accumulate"]}
+    if not keep:
+        return []
+    changed = [key for key, slot in sorted(ctx.slots.items())
+               if rewrite(slot.gm.graph, keep, accumulate)]
+    unshard.store_for(ctx.registry).configure(
+        [e.pid for e in ctx.registry if e.pid in keep],
+        [e.pid for e in ctx.registry if e.pid in accumulate])
+    return changed
+
+
+def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
+    """Replace the gathers of `keep` and the reduces of `accumulate` in one graph; whether it
+    changed."""
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if t is ops.ALLGATHER and node.args[1] in keep:
+            node.target = unshard.KEPT_PARAM          # same arguments
+            changed = True
+        elif t is ops.REDUCE_GRAD and node.args[1] in accumulate:
+            node.target = unshard.ACCUMULATE_GRAD     # same arguments
+            changed = True
+        elif t is ops.ALLGATHER_WAIT:
+            start = node.args[0]
+            changed |= _pull(graph, node, start, keep, _kept_from(start.args[0], start.args[2]))
+        elif t is ops.ALLGATHER_FROM_PREV:
+            changed |= _pull(graph, node, node, keep, _kept_from(node.args[0], node.args[2]))
+        elif t is ops.REDUCE_WAIT:
+            start = node.args[0]
+            changed |= _pull(graph, node, start, accumulate, _accumulated_from(start.args[0]))
+        elif t is ops.ALLGATHER_FOR_NEXT:
+            pids = node.args[1]
+            left = [p for p in pids if p not in keep]
+            if len(left) < len(pids):
+                changed = True
+                if left:
+                    node.args = (node.args[0], left, node.args[2])
+                else:
+                    graph.erase_node(node)
+    if changed:
+        graph.lint()
+    return changed
+
+
+def _kept_from(shards: list[fx.Node], dtype) -> Callable[[fx.Graph, int, int], fx.Node]:
+    def make(graph: fx.Graph, i: int, pid: int) -> fx.Node:
+        e = lookup(pid)
+        return graph.call_function(unshard.KEPT_PARAM, (shards[i], pid, list(e.shape), dtype))
+    return make
+
+
+def _accumulated_from(grads: list[fx.Node]) -> Callable[[fx.Graph, int, int], fx.Node]:
+    def make(graph: fx.Graph, i: int, pid: int) -> fx.Node:
+        e = lookup(pid)
+        return graph.call_function(unshard.ACCUMULATE_GRAD,
+                                   (grads[i], pid, e.shard.numel(), e.shard.dtype))
+    return make
+
+
+def _pull(graph: fx.Graph, wait: fx.Node, start: fx.Node, pids_out: set[int],
+          make: Callable[[fx.Graph, int, int], fx.Node]) -> bool:
+    """Take the members in `pids_out` out of a fused group: `start` launches it (its args:
+    inputs list, pids, ...), `wait` hands out one value per member through getitem nodes (it
+    may be `start` itself: `allgather_from_prev`). Each member taken out gets its own node
+    from `make` right before `wait`; the group is rebuilt with the others, or erased."""
+    pids = list(wait.args[1])
+    out = [i for i, p in enumerate(pids) if p in pids_out]
+    if not out:
+        return False
+    parts = {}
+    for user in list(wait.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise RuntimeError(f"deepcompile selective_unshard: {wait.name} has a user that is "
+                               f"not a getitem ({user.format_node()})")
+        parts[user.args[1]] = user
+    vals = wait.meta.get("val") or [None] * len(pids)
+    for i in out:
+        with graph.inserting_before(wait):
+            node = make(graph, i, pids[i])
+        node.meta["val"] = vals[i]
+        if i in parts:
+            parts[i].replace_all_uses_with(node)
+            graph.erase_node(parts[i])
+    keep = [i for i in range(len(pids)) if i not in out]
+    if not keep:
+        graph.erase_node(wait)
+        if start is not wait:
+            graph.erase_node(start)
+        return True
+    for new, i in enumerate(keep):
+        if i in parts:
+            parts[i].args = (wait, new)
+    start.args = ([start.args[0][i] for i in keep], [pids[i] for i in keep], *start.args[2:])
+    if start is not wait:
+        wait.args = (start, [pids[i] for i in keep])
+        start.meta["val"] = _in_flight(start, [pids[i] for i in keep])
+    wait.meta["val"] = [vals[i] for i in keep]
+    return True
+
+
+def _in_flight(start: fx.Node, pids: list[int]):
+    """The static model's stand-in for what a rebuilt group holds in flight (as `prefetch` and
+    `bucket_reduce` describe it: the gathered buffer; the padded gradients in the reduce dtype
+    and this rank's reduced slice)."""
+    val = start.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val
+    entries = [lookup(p) for p in pids]
+    if start.target is ops.REDUCE_START:
+        return val.new_empty((sum(e.padded_numel + e.shard.numel() for e in entries),))
+    return val.new_empty((sum(e.padded_numel for e in entries),))
+
+
+register_pass("selective_unshard", plan, apply, __doc__.splitlines()[0], summary=summary)
