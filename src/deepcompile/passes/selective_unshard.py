@@ -25,7 +25,8 @@ only, so every rank decides the same):
   grid of at most `GRID_CELLS` byte cells (weights rounded up to whole cells: a choice never
   exceeds the capacity). Unbounded budget: every option that saves something, the most
   valuable per parameter. A parameter involved in graph reuse is not chosen
-  ([Note: local gradient accumulation and graph reuse]).
+  ([Note: local gradient accumulation and graph reuse]). At ZeRO-1/2 nothing is chosen: the
+  parameters are replicated, and ZeRO-1 already reduces once per optimizer step.
 
 Apply (passes only schedule: inputs and outputs of graphs never change): in every graph, a
 kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it is pulled out
@@ -209,9 +210,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     colls = collectives_of(graphs, ctx.order)
     gas = ctx.registry.state.gradient_accumulation_steps
     used = {p for c in colls for p, _ in c.members}
+    # ZeRO-1/2: parameters are replicated (nothing to keep gathered) and ZeRO-1 already
+    # accumulates gradients locally; the pass is a ZeRO-3 pass and keeps nothing there.
     cands = [Candidate(e.pid, e.name, unshard.kept_bytes(e), unshard.accumulator_bytes(e),
                        e.padded_numel * e.compute_dtype.itemsize)
-             for e in ctx.registry if e.pid in used]
+             for e in ctx.registry if e.pid in used and e.zero_stage == 3]
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
     peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)

@@ -1,0 +1,61 @@
+"""The stages and passes that landed separately, together (fx, 2 ranks, tiny Llama, AdamW,
+accumulation 2, clipping): parity with the eager reference, and each pass a no-op where its
+pattern is absent.
+
+  * ZeRO-1 and ZeRO-2 with every ZeRO-3 pass configured: `prefetch` and `selective_unshard` find
+    no gathers and change nothing; `offload_optimizer` (unbounded budget) runs its start-up
+    offload and reload through the warm-up and profiled steps, then keeps everything;
+  * ZeRO-3 with all four passes, unbounded budget: everything is kept gathered, nothing is
+    offloaded, one all-gather (the refresh) per optimizer step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _train import Jobs, compare_to_reference, scenario
+
+ALL = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
+
+
+def _sc(id, steps=6, **config):
+    return scenario(id, "llama", "adamw", 1e-2, gas=2, clip=0.1, steps=steps,
+                    record=("report", "comm"), **config)
+
+
+_SCENARIOS = [
+    _sc("zero1-all-passes", zero_stage=1, passes=ALL),
+    _sc("zero2-all-passes", zero_stage=2, passes=ALL),
+    # warm-up 2, profile 1, a re-profile after each pass that changed a graph: steady by step 8
+    _sc("zero3-all-passes", steps=10, zero_stage=3, passes=ALL),
+]
+JOBS = Jobs({"fx2": (2, _SCENARIOS)}, timeout=900)
+_BY_ID = {sc["id"]: sc for sc in _SCENARIOS}
+
+
+@pytest.mark.parametrize("sid", list(_BY_ID))
+def test_parity(sid):
+    compare_to_reference(_BY_ID[sid], JOBS.results("fx2", sid), kind="llama/composition")
+
+
+@pytest.mark.parametrize("sid", ["zero1-all-passes", "zero2-all-passes"])
+def test_zero3_passes_change_nothing_at_stages_1_and_2(sid):
+    for r in JOBS.results("fx2", sid):
+        passes = {e["pass"]: e for e in r["report"]["passes"]}
+        assert set(passes) == set(ALL)
+        assert passes["prefetch"]["changed"] == [] and passes["selective_unshard"]["changed"] == []
+        assert passes["bucket_reduce"]["changed"], "bucket_reduce buckets the reduce-scatters"
+        # no collective in the forward, never an all-reduce of gradients
+        assert all(f["all_gather"] == (0, 0) and f["reduce_scatter"] == (0, 0)
+                   for f in r["comm_fwd"])
+        assert all(s["all_reduce"] == (1, 4) for s in r["comm_step"])   # the clipping norm
+
+
+def test_zero3_all_passes_unbounded_keeps_everything():
+    for r in JOBS.results("fx2", "zero3-all-passes"):
+        assert r["report"]["phase"] == "steady"
+        # steady state (the last steps): no gather inside the graphs, one refresh after the step
+        for f, b in zip(r["comm_fwd"][-4:], r["comm_bwd"][-4:]):
+            assert f["all_gather"][0] == 0 and b["all_gather"][0] == 0, (f, b)
+        for s in r["comm_step"][-2:]:
+            assert s["all_gather"][0] == 1, s
