@@ -114,9 +114,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "DS_BUILD_OPS=0 pip install -c constraints.txt -e '.[bench]'"),
     )
     p.add_argument("--workloads", nargs="+", metavar="W", default=None,
-                   help="workloads (default: the CPU or CUDA set; --list shows them)")
+                   help="workloads (default: those of the committed CPU or CUDA set; --list "
+                        "shows them)")
     p.add_argument("--systems", nargs="+", metavar="S", default=None,
-                   help="systems (default: the CPU or CUDA set; --list shows them)")
+                   help="systems, run on every workload (default: the committed set's systems "
+                        "for each workload; --list shows them)")
     p.add_argument("--launches", type=_positive_int, default=5,
                    help="launches per system, interleaved (default: %(default)s)")
     p.add_argument("--steps", type=_positive_int, default=5,
@@ -152,16 +154,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print("systems:")
         for name, s in systems.SYSTEMS.items():
             print(f"  {name:<26} {s.description}")
+        for device in ("cpu", "cuda"):
+            print(f"committed {device} set (the default):")
+            for w, names in systems.matrix(device, None, None).items():
+                print(f"  {w:<20} {' '.join(names)}")
         return 0
     from ._demo import require_transformers
 
     require_transformers()
     cuda = args.device == "cuda"
-    names = {"workloads": args.workloads or (workloads.CUDA_DEFAULT if cuda else
-                                             workloads.CPU_DEFAULT),
-             "systems": args.systems or (systems.CUDA_DEFAULT if cuda else systems.CPU_DEFAULT)}
-    for kind, known in (("workloads", workloads.WORKLOADS), ("systems", systems.SYSTEMS)):
-        unknown = [n for n in names[kind] if n not in known]
+    for kind, given, known in (("workloads", args.workloads, workloads.WORKLOADS),
+                               ("systems", args.systems, systems.SYSTEMS)):
+        unknown = [n for n in given or () if n not in known]
         if unknown:
             raise SystemExit(f"deepcompile bench: unknown {kind} {', '.join(unknown)}; "
                              f"known: {', '.join(known)}")
@@ -170,16 +174,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("deepcompile bench: --device cuda but CUDA is not available")
+    from pathlib import Path
+
     from ._bench import BenchArgs, run
 
     bench_args = BenchArgs(
-        workloads=tuple(names["workloads"]), systems=tuple(names["systems"]),
+        matrix=systems.matrix(args.device, args.workloads, args.systems),
         launches=args.launches, steps=args.steps, warmup=args.warmup,
         nproc=args.nproc or (1 if cuda else 2), device=args.device, compiler=args.compiler,
-        out=args.out, timeout_s=float(args.timeout), command=shlex.join(["deepcompile", *args.argv]))
+        out=args.out, timeout_s=float(args.timeout),
+        command=shlex.join(["deepcompile", *args.argv]))
     result = run(bench_args)
-    from pathlib import Path
-
     directory = Path(args.out) if args.out else output.default_dir(result)
     paths = output.write(result, directory)
     print(output.markdown(result))

@@ -14,7 +14,8 @@ which records
   `engine.comm_stats()`. On gloo a reduce-scatter runs as an all-reduce of the full tensor, so
   the two levels differ there, and the transport level is what the machine pays.
 
-The same profiled step records every CPU allocation and free, from which `step_alloc_peak_bytes`
+The same profiled step records every allocation and free (of the GPU in GPU mode), from which
+`step_alloc_peak_bytes`
 is the highest tensor memory allocated above what was live when the step began (activations,
 gathered parameters, gradient and communication buffers): the part of the peak that the system's
 schedule decides. What stays allocated between steps is in the RSS figures: `rss()` reads the
@@ -68,6 +69,8 @@ class StepProbe:
         from torch.profiler import ProfilerActivity, profile
 
         self.world = world
+        device_types = torch.autograd.DeviceType
+        self._memory_device = device_types.CUDA if cuda else device_types.CPU
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof = profile(activities=activities, record_shapes=True, profile_memory=True)
 
@@ -85,7 +88,7 @@ class StepProbe:
         for e in self._prof.profiler.kineto_results.events():
             name = e.name()
             if name == "[memory]":
-                if e.device_type() == torch.autograd.DeviceType.CPU:
+                if e.device_type() == self._memory_device:
                     allocs.append((e.start_ns(), int(e.nbytes())))
             elif name.startswith("c10d::"):
                 op = name[6:].rstrip("_")

@@ -43,8 +43,7 @@ from .worker import MAX_EXTRA_WARMUP, LaunchSpec, launch
 
 @dataclasses.dataclass(frozen=True)
 class BenchArgs:
-    workloads: tuple[str, ...]
-    systems: tuple[str, ...]
+    matrix: dict[str, tuple[str, ...]]   # workload -> systems (systems.matrix)
     launches: int = 5
     steps: int = 5
     warmup: int = 2
@@ -71,9 +70,9 @@ def _median_of(values: list[float]) -> dict[str, float] | None:
 def plan(args: BenchArgs) -> list[dict[str, Any]]:
     """One entry per (workload, system): runnable, or why not (unavailable / same as another)."""
     entries = []
-    for wname in args.workloads:
+    for wname, snames in args.matrix.items():
         chosen: list[S.System] = []
-        for sname in args.systems:
+        for sname in snames:
             system = S.get(sname)
             reason = S.unavailable(system, args.device, args.compiler)
             status = "unavailable" if reason else "ok"
@@ -236,7 +235,7 @@ def run(args: BenchArgs, log=print) -> dict[str, Any]:
     # references first (cheap on the CPU), so every launch line can show its loss difference
     total_steps = args.warmup + MAX_EXTRA_WARMUP + args.steps + 1
     refs: dict[tuple[str, str], list[float]] = {}
-    for wname in args.workloads:
+    for wname in args.matrix:
         w = W.get(wname)
         if any(e["workload"] == wname for e in runnable):
             t0 = time.perf_counter()
@@ -258,7 +257,7 @@ def run(args: BenchArgs, log=print) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="deepcompile-bench-"))
     n, total = 0, len(runnable) * args.launches
     for round_ in range(args.launches):
-        for wname in args.workloads:
+        for wname in args.matrix:
             todo = [e for e in runnable if e["workload"] == wname]
             k = round_ % len(todo) if todo else 0
             for e in todo[k:] + todo[:k]:
@@ -286,7 +285,7 @@ def run(args: BenchArgs, log=print) -> dict[str, Any]:
                    tokens)
     meta["load_after"] = _load()
     meta["wall_s"] = round(time.time() - started, 1)
-    meta["workloads"] = {wname: W.get(wname).to_dict() for wname in args.workloads}
+    meta["workloads"] = {wname: W.get(wname).to_dict() for wname in args.matrix}
     if all(rec["ok"] for e in entries for rec in e["launches"]):
         shutil.rmtree(tmp, ignore_errors=True)
     else:  # keep the ranks' logs of a run where a launch failed

@@ -69,6 +69,31 @@ CPU_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard", "ours-z3
 CUDA_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3-all", "fsdp2", "fsdp2-compile", "ds-z3",
                 "ds-deepcompile", "compile-1proc")
 
+# The committed CPU result set (`deepcompile bench` with no --workloads/--systems): every system
+# on the tiny Llama with 1 and 4 accumulation steps (the pass ladder, where selective unsharding
+# and accumulation interact); the strongest of ours against the main peers on the larger Llama
+# and on the MoE. A launch of ours costs 20-30 s on 2 quiet cores (Inductor compiles its final
+# graphs in every launch), so the full matrix x 5 launches would take well over an hour; this
+# one takes about 45 minutes with every ours system of the merged build.
+_SCALE = ("ours-z3", "ours-z3-all", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "compile-1proc")
+CPU_MATRIX: dict[str, tuple[str, ...]] = {
+    "tiny-llama": CPU_DEFAULT,
+    "tiny-llama-gas4": CPU_DEFAULT,
+    "small-llama": _SCALE,
+    "tiny-mixtral": ("ours-z3-all", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "compile-1proc"),
+}
+CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
+
+
+def matrix(device: str, workloads: tuple[str, ...] | None,
+           systems: tuple[str, ...] | None) -> dict[str, tuple[str, ...]]:
+    """Which systems run on which workload: the committed set for `device`, or `systems` on
+    every one of `workloads` (each defaulting to the committed set's)."""
+    base = CUDA_MATRIX if device == "cuda" else CPU_MATRIX
+    default = CUDA_DEFAULT if device == "cuda" else CPU_DEFAULT
+    names = workloads or tuple(base)
+    return {w: tuple(systems) if systems else base.get(w, default) for w in names}
+
 
 def get(name: str) -> System:
     if name not in SYSTEMS:

@@ -194,7 +194,7 @@ def build(system: System, w: workloads.Workload, device: torch.device, world: in
     """The workload's model (seeded) wrapped by `system`, on `device`."""
     if system.kind == "deepspeed" and device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    model = workloads.build_model(w).to(device)
+    model = workloads.build_model(w, device)
     n = workloads.num_params(model)
     peers = {"fsdp2": _fsdp2, "ddp": _ddp, "compile": _compile, "deepspeed": _DeepSpeed}
     if system.kind == "ours":

@@ -137,7 +137,8 @@ def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
 
         from . import systems
 
-        torch.set_num_threads(1)
+        if spec.device == "cpu":
+            torch.set_num_threads(1)  # one core per rank
         if not systems.get(spec.system).single_process:
             backend = "nccl" if spec.device == "cuda" else "gloo"
             if spec.device == "cuda":

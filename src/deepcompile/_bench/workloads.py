@@ -76,8 +76,6 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     _w("tiny-mixtral", seq=64, batch=4, gas=4),
     _w("llama-1b", seq=1024, batch=4, dtype="bfloat16"),
 )}
-CPU_DEFAULT = ("tiny-llama", "tiny-llama-gas4", "small-llama", "tiny-mixtral")
-CUDA_DEFAULT = ("llama-1b",)
 
 
 def get(name: str) -> Workload:
@@ -86,18 +84,20 @@ def get(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-def build_model(w: Workload) -> torch.nn.Module:
-    """The workload's model in fp32 on the CPU, weights from `w.seed` (identical everywhere)."""
+def build_model(w: Workload, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The workload's model in fp32, initialized on `device` from `w.seed` (identical in every
+    process that builds it on the same kind of device)."""
     import transformers
 
     arch, kwargs = _MODELS[w.model]
     common = dict(max_position_embeddings=max(w.seq, 128), use_cache=False,
                   tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(w.seed)
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **kwargs))
-    else:
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, **kwargs))
+    with torch.device(device):  # a 1B model is initialized on the GPU, not by one CPU thread
+        if arch == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **kwargs))
+        else:
+            model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, **kwargs))
     return model.float().train()
 
 
@@ -145,7 +145,7 @@ def train_reference(w: Workload, world: int, steps: int, rank_slice: int | None 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(w).to(device)
+        model = build_model(w, device)
         opt = make_optimizer(model.parameters())
         amp = torch.autocast(torch.device(device).type, dtype=getattr(torch, w.dtype),
                              enabled=w.dtype != "float32")
