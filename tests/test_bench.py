@@ -166,3 +166,29 @@ def test_bench_help_and_list_spawn_nothing():
     r = subprocess.run([sys.executable, "-m", "deepcompile", "bench", "--systems", "nope"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "unknown systems nope" in r.stderr
+
+
+# ---- GPU mode (skipped without CUDA) ----------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_mode_smoke(tmp_path):
+    """The GPU paths (NCCL, bf16 for every system, CUDA memory figures) on a tiny bf16 Llama,
+    before spending an hour on the 1.1B one: `pytest -m gpu tests/test_bench.py`."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    names = ["ours-z3", "ours-z3+overlap", "fsdp2", "compile-1proc", "ds-z3", "ds-deepcompile"]
+    rc = main(["bench", "--device", "cuda", "--workloads", "tiny-llama-bf16", "--systems", *names,
+               "--launches", "1", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["meta"]["hardware"]["gpu"]
+    for name in names:
+        e = _entry(result, name)
+        if e["status"] == "unavailable":  # DeepSpeed not installed
+            assert name.startswith("ds-") and "not installed" in e["reason"], e["reason"]
+            continue
+        assert e["status"] == "ok", (name, e.get("reason"))
+        assert e["memory"]["cuda_max_allocated"] > 0
+        assert e["loss"]["max_abs_diff"] < 0.1, (name, e["loss"])  # bf16 vs the autocast reference
+    assert (tmp_path / "bench.md").read_text().count("peak GPU MiB") == 1

@@ -223,7 +223,7 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
              f"{v['deepspeed'] or '-'}; blue: ours, orange: peers, gray: compute bound\n"
              + textwrap.fill(meta["command"], 150))
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))  # room for the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

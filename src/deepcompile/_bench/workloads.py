@@ -75,6 +75,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     _w("tiny-mixtral", seq=64, batch=4),
     _w("tiny-mixtral", seq=64, batch=4, gas=4),
     _w("llama-1b", seq=1024, batch=4, dtype="bfloat16"),
+    # the GPU paths on a tiny model (tests/test_bench.py, marked gpu)
+    Workload("tiny-llama-bf16", "tiny-llama", seq=64, batch=4, dtype="bfloat16"),
 )}
 
 
