@@ -62,12 +62,12 @@ class _Plain(Trainer):
         self.module, self.w, self.device = module, w, device
         self.optimizer = workloads.make_optimizer(model.parameters())
         self._sync = sync  # callable(last) -> context manager (DDP's no_sync)
-        self._amp = autocast and w.dtype != "float32"
+        self._autocast = autocast
 
     def micro(self, ids, last):
-        ctx = self._sync(last) if self._sync else contextlib.nullcontext()
-        with ctx:
-            with _autocast(self.device, self.w.dtype) if self._amp else contextlib.nullcontext():
+        amp = _autocast(self.device, self.w.dtype) if self._autocast else contextlib.nullcontext()
+        with self._sync(last) if self._sync else contextlib.nullcontext():
+            with amp:
                 loss = self.module(input_ids=ids, labels=ids).loss
             (loss / self.w.gas if self.w.gas > 1 else loss).backward()
         return loss.detach()
