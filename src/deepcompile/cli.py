@@ -2,6 +2,9 @@
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
                      [--passes P1,P2]
+    deepcompile bench [--workloads W ...] [--systems S ...] [--launches N] [--steps N]
+                      [--warmup N] [--nproc N] [--device cpu|cuda] [--compiler inductor|fx]
+                      [--out DIR] [--timeout S] [--list]
 
 Each subcommand is a function `_cmd_<name>(args) -> int` plus an `_add_<name>(subparsers)` that
 declares its options; add both and list the adder in `_SUBCOMMANDS`. Nothing heavy (torch,
@@ -11,6 +14,7 @@ transformers) is imported until a subcommand runs, so `--help` is instant and sp
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import Callable, Sequence
 
@@ -94,9 +98,104 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                                     passes=passes))
 
 
+# ---- bench -------------------------------------------------------------------------------------
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark ours against FSDP2, DDP, DeepSpeed and torch.compile on the same work",
+        description=(
+            "Train the same model (same seed, data, AdamW, batch, accumulation, dtype) with each "
+            "system in fresh local processes, several launches per system interleaved, and write "
+            "a JSON, a markdown table and a PNG chart (step time; collectives per step; peak "
+            "memory per rank; first-step and one-time cost; loss difference against plain eager "
+            "PyTorch in one process). A system that cannot run here is listed with the reason. "
+            "Needs transformers; DeepSpeed and matplotlib are optional: "
+            "DS_BUILD_OPS=0 pip install -c constraints.txt -e '.[bench]'"),
+    )
+    p.add_argument("--workloads", nargs="+", metavar="W", default=None,
+                   help="workloads (default: those of the committed CPU or CUDA set; --list "
+                        "shows them)")
+    p.add_argument("--systems", nargs="+", metavar="S", default=None,
+                   help="systems, run on every workload (default: the committed set's systems "
+                        "for each workload; --list shows them)")
+    p.add_argument("--launches", type=_positive_int, default=5,
+                   help="launches per system, interleaved (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="timed optimizer steps per launch (default: %(default)s)")
+    p.add_argument("--warmup", type=_positive_int, default=2,
+                   help="warm-up steps, not timed; ours also waits for its passes and final "
+                        "compile (default: %(default)s)")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="ranks (default: 2 on the CPU over gloo, 1 GPU with --device cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="'cpu' (gloo ranks, fp32) or 'cuda' (NCCL, bf16, ~1B-parameter Llama) "
+                        "(default: %(default)s)")
+    p.add_argument("--compiler", choices=("inductor", "fx"), default="inductor",
+                   help="ours' compiler (default: %(default)s, like the peers' torch.compile)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for the results (default: "
+                        "benchmarks/results/<date>-<machine>/); nothing is overwritten")
+    p.add_argument("--timeout", type=_positive_int, default=1200, metavar="S",
+                   help="seconds one launch may take before it is stopped and reported as "
+                        "failed (default: %(default)s)")
+    p.add_argument("--list", action="store_true", help="list workloads and systems, and exit")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ._bench import output, systems, workloads
+
+    if args.list:
+        print("workloads:")
+        for name, w in workloads.WORKLOADS.items():
+            print(f"  {name:<20} {w.model}, {w.batch} x {w.seq} tokens per rank, gas {w.gas}, "
+                  f"{w.dtype}")
+        print("systems:")
+        for name, s in systems.SYSTEMS.items():
+            print(f"  {name:<26} {s.description}")
+        for device in ("cpu", "cuda"):
+            print(f"committed {device} set (the default):")
+            for w, names in systems.matrix(device, None, None).items():
+                print(f"  {w:<20} {' '.join(names)}")
+        return 0
+    from ._demo import require_transformers
+
+    require_transformers()
+    cuda = args.device == "cuda"
+    for kind, given, known in (("workloads", args.workloads, workloads.WORKLOADS),
+                               ("systems", args.systems, systems.SYSTEMS)):
+        unknown = [n for n in given or () if n not in known]
+        if unknown:
+            raise SystemExit(f"deepcompile bench: unknown {kind} {', '.join(unknown)}; "
+                             f"known: {', '.join(known)}")
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("deepcompile bench: --device cuda but CUDA is not available")
+    from pathlib import Path
+
+    from ._bench import BenchArgs, run
+
+    bench_args = BenchArgs(
+        matrix=systems.matrix(args.device, args.workloads, args.systems),
+        launches=args.launches, steps=args.steps, warmup=args.warmup,
+        nproc=args.nproc or (1 if cuda else 2), device=args.device, compiler=args.compiler,
+        out=args.out, timeout_s=float(args.timeout),
+        command=shlex.join(["deepcompile", *args.argv]))
+    result = run(bench_args)
+    directory = Path(args.out) if args.out else output.default_dir(result)
+    paths = output.write(result, directory)
+    print(output.markdown(result))
+    for path in paths.values():
+        print(f"[bench] wrote {path}")
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo,)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for the records
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

@@ -1,0 +1,245 @@
+"""One launch: spawn the ranks of one system on one workload, train, measure, return figures.
+
+Per rank, in order:
+
+1. warm-up steps: at least `warmup`, and for ours until its passes are planned and its final
+   graphs compiled (`Trainer.steady`), at most `warmup + MAX_EXTRA_WARMUP`; the first step's
+   time (`first_step_s`, compilation included) and the warm-up's excess over steady steps
+   (`one_time_s`: compilation, profiling, passes) are kept;
+2. `steps` timed steps (never asserted on: the machine's load moves them);
+3. one counted step under the profiler: collectives and step allocations (`measure.py`).
+
+The RSS high-water mark is reset between 1 and 2, so `steady_peak_rss` excludes compilation.
+The per-step losses of every step come back for the comparison with the eager reference. A rank
+that raises reports its traceback; the parent records the failure and goes on with the next
+launch. Children write their output to a log file; its tail goes into the failure's reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+MAX_EXTRA_WARMUP = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    system: str
+    workload: str
+    nproc: int          # ranks of the distributed systems (the data is cut for this many)
+    device: str         # cpu | cuda
+    warmup: int
+    steps: int
+    compiler: str       # ours' compiler
+    log_path: str
+    inductor_cache: str  # TORCHINDUCTOR_CACHE_DIR of the ranks: shared by the launches
+    plan_cache: str      # ours' Config.cache_dir: the first launch plans, the others reuse it
+    pg_timeout_s: float = 900.0
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
+    import torch
+
+    from . import measure, systems, trainers, workloads
+
+    system = systems.get(spec.system)
+    w = workloads.get(spec.workload)
+    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+    import transformers  # noqa: F401  (in the baseline: what every system needs anyway)
+    base_rss = measure.rss()["rss"]
+    t0 = time.perf_counter()
+    trainer = trainers.build(system, w, device, world, spec.compiler, spec.plan_cache)
+    setup_s = time.perf_counter() - t0
+    data_rank = rank  # the compute bound (one process) trains on rank 0's slice
+    micro = 0
+
+    def one_step() -> tuple[float, float]:
+        nonlocal micro
+        _sync(device)
+        t = time.perf_counter()
+        total = 0.0
+        for m in range(w.gas):
+            ids = workloads.local_batch(w, micro, data_rank, spec.nproc).to(device)
+            micro += 1
+            total += float(trainer.micro(ids, last=m == w.gas - 1))
+        trainer.step()
+        _sync(device)
+        return time.perf_counter() - t, total / w.gas
+
+    losses, warm_s, times = [], [], []
+    while True:
+        dt, loss = one_step()
+        warm_s.append(dt)
+        losses.append(loss)
+        ready = trainer.steady()
+        if len(warm_s) >= spec.warmup and ready:
+            break
+        if len(warm_s) >= spec.warmup + MAX_EXTRA_WARMUP:
+            raise RuntimeError(f"{spec.system} not in its steady state after {len(warm_s)} "
+                               "warm-up steps")
+    warm_rss = measure.rss()
+    measure.reset_rss_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    steady_start = measure.rss()["rss"]
+    for _ in range(spec.steps):
+        dt, loss = one_step()
+        times.append(dt)
+        losses.append(loss)
+    steady_rss = measure.rss()
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    own_before = trainer.own_comm_stats()
+    with measure.StepProbe(world, cuda=device.type == "cuda") as probe:
+        _, loss = one_step()
+    losses.append(loss)
+    counted = probe.summary()
+    own_after = trainer.own_comm_stats()
+    if own_after is not None:  # the system's own counters over the same step, to cross-check
+        counted["own_counters"] = {k: {f: v[f] - own_before.get(k, {}).get(f, 0) for f in v}
+                                   for k, v in own_after.items()}
+    median = statistics.median(times)
+    return {
+        "rank": rank, "losses": losses, "warmup_steps": len(warm_s), "step_s": times,
+        "first_step_s": warm_s[0], "setup_s": setup_s,
+        "one_time_s": max(0.0, sum(warm_s) - len(warm_s) * median),
+        "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,
+                                                                steady_rss["hwm"] or 0) or None,
+                   "steady_start_rss": steady_start, "steady_peak_rss": steady_rss["hwm"],
+                   "cuda_max_allocated": cuda_peak},
+        "counted_step": counted,
+        "info": {"num_params": trainer.num_params, **trainer.info()},
+    }
+
+
+def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
+    log = open(spec.log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from . import systems
+
+        if spec.device == "cpu":
+            torch.set_num_threads(1)  # one core per rank
+        if not systems.get(spec.system).single_process:
+            backend = "nccl" if spec.device == "cuda" else "gloo"
+            if spec.device == "cuda":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
+        try:
+            out = _train(rank, world, spec)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 -- everything goes back to the parent
+        traceback.print_exc()
+        results.put((rank, "error", f"rank {rank}: {traceback.format_exc()}"))
+    finally:
+        sys.stdout.flush()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, world: int, port: int, device: str) -> dict[str, str]:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "TOKENIZERS_PARALLELISM": "false", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    if device == "cpu":
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    return env
+
+
+def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
+    """Run one launch; the ranks' results, or a string saying why it failed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = []
+    saved = dict(os.environ)
+    try:
+        for r in range(world):
+            # a spawned child copies the parent's environment when it starts
+            os.environ.update(child_env(r, world, port, spec.device),
+                              TORCHINDUCTOR_CACHE_DIR=spec.inductor_cache)
+            p = ctx.Process(target=_child, args=(r, world, port, spec, results), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    got: dict[int, Any] = {}
+    error: str | None = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world and error is None:
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout_s:.0f} s"
+                break
+            try:
+                rank, status, data = results.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+                if dead:
+                    try:
+                        rank, status, data = results.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        error = (f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                 "without a result")
+                        break
+                else:
+                    continue
+            if status == "ok":
+                got[rank] = data
+            else:
+                error = data
+    finally:
+        for p in procs:
+            p.join(timeout=0 if error else 30)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    if error is not None:
+        return _reason(error, spec.log_path)
+    return [got[r] for r in range(world)]
+
+
+def _reason(error: str, log_path: str) -> str:
+    """The last line of the traceback (the exception), plus the log's tail for the JSON."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else error
+    try:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+    except OSError:
+        tail = ""
+    return f"{last}\n--- log tail ---\n{tail}" if tail else last

@@ -1,0 +1,194 @@
+"""`deepcompile bench`: a smoke run of the harness (one tiny workload, one launch, two systems)
+and its pieces without spawning. Asserts on structure and on figures that do not depend on the
+machine's load (collectives, loss difference), never on time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("transformers")
+
+from deepcompile._bench import output, systems  # noqa: E402
+from deepcompile.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    rc = main(["bench", "--workloads", "tiny-llama", "--systems", "ours-z3", "ddp",
+               "ds-deepcompile", "--launches", "1", "--steps", "2", "--warmup", "1",
+               "--compiler", "fx", "--out", str(out)])
+    assert rc == 0
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def _entry(result: dict, system: str) -> dict:
+    [e] = [e for e in result["results"] if e["system"] == system]
+    return e
+
+
+def test_smoke_json_structure(smoke):
+    result, _ = smoke
+    meta = result["meta"]
+    for key in ("date", "hardware", "versions", "command", "args", "load_before", "load_after",
+                "workloads", "inductor_cache"):
+        assert key in meta, key
+    assert meta["hardware"]["cpus"] == os.cpu_count()
+    assert meta["versions"]["torch"]
+    assert meta["command"].startswith("deepcompile bench --workloads tiny-llama")
+    assert [e["system"] for e in result["results"]] == ["ours-z3", "ddp", "ds-deepcompile"]
+    for name in ("ours-z3", "ddp"):
+        e = _entry(result, name)
+        assert e["status"] == "ok", e.get("reason")
+        assert len(e["launches"]) == 1 and e["launches"][0]["ok"]
+        assert len(e["launches"][0]["step_s"]) == 2
+        s = e["step_ms"]
+        assert s["min"] <= s["median"] <= s["max"]
+        assert e["tokens_per_s"] > 0
+        assert e["memory"]["steady_peak_rss"] > e["memory"]["base_rss"] > 0
+        assert e["memory"]["step_alloc_peak"] > 0
+        assert e["info"]["num_params"] > 0
+    dc = _entry(result, "ds-deepcompile")
+    assert dc["status"] == "unavailable" and "CUDA" in dc["reason"] and not dc["launches"]
+
+
+def test_smoke_collectives_and_losses(smoke):
+    result, _ = smoke
+    ours, ddp = _entry(result, "ours-z3"), _entry(result, "ddp")
+    # ZeRO-3: gathers parameters, reduce-scatters gradients (an all-reduce on gloo)
+    assert ours["collectives"]["requested"]["all_gather"] > 0
+    assert ours["collectives"]["requested"]["reduce_scatter"] > 0
+    assert ours["collectives"]["transport"]["all_gather"]["bytes"] > 0
+    # the profiler's count agrees with the engine's own counters over the same step
+    own = ours["collectives"]["own_counters"]
+    assert own["all_gather"]["count"] == ours["collectives"]["requested"]["all_gather"]
+    assert own["reduce_scatter"]["count"] == ours["collectives"]["requested"]["reduce_scatter"]
+    assert own["all_gather"]["bytes"] == ours["collectives"]["transport"]["all_gather"]["bytes"]
+    # DDP: the gradients in all-reduce buckets, at least their size in bytes
+    numel = ddp["info"]["num_params"]
+    assert ddp["collectives"]["transport"]["all_reduce"]["bytes"] >= 4 * numel
+    assert "all_gather" not in ddp["collectives"]["transport"]
+    for e in (ours, ddp):
+        assert e["collectives"]["count"] > 0
+        assert e["collectives"]["same_in_every_launch"]
+        assert e["loss"]["max_abs_diff"] < 1e-4, e["loss"]
+
+
+def test_smoke_markdown_and_chart(smoke):
+    result, out = smoke
+    md = (out / "bench.md").read_text()
+    assert md.startswith("# deepcompile bench")
+    assert "- command: `deepcompile bench --workloads tiny-llama" in md
+    assert "torch " + result["meta"]["versions"]["torch"] in md
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| system | step ms")
+    assert any(r.startswith("| ours-z3 | ") for r in rows)
+    assert any(r.startswith("| ddp | ") for r in rows)
+    assert any(r.startswith("| ds-deepcompile | not available") for r in rows)
+    assert "needs CUDA" in md
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "bench.png").stat().st_size > 0
+    except ImportError:
+        assert not (out / "bench.png").exists()
+
+
+def test_results_are_never_overwritten(smoke, tmp_path):
+    result, _ = smoke
+    first = output.write(result, tmp_path, log=lambda _: None)
+    second = output.write(result, tmp_path, log=lambda _: None)
+    assert first["json"].name == "bench.json" and second["json"].name == "bench-2.json"
+    assert first["md"].read_text() == second["md"].read_text()
+
+
+# ---- no spawning ------------------------------------------------------------------------------
+
+def test_ours_systems_follow_the_build():
+    """A pass that is not registered, or a stage Config rejects, makes a system unavailable, not
+    an error; `ours-z3-all` is every registered pass, in the canonical order."""
+    from deepcompile.passes import known_passes
+
+    for name, s in systems.SYSTEMS.items():
+        reason = systems.unavailable(s, "cpu", "fx")
+        if s.kind != "ours":
+            continue
+        passes = systems.resolved_passes(s)
+        if all(p in known_passes() for p in passes) and s.stage == 3:
+            assert reason is None, (name, reason)
+        if any(p not in known_passes() for p in passes):
+            assert reason.startswith("not available in this build"), name
+    all_passes = systems.resolved_passes(systems.get("ours-z3-all"))
+    assert set(all_passes) == set(known_passes())
+    order = [p for p in systems.CANONICAL_PASS_ORDER if p in all_passes]
+    assert list(all_passes[:len(order)]) == order
+    bogus = systems.System("x", "ours", "test", passes=("no_such_pass",))
+    assert "no_such_pass" in systems.unavailable(bogus, "cpu", "fx")
+
+
+def test_deepspeed_systems_say_how_to_install(monkeypatch):
+    monkeypatch.setattr(systems, "deepspeed_version", lambda: None)
+    reason = systems.unavailable(systems.get("ds-z3"), "cpu", "fx")
+    assert reason.startswith("not installed") and "'.[bench]'" in reason
+    assert "CUDA" in systems.unavailable(systems.get("ds-deepcompile"), "cpu", "fx")
+
+
+def test_library_does_not_import_peers():
+    code = ("import sys, deepcompile, deepcompile.cli\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'matplotlib')"
+            " or m.startswith('deepcompile._bench')]\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_bench_help_and_list_spawn_nothing():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "deepcompile", "bench", "--help"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for option in ("--workloads", "--systems", "--launches", "--steps", "--nproc", "--device",
+                   "--out", "DS_BUILD_OPS=0"):
+        assert option in r.stdout, option
+    r = subprocess.run([sys.executable, "-m", "deepcompile", "bench", "--list"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in list(systems.SYSTEMS) + ["tiny-llama", "llama-1b"]:
+        assert name in r.stdout, name
+    r = subprocess.run([sys.executable, "-m", "deepcompile", "bench", "--systems", "nope"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown systems nope" in r.stderr
+
+
+# ---- GPU mode (skipped without CUDA) ----------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_mode_smoke(tmp_path):
+    """The GPU paths (NCCL, bf16 for every system, CUDA memory figures) on a tiny bf16 Llama,
+    before spending an hour on the 1.1B one: `pytest -m gpu tests/test_bench.py`."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    names = ["ours-z3", "ours-z3+overlap", "fsdp2", "compile-1proc", "ds-z3", "ds-deepcompile"]
+    rc = main(["bench", "--device", "cuda", "--workloads", "tiny-llama-bf16", "--systems", *names,
+               "--launches", "1", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["meta"]["hardware"]["gpu"]
+    for name in names:
+        e = _entry(result, name)
+        if e["status"] == "unavailable":  # DeepSpeed not installed
+            assert name.startswith("ds-") and "not installed" in e["reason"], e["reason"]
+            continue
+        assert e["status"] == "ok", (name, e.get("reason"))
+        assert e["memory"]["cuda_max_allocated"] > 0
+        assert e["loss"]["max_abs_diff"] < 0.1, (name, e["loss"])  # bf16 vs the autocast reference
+    assert (tmp_path / "bench.md").read_text().count("peak GPU MiB") == 1
