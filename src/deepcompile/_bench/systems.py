@@ -81,6 +81,7 @@ CPU_MATRIX: dict[str, tuple[str, ...]] = {
     "tiny-llama-gas4": CPU_DEFAULT,
     "small-llama": _SCALE,
     "tiny-mixtral": ("ours-z3-all", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "compile-1proc"),
+    "tiny-llama-b1": ("ours-z1", "ds-z1", "ddp", "ddp-compile", "compile-1proc"),
 }
 CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
 

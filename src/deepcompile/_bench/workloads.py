@@ -74,6 +74,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     _w("small-llama", seq=128, batch=4, gas=4),
     _w("tiny-mixtral", seq=64, batch=4),
     _w("tiny-mixtral", seq=64, batch=4, gas=4),
+    # batch 1, short sequences: where ZeRO-1's communication is most exposed (the paper's
+    # ZeRO-1 setting, scaled down)
+    Workload("tiny-llama-b1", "tiny-llama", seq=32, batch=1),
     _w("llama-1b", seq=1024, batch=4, dtype="bfloat16"),
     # the GPU paths on a tiny model (tests/test_bench.py, marked gpu)
     Workload("tiny-llama-bf16", "tiny-llama", seq=64, batch=4, dtype="bfloat16"),
