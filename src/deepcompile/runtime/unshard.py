@@ -46,7 +46,7 @@ import weakref
 import torch
 from torch.profiler import record_function
 
-from . import memory, ops
+from . import memory, ops, regather
 from .registry import ParamEntry, ParamRegistry, lookup
 
 MAX_REFRESH_BYTES = 64 << 20   # one refresh collective at most this many bytes (temporary buffer)
@@ -71,19 +71,8 @@ def accumulator_bytes(entry: ParamEntry) -> int:
 
 
 def refresh_groups(entries: list[ParamEntry], max_bytes: int = MAX_REFRESH_BYTES) -> list[list[ParamEntry]]:
-    """How the refresh fuses the kept parameters: consecutive entries of one compute dtype, at
-    most `max_bytes` on the wire per collective (a larger parameter goes alone)."""
-    groups: list[list[ParamEntry]] = []
-    size = 0
-    for e in entries:
-        nbytes = e.padded_numel * e.compute_dtype.itemsize
-        if groups and groups[-1][0].compute_dtype == e.compute_dtype and size + nbytes <= max_bytes:
-            groups[-1].append(e)
-            size += nbytes
-        else:
-            groups.append([e])
-            size = nbytes
-    return groups
+    """How the refresh fuses the kept parameters ([Note: fused re-gather] in regather.py)."""
+    return regather.groups(entries, max_bytes)
 
 
 class KeptParams:
@@ -117,20 +106,12 @@ class KeptParams:
         return sum(k.full.untyped_storage().nbytes() for k in self.kept.values()) + \
             sum(a.untyped_storage().nbytes() for a in self.accum.values())
 
-    @torch.no_grad()
     def refresh(self) -> None:
-        """Re-gather every kept parameter from its (updated) shard: one collective per group."""
-        for group in self.groups:
-            with record_function(ops._label("refresh_kept", tuple(e.pid for e in group))):
-                dtype = group[0].compute_dtype
-                src = torch.cat([e.shard.detach().reshape(-1) for e in group]).to(dtype)
-                rows = group[0].comm.all_gather(src).view(group[0].comm.world, -1)
-                offset = 0
-                for e in group:
-                    n = e.shard.numel()
-                    self.kept[e.pid].full.copy_(
-                        rows[:, offset:offset + n].reshape(-1)[: e.numel].view(e.shape))
-                    offset += n
+        """Re-gather every kept parameter from its (updated) shard, in `self.groups`."""
+        entries = [e for group in self.groups for e in group]
+        if entries:
+            regather.regather(entries, [self.kept[e.pid].full for e in entries],
+                              MAX_REFRESH_BYTES, label="deepcompile.refresh_kept")
 
     def full_copy(self, shard: torch.Tensor, pid: int) -> torch.Tensor:
         kept = self._by_ptr.get(shard.data_ptr())
