@@ -458,3 +458,53 @@ def test_fused_groups_keep_the_budget_on_random_graphs():
         budget = max(s.live_bytes for s in steps) + rng.randint(0, 300)
         plan = P.plan_graph(steps, gs, _cost(rng.uniform(0.1, 3.0), 1e-4), budget)
         assert plan["peak_after"] <= budget and max(plan["curve"]) <= budget, plan
+
+
+# ------------------------------------------------------------------------------ plan cache
+def _two_engines_one_cache(rank: int, world: int, cache_dir: str) -> list[dict]:
+    """Two engines in one process, the second hitting the plan the first saved; per engine: the
+    pids its graphs' communication ops name, its own pids, the cache hit and the cross-graph
+    prefetches that missed."""
+    import deepcompile
+    from deepcompile.runtime import inflight
+
+    out = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = _models.build_model("graph_break")
+        engine = deepcompile.initialize(
+            model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            config={"compiler": "fx", "warmup_steps": 1, "cache_dir": cache_dir,
+                    "passes": ("prefetch", "bucket_reduce")})
+        misses = sum(inflight.MISSES.values())
+        for step in range(4):
+            batch = _models.local_batch("graph_break", step, rank, world)
+            engine.backward(_models.loss_of(engine(**batch)))
+            engine.step()
+        named = set()
+        for slot in engine._pipeline.slots.values():
+            for node in slot.gm.graph.nodes:
+                if node.op == "call_function" and node.target in ops.COMM_KINDS:
+                    pids = node.args[1]
+                    named |= set(pids) if isinstance(pids, (list, tuple)) else {pids}
+        rep = engine.report().to_dict()
+        out.append({"named": sorted(named), "own": sorted(e.pid for e in engine._registry),
+                    "hit": rep["cache"]["hit"], "misses": sum(inflight.MISSES.values()) - misses,
+                    "changed": [e["changed"] for e in rep["passes"]],
+                    "cross": sum(len(d.get("for_next", [])) for e in rep["passes"]
+                                 if e["pass"] == "prefetch" for d in e["decisions"].values())})
+    return out
+
+
+def test_a_cached_plan_applies_to_an_engine_with_other_parameter_ids(tmp_path):
+    """A plan-cache hit for a second engine in the same process, whose parameters got other ids
+    than those the plan was made with: prefetch and bucket_reduce apply by the graphs' own nodes
+    and by parameter name, never by the ids stored in the decisions; otherwise the second
+    engine's ops would name the first engine's parameters (its cross-graph starts would gather
+    the first engine's shards and miss)."""
+    for first, second in run_distributed(_two_engines_one_cache, 2, str(tmp_path), timeout=600):
+        assert not first["hit"] and second["hit"]
+        assert first["own"] != second["own"]
+        assert second["changed"] == first["changed"] and any(second["changed"])
+        assert first["named"] == first["own"] and second["named"] == second["own"]
+        assert second["cross"] > 0 and second["misses"] == 0

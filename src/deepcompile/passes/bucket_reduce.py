@@ -141,7 +141,9 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                    for b in buckets]
         for b, anchor in zip(buckets, anchors):
             members = [nx.by_name[name] for name in b["members"]]
-            args = ([m.args[0] for m in members], list(b["pids"]))
+            # pids from the graph's own nodes (a cached plan's may be another process's)
+            pids = [int(m.args[1]) for m in members]
+            args = ([m.args[0] for m in members], pids)
             shards = [ops.reduce_grad_shard(m) for m in members]
             if any(sh is not None for sh in shards):   # ZeRO-1: the gradients' owners
                 if any(sh is None for sh in shards):
@@ -152,7 +154,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                 start = graph.call_function(ops.REDUCE_START, args)
             start.meta["val"] = _fake_in_flight(members)
             with graph.inserting_before(anchor):
-                wait = graph.call_function(ops.REDUCE_WAIT, (start, list(b["pids"])))
+                wait = graph.call_function(ops.REDUCE_WAIT, (start, list(pids)))
             replace_with_parts(graph, wait, members)
         graph.lint()
         changed.append(key)

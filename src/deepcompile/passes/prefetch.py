@@ -228,25 +228,28 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                          for a in ahead]
         for g, anchor in zip(groups, anchors):
             members = [by_name[name] for name in g["members"]]
+            # pids from the graph's own nodes, never from the decisions: a plan from the cache
+            # was made in a process that may have numbered the parameters differently
+            pids = [int(m.args[1]) for m in members]
             dtype = members[0].args[3]
             shards = [m.args[0] for m in members]
             if g.get("from_prev"):   # started by the previous graph
                 with graph.inserting_before(members[0]):
-                    wait = graph.call_function(ops.ALLGATHER_FROM_PREV,
-                                               (shards, list(g["pids"]), dtype))
+                    wait = graph.call_function(ops.ALLGATHER_FROM_PREV, (shards, pids, dtype))
             else:
                 with graph.inserting_before(anchor):
-                    start = graph.call_function(ops.ALLGATHER_START,
-                                                (shards, list(g["pids"]), dtype))
+                    start = graph.call_function(ops.ALLGATHER_START, (shards, pids, dtype))
                 start.meta["val"] = _fake_buffer(members[0], g["bytes"], dtype)
                 with graph.inserting_before(members[0]):
-                    wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(g["pids"])))
+                    wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(pids)))
             replace_with_parts(graph, wait, members)
+        pid_of = {name: e.pid for e in ctx.registry for name in e.names}
         for a, anchor in zip(ahead, ahead_anchors):
             after = _tensor_before(graph, anchor)
-            dtype = lookup(a["pids"][0]).compute_dtype
+            pids = [pid_of[name] for name in a["params"]]   # by name, as above
+            dtype = lookup(pids[0]).compute_dtype
             with graph.inserting_before(anchor):
-                node = graph.call_function(ops.ALLGATHER_FOR_NEXT, (after, list(a["pids"]), dtype))
+                node = graph.call_function(ops.ALLGATHER_FOR_NEXT, (after, pids, dtype))
             node.meta["val"] = None
         _check_order(graph)
         changed.append(key)
