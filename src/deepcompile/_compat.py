@@ -110,8 +110,19 @@ def inductor_compile_graph(gm, example_inputs: list) -> Callable:
     # graphs, whose order the passes chose within the memory budget; scoped to this compile.
     # Detached examples: the graph is compiled for a no-grad call (AOT's inference path); the
     # shards it is called with at run time are leaves that require grad.
-    examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    with iconfig.patch(reorder_for_locality=False, reorder_for_peak_memory=False):
+    # The compile runs in a tracing context of its own whose fake mode has a shape environment,
+    # with static-shape fakes of the inputs: Inductor's FX graph cache needs a shape environment
+    # (without one it bypasses the cache, and every run of the program compiles every graph
+    # again); static fakes keep the shapes concrete, as they were traced.
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    examples = [fake_mode.from_tensor(a.detach(), static_shapes=True)
+                if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with iconfig.patch(reorder_for_locality=False, reorder_for_peak_memory=False), \
+            tracing(TracingContext(fake_mode)):
         compiled = compile_fx(gm, examples)
     # compile_fx returns AOTAutograd's unboxed `forward(*args)` (which copies the inner boxed
     # function's attributes, `_boxed_call` included: do not trust it).

@@ -70,18 +70,19 @@ CUDA_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3-all", "fsdp2", "fsdp2-com
                 "ds-deepcompile", "compile-1proc")
 
 # The committed CPU result set (`deepcompile bench` with no --workloads/--systems): every system
-# on the tiny Llama with 1 and 4 accumulation steps (the pass ladder, where selective unsharding
-# and accumulation interact); the strongest of ours against the main peers on the larger Llama
-# and on the MoE. A launch of ours costs 20-30 s on 2 quiet cores (Inductor compiles its final
-# graphs in every launch), so the full matrix x 5 launches would take well over an hour; this
-# one takes about 45 minutes with every ours system of the merged build.
-_SCALE = ("ours-z3", "ours-z3-all", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "compile-1proc")
+# on the tiny Llama; ours' whole ladder against the main peers with 4 accumulation steps (where
+# selective unsharding and accumulation interact); the strongest of ours against the main peers
+# on the larger Llama and on the MoE; ZeRO-1 against DeepSpeed ZeRO-1 and DDP at batch 1. About
+# 45 minutes for 5 launches on 2 quiet cores.
+_MAIN_PEERS = ("fsdp2", "ddp", "ds-z3", "compile-1proc")
 CPU_MATRIX: dict[str, tuple[str, ...]] = {
     "tiny-llama": CPU_DEFAULT,
-    "tiny-llama-gas4": CPU_DEFAULT,
-    "small-llama": _SCALE,
-    "tiny-mixtral": ("ours-z3-all", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "compile-1proc"),
-    "tiny-llama-b1": ("ours-z1", "ds-z1", "ddp", "ddp-compile", "compile-1proc"),
+    "tiny-llama-gas4": ("ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard", "ours-z3-all",
+                        "ours-z1", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "ds-z1",
+                        "compile-1proc"),
+    "small-llama": ("ours-z3-all",) + _MAIN_PEERS,
+    "tiny-mixtral": ("ours-z3-all",) + _MAIN_PEERS,
+    "tiny-llama-b1": ("ours-z1", "ds-z1", "ddp"),
 }
 CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
 
