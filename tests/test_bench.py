@@ -133,6 +133,19 @@ def test_ours_systems_follow_the_build():
     assert "no_such_pass" in systems.unavailable(bogus, "cpu", "fx")
 
 
+def test_ours_systems_keep_what_their_stage_promises():
+    """A system's passes replace Config's per-stage default: ZeRO-1/2 systems must still name
+    bucket_reduce (bucketed, overlapped reduce-scatters are part of those stages), or the
+    bench measures them without it (it once did: one reduce-scatter per parameter)."""
+    from deepcompile import Config
+
+    for name, s in systems.SYSTEMS.items():
+        if s.kind == "ours" and s.stage < 3:
+            cfg = systems.ours_config(s, compiler="fx", gas=1, dtype="float32")
+            default = Config(zero_stage=s.stage).passes
+            assert set(default) <= set(Config(**cfg).passes), (name, cfg["passes"], default)
+
+
 def test_deepspeed_systems_say_how_to_install(monkeypatch):
     monkeypatch.setattr(systems, "deepspeed_version", lambda: None)
     reason = systems.unavailable(systems.get("ds-z3"), "cpu", "fx")

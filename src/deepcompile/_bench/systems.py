@@ -48,7 +48,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("ours-z3+overlap+unshard", "ours", "deepcompile ZeRO-3 + prefetch + bucket_reduce "
            "+ selective_unshard", passes=("prefetch", "bucket_reduce", "selective_unshard")),
     System("ours-z3-all", "ours", "deepcompile ZeRO-3 + every registered pass", passes=ALL),
-    System("ours-z1", "ours", "deepcompile ZeRO-1 (optimizer state sharded)", stage=1),
+    # (explicit: a system's passes replace Config's per-stage default, which is bucket_reduce
+    # at stages 1/2)
+    System("ours-z1", "ours", "deepcompile ZeRO-1 (optimizer state sharded) + bucket_reduce "
+           "(its default)", stage=1, passes=("bucket_reduce",)),
     System("fsdp2", "fsdp2", "PyTorch FSDP2 (fully_shard per decoder layer, then root), eager"),
     System("fsdp2-compile", "fsdp2", "FSDP2 with each decoder layer torch.compile'd before "
            "sharding (the torchtitan recipe)", compile=True),
