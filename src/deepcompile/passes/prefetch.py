@@ -243,7 +243,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                 with graph.inserting_before(members[0]):
                     wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(pids)))
             replace_with_parts(graph, wait, members)
-        pid_of = {name: e.pid for e in ctx.registry for name in e.names}
+        pid_of = {name: e.pid for e in ctx.registry for name in e.names} if ahead else {}
         for a, anchor in zip(ahead, ahead_anchors):
             after = _tensor_before(graph, anchor)
             pids = [pid_of[name] for name in a["params"]]   # by name, as above
