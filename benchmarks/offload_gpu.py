@@ -92,6 +92,14 @@ def _timed_loop(args, step_fn) -> dict:
             "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
+def _engine_step(engine, ids) -> float:
+    """One step of an engine with the DeepSpeed-style API (ours and DeepSpeed's share it)."""
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
 def run_ours(args, offload: bool) -> dict:
     import torch
     import deepcompile
@@ -106,13 +114,7 @@ def run_ours(args, offload: bool) -> dict:
     engine = deepcompile.initialize(model, functools.partial(torch.optim.AdamW, lr=1e-4),
                                     config=config)
 
-    def step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach())
-
-    out = _timed_loop(args, step)
+    out = _timed_loop(args, functools.partial(_engine_step, engine))
     rep = engine.report().to_dict()
     out["offload"] = rep.get("offload")
     out["passes"] = [{"pass": p["pass"], "decisions": {k: v for k, v in p["decisions"].items()
@@ -162,13 +164,7 @@ def run_deepspeed(args) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config)
 
-    def step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach())
-
-    return _timed_loop(args, step)
+    return _timed_loop(args, functools.partial(_engine_step, engine))
 
 
 def child(args) -> None:
