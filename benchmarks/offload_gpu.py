@@ -150,7 +150,6 @@ def run_deepspeed(args) -> dict:
         import deepspeed
     except ImportError as e:
         return {"status": f"not installed ({e})"}
-    import torch
 
     _init_dist("nccl")
     model = _model(args)

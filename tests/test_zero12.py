@@ -297,7 +297,6 @@ def test_memory_per_rank(job, sc):
             assert snap["local_grad_bytes"] == 0
         if sc["optim"][0] == "adamw":
             total = sum(shards)
-            assert total * world - sum(p.numel() for p in params) < world * len(params)
             for snap in r["memory_step"]:
                 assert snap["opt_state_numel"] == {"exp_avg": total, "exp_avg_sq": total}
 

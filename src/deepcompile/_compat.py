@@ -160,3 +160,9 @@ def must_recompute_policy():
 
     return CheckpointPolicy.MUST_RECOMPUTE
 
+
+def profiler_events(prof):
+    """The raw events a finished `torch.profiler.profile` recorded (private: `_KinetoEvent`s,
+    with `name()`, `device_type()`, `start_ns()`, `nbytes()`, `shapes()`, `dtypes()`); the
+    public `events()` drops the memory events' sizes and the collectives' tensor shapes."""
+    return prof.profiler.kineto_results.events()

@@ -35,7 +35,6 @@ import torch
 LOSS_TOLERANCE = 1e-4
 # how long the parent waits for the ranks before terminating them (seconds)
 JOIN_TIMEOUT_S = float(os.environ.get("DEEPCOMPILE_DEMO_TIMEOUT", 30 * 60))
-INSTALL_HINT = "install it with: pip install -c constraints.txt -e '.[demo]'"
 
 # A few paragraphs of plain English, tokenized as bytes (vocabulary 256).
 TEXT = """\
@@ -90,12 +89,13 @@ class DemoArgs:
 # ----------------------------------------------------------------------------------------------
 # model and data (shared by the ranks and the reference)
 
-def require_transformers():
+def require_transformers(command: str = "demo"):
     try:
         import transformers  # noqa: F401
     except ImportError as e:
-        raise SystemExit(f"deepcompile demo needs the 'transformers' package ({e}); "
-                         f"{INSTALL_HINT}") from None
+        raise SystemExit(f"deepcompile {command} needs the 'transformers' package ({e}); "
+                         f"install it with: pip install -c constraints.txt -e '.[{command}]'"
+                         ) from None
     return transformers
 
 

@@ -110,10 +110,11 @@ def load(engine, path: str | os.PathLike) -> None:
                      "at an optimizer-step boundary")
     _agree(comm, error)
     payload = torch.load(_rank_file(path, comm.rank), map_location="cpu", weights_only=True)
+    engine._drop_unused_prefetches()   # a parked gather read the shards about to be replaced
     with torch.no_grad():
         for e in engine._registry:
             e.shard.copy_(payload["shards"][e.name])
-    engine._shards_changed()
+    engine._shards_changed(frozen_too=True)
     engine.optimizer.load_state_dict(payload["optimizer"])
     engine._optimizer_steps = meta["optimizer_steps"]
     engine._state.optimizer_steps = meta["optimizer_steps"]

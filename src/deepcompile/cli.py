@@ -161,7 +161,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     from ._demo import require_transformers
 
-    require_transformers()
+    require_transformers("bench")
     cuda = args.device == "cuda"
     for kind, given, known in (("workloads", args.workloads, workloads.WORKLOADS),
                                ("systems", args.systems, systems.SYSTEMS)):

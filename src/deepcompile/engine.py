@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Iterable
@@ -94,6 +95,9 @@ class Engine:
         self._fallback = EagerFallback(module, self._registry, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
                                   device=self.device, engine_fingerprint=self._fingerprint())
+        if "selective_unshard" in config.passes:   # kept parameters, gradient accumulators
+            self._pipeline.runtime_bytes_sources.append(
+                functools.partial(unshard.held_bytes, self._registry))
         if config.zero_stage == 1:   # gradients kept locally between micro-steps
             self._pipeline.runtime_bytes_sources.append(self._registry.local_grad_bytes)
         if "offload_optimizer" in config.passes:
@@ -139,12 +143,13 @@ class Engine:
         self._offload.after_step()    # planned fragments leave the device until the next step
         return True
 
-    def _shards_changed(self) -> None:
+    def _shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (after the optimizer step, after loading
-        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards, and the
-        parameters `selective_unshard` keeps gathered are gathered again."""
+        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards (the frozen
+        ones only where they changed too: a checkpoint load), and the parameters
+        `selective_unshard` keeps gathered are gathered again."""
         if self.config.zero_stage < 3:
-            replicas.refresh([e for e in self._registry if e.shard.requires_grad])
+            replicas.refresh([e for e in self._registry if frozen_too or e.shard.requires_grad])
         unshard.refresh(self._registry)
 
     def _drop_unused_prefetches(self) -> None:

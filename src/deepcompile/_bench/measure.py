@@ -3,7 +3,7 @@
 [Note: counting every system's collectives the same way]
 Each system calls torch.distributed differently (ours and FSDP2 from Python, DDP's reducer from
 C++, DeepSpeed through its own comm layer), so the bench counts below all of them: one counted
-optimizer step, after the timed ones, runs under `torch.profiler` (public API, nothing patched),
+optimizer step, after the timed ones, runs under `torch.profiler` (nothing patched; its raw events come through `_compat`),
 which records
 
 * one `c10d::<op>` event per collective a system *asks for* (the ProcessGroup dispatcher ops;
@@ -31,6 +31,8 @@ import contextlib
 import re
 
 import torch
+
+from .. import _compat
 
 _REQUESTED = {
     "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
@@ -85,7 +87,7 @@ class StepProbe:
         requested: dict[str, int] = {}
         transport: dict[str, dict[str, int]] = {}
         allocs: list[tuple[int, int]] = []
-        for e in self._prof.profiler.kineto_results.events():
+        for e in _compat.profiler_events(self._prof):
             name = e.name()
             if name == "[memory]":
                 if e.device_type() == self._memory_device:

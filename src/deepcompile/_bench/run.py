@@ -184,17 +184,15 @@ def _versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "deepspeed", "deepcompile"):
+    import torch
+    from .. import __version__
+
+    out["torch"], out["deepcompile"] = torch.__version__, __version__
+    for pkg in ("transformers", "deepspeed"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = None
-    import torch
-
-    out["torch"] = torch.__version__
-    from .. import __version__
-
-    out["deepcompile"] = __version__
     return out
 
 

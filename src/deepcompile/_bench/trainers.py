@@ -69,7 +69,7 @@ class _Plain(Trainer):
         with self._sync(last) if self._sync else contextlib.nullcontext():
             with amp:
                 loss = self.module(input_ids=ids, labels=ids).loss
-            (loss / self.w.gas if self.w.gas > 1 else loss).backward()
+            (loss / self.w.gas).backward()
         return loss.detach()
 
     def step(self):

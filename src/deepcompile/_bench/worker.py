@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
 import traceback
 from datetime import timedelta
 from typing import Any
+
+from .. import _demo
 
 MAX_EXTRA_WARMUP = 12
 
@@ -157,12 +158,6 @@ def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
         sys.stdout.flush()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(rank: int, world: int, port: int, device: str) -> dict[str, str]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
@@ -178,7 +173,7 @@ def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = _demo._free_port()
     procs = []
     saved = dict(os.environ)
     try:
@@ -220,13 +215,7 @@ def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
     finally:
         for p in procs:
             p.join(timeout=0 if error else 30)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _demo._terminate(procs)
         results.close()
     if error is not None:
         return _reason(error, spec.log_path)

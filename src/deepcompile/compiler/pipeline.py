@@ -30,7 +30,7 @@ from torch import fx
 
 from .. import _compat
 from ..passes import PassContext, get_pass
-from ..runtime import inflight, unshard
+from ..runtime import inflight
 from ..runtime import registry as _registry
 from . import cache as _cache
 from .cost import CostModel, LinearCostModel, calibrate
@@ -91,11 +91,8 @@ class Pipeline:
                                         "calibration_s": 0.0, "passes_s": 0.0, "steady_steps_s": []}
         # What the runtime holds outside graph values, for the CPU memory model (on CUDA the
         # allocator counts it): collectives in flight; features that keep more (parameters kept
-        # gathered, optimizer state) add their own source.
-        self.runtime_bytes_sources: list[Callable[[], int]] = [
-            inflight.inflight_bytes,
-            lambda: unshard.held_bytes(registry),   # kept parameters, gradient accumulators
-        ]
+        # gathered, optimizer state) add their own source (engine.py).
+        self.runtime_bytes_sources: list[Callable[[], int]] = [inflight.inflight_bytes]
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
 

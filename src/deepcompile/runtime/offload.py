@@ -244,8 +244,7 @@ class OptimizerStateOffload:
     def set_plan(self, fragments: Iterable[tuple[int, str]]) -> None:
         """Keep `fragments` on the host between steps (replaces any previous plan)."""
         self.provisional = False
-        self.reload_all()
-        self.before_step(count=False)
+        self.before_step(count=False)   # everything back on the device
         movable = {(pid, key): n for pid, key, n in self.movable()}
         wanted = list(fragments)
         for pid, key in wanted:

@@ -11,15 +11,10 @@ next forward, would mean waiting inside the graphs for each parameter; not done.
 
 from __future__ import annotations
 
-from .regather import groups, regather
+from .regather import regather
 from .registry import ParamEntry
 
 BUCKET_BYTES = 256 << 20
-
-
-def buckets(entries: list[ParamEntry], bucket_bytes: int = BUCKET_BYTES) -> list[list[ParamEntry]]:
-    """How `refresh` fuses `entries` (deterministic: the same on every rank)."""
-    return groups(entries, bucket_bytes)
 
 
 def refresh(entries: list[ParamEntry], bucket_bytes: int = BUCKET_BYTES) -> int:
