@@ -148,23 +148,20 @@ def _memory_snapshot(engine) -> dict:
         "opt_param_is_parameter": [isinstance(p, torch.nn.Parameter) for p in oparams],
         "opt_grads": [None if p.grad is None else p.grad.numel() for p in oparams],
         "opt_state_numel": state_numel,
-        # ZeRO-1: full gradients kept locally between micro-steps (0 at other stages)
-        "local_grad_bytes": engine._registry.local_grad_bytes(),
+        # gradients accumulated locally between micro-steps (ZeRO-1; selective_unshard): the
+        # accumulators' bytes, and whether any holds a gradient (zero between windows)
+        "local_grad_bytes": engine._runtime.accum.held_bytes(),
+        "local_grad_held": any(bool(a.any()) for a in engine._runtime.accum.by_pid.values()),
     }
 
 
 def _unshard_check(engine) -> dict:
     """The parameters kept gathered, the gradients accumulated locally, and the kept copies
     that differ from a fresh gather of their shards (selective_unshard)."""
-    from deepcompile.runtime import unshard
-
-    store = unshard.store_of(engine._registry)
-    if store is None:
-        return {"kept": [], "accumulate": [], "stale": []}
-    return {"kept": [k.entry.name for k in store.kept.values()],
-            "accumulate": sorted(k.entry.name for p, k in store.kept.items()
-                                 if p in store.accumulate),
-            "stale": store.stale()}
+    rt = engine._runtime
+    return {"kept": [e.name for e in rt.kept.entries],
+            "accumulate": sorted(e.name for e in rt.registry if e.pid in rt.accum.by_pid),
+            "stale": rt.kept.stale()}
 
 
 def _graph_stats() -> dict:

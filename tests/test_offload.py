@@ -152,7 +152,7 @@ def test_reloads_go_only_into_the_last_micro_steps_backward():
     ctx = type("Ctx", (), {
         "order": ["g0.fw", "g0.bw"] * 4, "slots": {"g0.fw": Slot("fw"), "g0.bw": Slot("bw")},
         "profiles": {"g0.fw": Prof(["f0", "f1"]), "g0.bw": Prof(["b0", "b1"])},
-        "registry": type("R", (), {"state": state})()})()
+        "runtime": type("R", (), {"step": state})()})()
     points = O.timeline(ctx)
     assert len(points) == 16
     assert [j for j, p in enumerate(points) if p.placeable] == [14, 15]   # last bw run only

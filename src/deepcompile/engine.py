@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from typing import Any, Callable, Iterable
 
@@ -16,15 +17,17 @@ from .compiler.pipeline import Pipeline
 from .config import Config
 from .report import Report
 from .runtime.comm import Comm
-from .runtime import inflight, replicas, unshard
 from .runtime.eager import EagerFallback
 from .runtime.offload import OptimizerStateOffload
-from .runtime.registry import ParamRegistry
+from .runtime.registry import ParamEntry, ParamRegistry
+from .runtime.runtime import EngineRuntime
 from .runtime.state import StepState
 
 log = logging.getLogger("deepcompile")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_grad_of = operator.attrgetter("grad")
+_is_not_none = functools.partial(operator.is_not, None)
 
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -85,31 +88,29 @@ class Engine:
         self._comm = Comm(group)
         self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
-                                       reduce_dtype=config.reduce_dtype, state=self._state,
+                                       reduce_dtype=config.reduce_dtype,
                                        zero_stage=config.zero_stage)
-        self.optimizer = optimizer(self._registry.trainable_shards())
+        self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
+        self._registry.reuse_listeners.append(self._check_reuse)
+        self._trainable = self._registry.trainable_shards()
+        self.optimizer = optimizer(self._trainable)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self._offload = OptimizerStateOffload(self.optimizer, self._registry, self.device)
-        self._fallback = EagerFallback(module, self._registry, gather=config.zero_stage == 3)
-        self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
-                                  device=self.device, engine_fingerprint=self._fingerprint())
-        if "selective_unshard" in config.passes:   # kept parameters, gradient accumulators
-            self._pipeline.runtime_bytes_sources.append(
-                functools.partial(unshard.held_bytes, self._registry))
-        if config.zero_stage == 1:   # gradients kept locally between micro-steps
-            self._pipeline.runtime_bytes_sources.append(self._registry.local_grad_bytes)
+        self._runtime.offload = self._offload
+        self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
+        self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
+                                  engine_fingerprint=self._fingerprint())
         if "offload_optimizer" in config.passes:
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
-            self._pipeline.runtime_bytes_sources.append(self._offload.held_bytes)
+            self._runtime.count_offload_bytes = True
             self._offload.provisional = True   # until planned, all movable state leaves
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         self._micro_steps = 0
         self._optimizer_steps = 0
-        self._warned_unused = False
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
 
     # -- training loop ---------------------------------------------------------------------
@@ -127,9 +128,7 @@ class Engine:
         stepped."""
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
-        self._drop_unused_prefetches()
-        if self.config.zero_stage == 1:
-            self._registry.flush_local_grads()
+        self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
         if self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
@@ -144,34 +143,34 @@ class Engine:
         return True
 
     def _shards_changed(self, frozen_too: bool = False) -> None:
-        """What is derived from the shards follows them (after the optimizer step, after loading
-        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards (the frozen
-        ones only where they changed too: a checkpoint load), and the parameters
-        `selective_unshard` keeps gathered are gathered again."""
-        if self.config.zero_stage < 3:
-            replicas.refresh([e for e in self._registry if frozen_too or e.shard.requires_grad])
-        unshard.refresh(self._registry)
+        """What is derived from the shards follows them (runtime/runtime.py)."""
+        self._runtime.shards_changed(frozen_too)
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
-        before the optimizer changes the shards they read ([Note: cross-graph prefetch])."""
-        dropped = inflight.drop_unused()
-        if dropped and not self._warned_unused:
-            self._warned_unused = True
-            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
-                        "(the graphs ran in another order than when profiled); they are dropped",
-                        dropped)
+        before the shards change ([Note: cross-graph prefetch])."""
+        self._runtime.parked.drop_unused()
+
+    def _check_reuse(self, compiled_for: ParamEntry, actual: ParamEntry) -> None:
+        """A graph reused for another parameter after planning: a gradient accumulated by the
+        compile-time parameter's id would mix two parameters' gradients."""
+        if self.config.zero_stage == 3 and self._runtime.accum.accumulates(compiled_for):
+            raise RuntimeError(
+                f"deepcompile: the graph that accumulates the gradient of {compiled_for.name!r} "
+                f"locally is also run for {actual.name!r} (graph reuse appeared after planning); "
+                "their gradients cannot be told apart. Leave out the pass `selective_unshard`.")
 
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = [s.grad for s in self._registry.trainable_shards() if s.grad is not None]
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            local += g.float().pow(2).sum()
-        total = self._comm.all_reduce(local).sqrt()  # shards are disjoint; padding grads are 0
+        grads = list(filter(_is_not_none, map(_grad_of, self._trainable)))
+        if grads:   # shards are disjoint; padding gradients are 0
+            norms = torch._foreach_norm(grads, 2.0)
+            local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = self._comm.all_reduce(local).sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        torch._foreach_mul_(grads, coef)
         return total
 
     # -- state -----------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from torch import fx
 
 from .. import _compat
 from ..passes import PassContext, get_pass
-from ..runtime import inflight
 from ..runtime import registry as _registry
 from . import cache as _cache
 from .cost import CostModel, LinearCostModel, calibrate
+from .lower import Lowered, fold_profile, lower, needs_variants
 from .profiler import GraphProfile, NodeProfile, profile_run
 from .slots import GraphSlot
 
@@ -67,9 +67,10 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
 
 
 class Pipeline:
-    def __init__(self, *, registry, comm, config, device: torch.device, engine_fingerprint: dict):
-        self.registry = registry
-        self.comm = comm
+    def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict):
+        self.runtime = runtime
+        self.registry = runtime.registry
+        self.comm = runtime.comm
         self.config = config
         self.device = device
         self.fingerprint = engine_fingerprint
@@ -90,9 +91,9 @@ class Pipeline:
         self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
                                         "calibration_s": 0.0, "passes_s": 0.0, "steady_steps_s": []}
         # What the runtime holds outside graph values, for the CPU memory model (on CUDA the
-        # allocator counts it): collectives in flight; features that keep more (parameters kept
-        # gathered, optimizer state) add their own source (engine.py).
-        self.runtime_bytes_sources: list[Callable[[], int]] = [inflight.inflight_bytes]
+        # allocator counts it): kept parameters, accumulators, parked gathers, and the
+        # optimizer state where the offload pass plans with it (runtime/runtime.py).
+        self.runtime_bytes_sources: list[Callable[[], int]] = [runtime.held_bytes]
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
 
@@ -101,7 +102,7 @@ class Pipeline:
         key = f"g{graph_index}.{kind}"
         if key in self.slots:  # a recompilation of the same Dynamo graph index
             key = f"{key}{sum(k.startswith(key) for k in self.slots)}"
-        slot = GraphSlot(key, graph_index, kind, gm, self)
+        slot = GraphSlot(key, graph_index, kind, gm, self.run)
         self.slots[key] = slot
         if self.phase is Phase.STEADY and self.config.passes:
             log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
@@ -110,33 +111,50 @@ class Pipeline:
         return slot
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
+        rt = self.runtime
+        if slot.variants is None:
+            slot.variants = needs_variants(slot.gm, rt)
+        last = not slot.variants or rt.step.last_micro_step
+        low = self._lowered(slot, last)
+        full, accs = low.prepare(args)
+        args.clear()   # boxed calling convention: the list is ours; inputs die at last use
         if self.phase is Phase.PROFILE:
             self._order_now.append(slot.key)
-            out, prof = profile_run(slot.gm, args, slot=slot.key, version=slot.version,
-                                    name_of=_param_name, runtime_bytes=self._runtime_bytes)
+            out, prof = profile_run(low.gm, full, slot=slot.key, version=slot.version,
+                                    name_of=_param_name, runtime_bytes=self._runtime_bytes,
+                                    uncounted=low.uncounted, transient=low.transient)
+            prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if self.perturb is not None:
                 self.perturb(prof)
             slot.pending.append(prof)
-            return out
+            return low.finish(out, accs)
         # [Note: first call] A graph's first call runs inside the first invocation of the graph
-        # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace of our
-        # custom ops) fails; a graph that first appears in steady state (a recompilation for a
-        # new shape) runs its FX code once and is compiled on its second call.
+        # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace) fails; a
+        # graph that first appears in steady state (a recompilation for a new shape) runs its
+        # FX code once and is compiled on its second call.
         final = self.phase is Phase.STEADY and slot.calls > 1
-        if slot.compiled_for != (slot.version, final):
-            slot.compiled = self._compile(slot, args, final)
-            slot.compiled_for = (slot.version, final)
+        tag = (slot.version, final)
+        have = slot.compiled.get(last)
+        if have is None or have[0] != tag:
+            have = slot.compiled[last] = (tag, self._compile(slot, low, full, final))
         t0 = time.perf_counter()
-        out = slot.compiled(args)
+        with _compat.below_autograd():
+            out = have[1](full)
         slot.run_s.append(time.perf_counter() - t0)
-        return out
+        return low.finish(out, accs)
 
-    def _compile(self, slot: GraphSlot, args: list[Any], final: bool) -> Callable:
-        gm = slot.gm
+    def _lowered(self, slot: GraphSlot, last: bool) -> Lowered:
+        have = slot.lowered.get(last)
+        if have is None or have[0] != slot.version:
+            have = slot.lowered[last] = (slot.version, lower(slot.gm, self.runtime, last=last))
+        return have[1]
+
+    def _compile(self, slot: GraphSlot, low: Lowered, args: list[Any], final: bool) -> Callable:
+        gm = low.gm
         if self.config.compiler == "inductor" and final:
             log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
             return _compat.inductor_compile_graph(gm, list(args))
-        return lambda a: gm.forward(*a)
+        return _compat.boxed_fx(gm)
 
     def _runtime_bytes(self) -> int:
         """Buffers the runtime holds outside graph values (`runtime_bytes_sources`)."""
@@ -218,7 +236,8 @@ class Pipeline:
 
     def _context(self, decisions: dict[str, Any] | None = None) -> PassContext:
         return PassContext(slots=self.slots, profiles=self.latest_profiles(), order=self.order,
-                           registry=self.registry, cost=self.cost, memory_budget=self.memory_budget,
+                           registry=self.registry, runtime=self.runtime, cost=self.cost,
+                           memory_budget=self.memory_budget,
                            world_size=self.comm.world,
                            decisions=decisions if decisions is not None else
                            {e["pass"]: e["decisions"] for e in self.pass_log})

@@ -27,6 +27,7 @@ class PassContext:
     profiles: dict[str, "GraphProfile"]    # latest agreed profile of every slot
     order: list[str]                       # slot keys in execution order over one step
     registry: "ParamRegistry"
+    runtime: Any                           # the engine's runtime state (runtime/runtime.py)
     cost: "CostModel"
     memory_budget: float                   # bytes; inf when unbounded
     world_size: int

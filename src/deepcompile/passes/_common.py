@@ -58,15 +58,22 @@ def profiled_graphs(ctx: PassContext, target) -> Iterator[tuple[str, list[Step],
 
 
 def fuses(cost_s: Callable[[int], float], members: list[Collective], nxt: Collective,
-          between_s: float, max_bytes: int) -> bool:
+          between_s: float, max_bytes: int, launch_s: float = 0.0) -> bool:
     """Whether `nxt` joins `members` in one collective, memory aside: same dtype, under the size
-    cap, one collective of the summed bytes predicted cheaper than two, and the compute between
-    the group's first member and `nxt` shorter than `nxt`'s own collective (no member is held
-    back longer than that)."""
+    cap, one collective of the summed bytes predicted cheaper than two (the latency and the
+    host's launch of one collective saved), and the compute between the group's first member
+    and `nxt` shorter than what `nxt`'s own collective would cost, on the device and on the
+    host (no member is held back longer than that)."""
     total = sum(m.nbytes for m in members)
     return (nxt.dtype == members[0].dtype and total + nxt.nbytes <= max_bytes
-            and cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes)
-            and between_s < cost_s(nxt.nbytes))
+            and cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes) + launch_s
+            and between_s < cost_s(nxt.nbytes) + launch_s)
+
+
+def launch_s(cost, kind: str) -> float:
+    """The cost model's host time to launch one collective of `kind` (0 if it has none)."""
+    f = getattr(cost, "launch_s", None)
+    return float(f(kind)) if f is not None else 0.0
 
 
 def unattainable(live: list[int], budget: float) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ from torch import fx
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
-from ._common import (Collective, NodeIndex, Step, compute_times, first_kept, fuses,
+from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
                       profiled_graphs, replace_with_parts, unattainable, warn_unattainable)
 
 
@@ -56,6 +56,7 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
     compute = compute_times(steps)
     extra = [0] * n
     c = lambda nbytes: cost.collective_s("reduce_scatter", nbytes)  # noqa: E731
+    host = launch_s(cost, "reduce_scatter")
 
     def fits(lo: int, hi: int, nbytes: int) -> bool:
         return all(live[j] + extra[j] + nbytes <= budget for j in range(lo, hi))
@@ -69,7 +70,7 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
             nxt, first = reduces[k], members[0]
             # the members' gradients stay alive from where each was produced to the newcomer
             held = [(m.index, m.grad_bytes) for m in members]
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes, host)
                     and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
                             for j in range(first.index, nxt.index))):
                 members.append(nxt)
@@ -107,6 +108,8 @@ def _nbytes(val) -> int:
 
 def plan(ctx: PassContext) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
+    if ctx.world_size == 1:   # a reduction is a cast of the local gradient: nothing to bucket
+        return decisions
     for key, steps, calls in profiled_graphs(ctx, ops.REDUCE_GRAD):
         reduces = []
         for i, node in calls:
