@@ -195,13 +195,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- parser ------------------------------------------------------------------------------------
 
+_DESCRIPTION = """\
+deepcompile: data-parallel training of an unmodified PyTorch model by compiling it
+(a torch.compile backend rewrites the training graph for ZeRO sharding).
+
+ZeRO stages (deepcompile.Config(zero_stage=...)):
+  1  optimizer state sharded over the ranks; parameters and gradients replicated,
+     gradients reduce-scattered once per optimizer step (after the last micro-step)
+  2  optimizer state and gradients sharded (gradients reduce-scattered every micro-step);
+     parameters replicated
+  3  parameters, gradients and optimizer state sharded (default): each parameter is
+     all-gathered inside the compiled graph just before use and freed after
+"""
+
+_EPILOG = """\
+In a training script:
+  engine = deepcompile.initialize(model, optimizer=..., config=deepcompile.Config(zero_stage=3))
+  loss = engine(**batch).loss; engine.backward(loss); engine.step()
+launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
+"""
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepcompile",
-        description="deepcompile: compiler-driven ZeRO-3 data-parallel training on torch.compile.",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
