@@ -25,6 +25,9 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
+    from .guard import check_not_initialized
+
+    check_not_initialized(model)
     cfg = Config.coerce(config)
     if optimizer is None:
         optimizer = torch.optim.AdamW

@@ -166,3 +166,11 @@ def profiler_events(prof):
     with `name()`, `device_type()`, `start_ns()`, `nbytes()`, `shapes()`, `dtypes()`); the
     public `events()` drops the memory events' sizes and the collectives' tensor shapes."""
     return prof.profiler.kineto_results.events()
+
+
+# --- tensor subclasses ---------------------------------------------------------------------------
+
+def disable_torch_function_subclass():
+    """Context manager: `__torch_function__` of tensor subclasses is not called inside (what a
+    subclass's own `__torch_function__` runs the real op under)."""
+    return torch._C.DisableTorchFunctionSubclass()

@@ -14,6 +14,7 @@ from torch import nn
 from .compiler.backend import Backend
 from .compiler.pipeline import Pipeline
 from .config import Config
+from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime import inflight, replicas, unshard
@@ -107,6 +108,9 @@ class Engine:
             self._offload.provisional = True   # until planned, all movable state leaves
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
+        # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
+        self._guard = ModelGuard(module, self._registry, config.zero_stage)
+        self._compiled = self._guard.wrap(self._compiled)
         self._micro_steps = 0
         self._optimizer_steps = 0
         self._warned_unused = False
