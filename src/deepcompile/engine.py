@@ -190,18 +190,34 @@ class Engine:
                 out[name] = full
         return out
 
-    def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Write this rank's shards and optimizer state and the step counters under the
-        directory `path` (collective; at an optimizer-step boundary). See checkpoint.py."""
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, *,
+                        async_save: bool = False):
+        """Save the shards, the optimizer state, the step counters and rank 0's `client_state`
+        (anything `torch.load(weights_only=True)` reads back) under the directory `path`, on
+        torch.distributed.checkpoint: loadable on any number of ranks and ZeRO stage, published
+        atomically (collective; at an optimizer-step boundary). Returns `path`; with
+        `async_save=True`, a Future of it (the data is copied first: training may go on).
+        See checkpoint.py."""
         from . import checkpoint
 
-        return str(checkpoint.save(self, path))
+        return checkpoint.save(self, path, client_state, async_save=async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote (collective; same world size and model)."""
+    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+        """Restore what `save_checkpoint` wrote (collective; any world size and ZeRO stage, the
+        same model and optimizer groups); returns the saved `client_state` (or None)."""
         from . import checkpoint
 
-        checkpoint.load(self, path)
+        return checkpoint.load(self, path)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> str:
+        """Write the full model as a Hugging Face model directory (safetensors weights, and
+        config.json when the model is a `transformers.PreTrainedModel`), in the master dtype
+        unless `dtype` is given. Collective: call on every rank; rank 0 writes."""
+        from . import export
+
+        return export.save_pretrained(self, directory, dtype=dtype,
+                                      max_shard_bytes=max_shard_bytes)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self._comm.stats()
