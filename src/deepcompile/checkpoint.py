@@ -332,6 +332,7 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
                                 for e in engine._registry},
                      "buffers": sorted(_persistent_buffers(engine.module)),
                      "optimizer": optim, "client_state": client is not None,
+                     "loss_scaler": engine._scaler.state_dict() if engine._scaler else None,
                      "config": engine.config.to_dict()}
             _write_rank0_files(tmp, state, client, engine.module)
     except (CheckpointError, OSError) as e:
@@ -510,6 +511,8 @@ def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
     engine.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     engine._optimizer_steps = state["optimizer_steps"]
     engine._state.optimizer_steps = state["optimizer_steps"]
+    if engine._scaler is not None and state.get("loss_scaler"):
+        engine._scaler.load_state_dict(state["loss_scaler"])
 
 
 def load(engine, path: str | os.PathLike) -> Any:

@@ -111,6 +111,7 @@ class Engine:
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
         self._guard = ModelGuard(module, self._registry, config.zero_stage)
         self._compiled = self._guard.wrap(self._compiled)
+        self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
         self._micro_steps = 0
         self._optimizer_steps = 0
         self._warned_unused = False
@@ -123,6 +124,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         gas = self.config.gradient_accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale_loss(loss)
         (loss / gas if gas > 1 else loss).backward()
         self._micro_steps += 1
 
@@ -134,10 +137,12 @@ class Engine:
         self._drop_unused_prefetches()
         if self.config.zero_stage == 1:
             self._registry.flush_local_grads()
-        if self.config.max_grad_norm is not None:
+        finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
+        if finite and self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._shards_changed()
         self._micro_steps = 0
@@ -155,6 +160,23 @@ class Engine:
         if self.config.zero_stage < 3:
             replicas.refresh([e for e in self._registry if frozen_too or e.shard.requires_grad])
         unshard.refresh(self._registry)
+
+    def _make_loss_scaler(self):
+        mode = self.config.loss_scaling
+        if mode is None:
+            return None
+        from .runtime.loss_scale import LossScaler
+
+        return LossScaler(self._comm, self.device, dynamic=mode == "dynamic",
+                          scale=self.config.initial_loss_scale if mode == "dynamic"
+                          else self.config.loss_scale, window=self.config.loss_scale_window)
+
+    def _unscale_grads(self) -> bool:
+        """Loss scaling: the shards' gradients divided by the scale; False when a gradient
+        overflowed on any rank (the optimizer step is then skipped everywhere)."""
+        if self._scaler is None:
+            return True
+        return self._scaler.unscale(self._registry.trainable_shards())
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
