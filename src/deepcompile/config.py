@@ -177,6 +177,35 @@ class Config:
         return cls(**values)
 
     @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> "Config":
+        """A Config from a JSON, YAML or TOML file of Config keys (at the top level or under a
+        `deepcompile` table), or of a DeepSpeed config (read by `from_deepspeed`). Keyword
+        arguments override the file."""
+        from ._config_io import is_deepspeed, load_file
+
+        data = load_file(path)
+        if is_deepspeed(data):
+            return cls.from_deepspeed(data, **overrides)
+        if isinstance(data.get("deepcompile"), Mapping):
+            data = data["deepcompile"]
+        return cls.from_dict({**data, **overrides})
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: "Mapping[str, Any] | str | os.PathLike",
+                       **overrides: Any) -> "Config":
+        """A Config from a DeepSpeed config (a dict or a JSON/YAML/TOML file): ZeRO stage,
+        bf16/fp16 (with its loss scaling), gradient accumulation, clipping, optimizer-state
+        offload, communication dtype, `compile.deepcompile`. Keys the compiler decides itself
+        are accepted with a warning; keys that would change training and have no counterpart
+        raise ValueError naming them. Keyword arguments (Config keys) fill DeepSpeed's "auto"
+        values and override the rest."""
+        from ._config_io import from_deepspeed, load_file
+
+        if isinstance(ds_config, (str, os.PathLike)):
+            ds_config = load_file(ds_config)
+        return cls.from_dict(from_deepspeed(ds_config, dict(overrides)))
+
+    @classmethod
     def coerce(cls, value: "Config | Mapping[str, Any] | None") -> "Config":
         if value is None:
             return cls()
