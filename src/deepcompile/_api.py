@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -40,5 +41,12 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
                         "parameters and returning a torch.optim.Optimizer (e.g. "
                         f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer).__name__}")
     device = _model_device(model)
+    if device.type == "cpu" and torch.cuda.is_available():
+        warnings.warn(
+            "deepcompile.initialize: CUDA is available but the model is on the CPU: it will train "
+            "on the CPU, over gloo. To train on the GPUs, call "
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) and move the model to "
+            "f'cuda:{LOCAL_RANK}' before initialize (README: Launching).", UserWarning,
+            stacklevel=2)
     _ensure_process_group(device)
     return Engine(model, optimizer, cfg)
