@@ -219,3 +219,19 @@ def test_demo_data_is_deterministic_and_sliced_by_rank():
     # wraps around the end of the text
     n = windows.shape[0]
     assert torch.equal(_demo.global_batch(windows, n, 1)[0], windows[0])
+
+
+# ---- optional dependencies ------------------------------------------------------------------------
+
+def test_integrations_without_their_extras_say_what_to_install():
+    for module, hidden in (("deepcompile.integrations.hf", "transformers"),
+                           ("deepcompile.integrations.accelerate", "accelerate")):
+        code = f"import sys; sys.modules[{hidden!r}] = None\nimport {module}"
+        r = _run(sys.executable, "-c", code)
+        assert r.returncode != 0
+        assert "pip install -c constraints.txt -e '.[hf]'" in r.stderr, r.stderr[-500:]
+    code = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = None\n"
+            "from deepcompile.cli import main\nsys.exit(main(['consolidate', 'nowhere', 'out']))")
+    r = _run(sys.executable, "-c", code)
+    assert r.returncode == 1
+    assert "safetensors" in r.stderr and "'.[hf]'" in r.stderr, r.stderr[-500:]
