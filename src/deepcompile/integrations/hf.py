@@ -95,10 +95,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DeepCompileTrainer: optimizer.step(closure) is not supported")
+        scaler = self.engine._scaler
+        skipped = scaler.skipped_steps if scaler is not None else 0
         if not self.engine.step():
             raise RuntimeError(
                 "DeepCompileTrainer: the engine did not step at the Trainer's optimizer step "
                 f"({self.engine._micro_steps} micro-steps since the last one)")
+        accelerated = getattr(self, "accelerated", None)
+        if accelerated is not None:   # a loss-scaling skip: the Trainer keeps the LR schedule
+            accelerated._is_overflow = scaler is not None and scaler.skipped_steps > skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass   # engine.step() zeroes the shards' gradients
@@ -186,10 +191,13 @@ class DeepCompileTrainer(transformers.Trainer):
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any):
         out = super()._prepare_for_training(*args, **kwargs)
-        # Accelerate wrapped our optimizer (AcceleratedOptimizer): it must not scale or skip
-        if self.engine is not None and not isinstance(self.optimizer, _EngineOptimizer):
-            self.optimizer = _EngineOptimizer(self.engine)
-            self.callback_handler.optimizer = self.optimizer
+        # Accelerate wrapped our optimizer (AcceleratedOptimizer; the LR scheduler tracks its
+        # steps). Its GradScaler (fp16) must not unscale the engine's gradients: the engine
+        # scales the loss itself; its overflow flag follows the engine's skipped steps.
+        inner = getattr(self.optimizer, "optimizer", None)
+        if self.engine is not None and isinstance(inner, _EngineOptimizer):
+            self.optimizer.scaler = None
+            inner.accelerated = self.optimizer
         return out
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
