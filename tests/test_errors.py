@@ -49,6 +49,22 @@ def test_initialize_uses_existing_group(group):
     assert isinstance(engine.optimizer, torch.optim.SGD)
 
 
+def test_warns_when_cuda_is_visible_but_the_model_is_on_the_cpu(group, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match=r"CUDA is available but the model is on the CPU.*"
+                                         r"torch.cuda.set_device"):
+        deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+
+
+def test_no_cuda_warning_without_cuda(group, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+
+
 # ------------------------------------------------------------------------------- the model
 def test_meta_device_model(group):
     with torch.device("meta"):

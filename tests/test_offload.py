@@ -15,8 +15,6 @@ offloading, and one Inductor run (the reload ops survive compilation and run).
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -401,17 +399,6 @@ def _checkpoint_job(rank, world, tmp, budget):
         whole = _ckpt_run(rank, world, config, 6, save_at=4, ckpt=ckpt)
         resumed = _ckpt_run(rank, world, config, 6, load=ckpt)
         out[name] = {"whole": whole, "resumed": resumed}
-    # a checkpoint of another world size is refused, on every rank, with a clear error
-    meta = Path(tmp) / "plain" / "meta.json"
-    if rank == 0:
-        m = json.loads(meta.read_text())
-        meta.write_text(json.dumps({**m, "world_size": world + 1}))
-    import torch.distributed as dist
-    dist.barrier()
-    try:
-        _ckpt_run(rank, world, plain, 6, load=str(meta.parent))
-    except ValueError as e:
-        out["world_error"] = str(e)
     return out
 
 
@@ -430,7 +417,6 @@ def test_training_resumed_from_a_checkpoint_matches_uninterrupted_training(parit
         # the offloaded run saved while its state was on the host
         assert r["offload"]["whole"]["offloaded_at_save"] > 0
         assert r["plain"]["whole"]["offloaded_at_save"] == 0
-        assert "saved by 3 ranks" in r["world_error"] and "runs on 2" in r["world_error"]
 
 
 # ------------------------------------------------------------------------------- Inductor

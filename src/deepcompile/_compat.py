@@ -214,3 +214,20 @@ def profiler_events(prof):
     with `name()`, `device_type()`, `start_ns()`, `nbytes()`, `shapes()`, `dtypes()`); the
     public `events()` drops the memory events' sizes and the collectives' tensor shapes."""
     return prof.profiler.kineto_results.events()
+
+
+# --- tensor subclasses ---------------------------------------------------------------------------
+
+def disable_torch_function_subclass():
+    """Context manager: `__torch_function__` of tensor subclasses is not called inside (what a
+    subclass's own `__torch_function__` runs the real op under)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+# --- distributed checkpoint ------------------------------------------------------------------------
+
+def dcp_storage_info(relative_path: str, offset: int, length: int, transforms=None):
+    """DCP's per-item file location (`_StorageInfo`, private; its fields are stable 2.11-2.15)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length, transform_descriptors=transforms)

@@ -2,6 +2,7 @@
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
                      [--passes P1,P2]
+    deepcompile consolidate CKPT OUT [--dtype float32|bfloat16|float16] [--max-shard-size SIZE]
     deepcompile bench [--workloads W ...] [--systems S ...] [--launches N] [--steps N]
                       [--warmup N] [--nproc N] [--device cpu|cuda] [--compiler inductor|fx]
                       [--out DIR] [--timeout S] [--list]
@@ -193,15 +194,92 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- consolidate -------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10,
+               "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def _size(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def _add_consolidate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "consolidate",
+        help="write a checkpoint's full model as a Hugging Face model directory (safetensors)",
+        description=(
+            "Read a checkpoint written by engine.save_checkpoint (any number of ranks, any ZeRO "
+            "stage) in this one process and write its full model to OUT as a Hugging Face model "
+            "directory: model.safetensors (or shards with an index) and, when the model was a "
+            "transformers PreTrainedModel, config.json and generation_config.json, loadable with "
+            "from_pretrained(OUT). Optimizer state is not written. Needs safetensors: "
+            "pip install -c constraints.txt -e '.[hf]'"),
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="the checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="the model directory to write (created)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast floating-point weights (default: as saved, the fp32 masters)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="largest safetensors file (default: %(default)s)")
+    p.set_defaults(func=_cmd_consolidate)
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .export import consolidate
+
+    try:
+        files = consolidate(args.checkpoint, args.out,
+                            dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            max_shard_bytes=args.max_shard_size)
+    except (CheckpointError, ImportError) as e:
+        print(f"deepcompile consolidate: {e}", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f"[consolidate] wrote {f}")
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench)
+_DESCRIPTION = """\
+deepcompile: data-parallel training of an unmodified PyTorch model by compiling it
+(a torch.compile backend rewrites the training graph for ZeRO sharding).
+
+ZeRO stages (deepcompile.Config(zero_stage=...)):
+  1  optimizer state sharded over the ranks; parameters and gradients replicated,
+     gradients reduce-scattered once per optimizer step (after the last micro-step)
+  2  optimizer state and gradients sharded (gradients reduce-scattered every micro-step);
+     parameters replicated
+  3  parameters, gradients and optimizer state sharded (default): each parameter is
+     all-gathered inside the compiled graph just before use and freed after
+"""
+
+_EPILOG = """\
+In a training script:
+  engine = deepcompile.initialize(model, optimizer=..., config=deepcompile.Config(zero_stage=3))
+  loss = engine(**batch).loss; engine.backward(loss); engine.step()
+launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
+"""
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench,
+                                                                       _add_consolidate)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepcompile",
-        description="deepcompile: compiler-driven ZeRO-3 data-parallel training on torch.compile.",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

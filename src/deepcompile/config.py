@@ -62,6 +62,14 @@ class Config:
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
         None: 90% of device memory on CUDA, unbounded on CPU.
     cache_dir: directory of the plan cache (profiles and decisions); None: no cache.
+    loss_scale: None (the default: dynamic loss scaling when param_dtype is float16, none
+        otherwise), "dynamic", or a static scale (> 0). Dynamic scaling multiplies the loss by
+        the scale before the backward, divides the gradients by it before clipping and the
+        optimizer step, and when any rank finds an inf/NaN gradient skips that optimizer step
+        on every rank and halves the scale; after `loss_scale_window` steps without overflow it
+        doubles the scale (as torch.amp.GradScaler).
+    initial_loss_scale: the first dynamic scale (2**16).
+    loss_scale_window: optimizer steps without overflow before the dynamic scale doubles (2000).
     """
 
     zero_stage: int = 3
@@ -75,6 +83,9 @@ class Config:
     profile_steps: int = 1
     memory_budget: int | float | None = None
     cache_dir: str | None = None
+    loss_scale: float | str | None = None
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 2000
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -123,6 +134,22 @@ class Config:
                 raise ValueError(f"Config.cache_dir: {self.cache_dir!r} is not allowed; allowed: "
                                  "None or a directory path")
             set_(self, "cache_dir", os.fspath(self.cache_dir))
+        scale = self.loss_scale
+        if scale is not None and scale != "dynamic":
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+                raise ValueError(f"Config.loss_scale: {scale!r} is not allowed; allowed: None "
+                                 "(dynamic when param_dtype is float16, else no scaling), "
+                                 "'dynamic', or a static scale > 0")
+            set_(self, "loss_scale", float(scale))
+        init = self.initial_loss_scale
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not init >= 1:
+            raise ValueError(f"Config.initial_loss_scale: {init!r} is not allowed; allowed: a "
+                             "number >= 1")
+        set_(self, "initial_loss_scale", float(init))
+        window = self.loss_scale_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"Config.loss_scale_window: {window!r} is not allowed; allowed: an "
+                             "integer >= 1")
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.passes if p not in known_passes()]
         if unknown:
@@ -133,6 +160,14 @@ class Config:
                              "optimizer state it plans for exists after the first optimizer "
                              "step (allowed: an integer >= 1)")
 
+    @property
+    def loss_scaling(self) -> str | None:
+        """"dynamic", "static" or None (no loss scaling): dynamic by default with float16."""
+        if self.loss_scale == "dynamic" or (self.loss_scale is None
+                                            and self.param_dtype is torch.float16):
+            return "dynamic"
+        return None if self.loss_scale is None else "static"
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -140,6 +175,35 @@ class Config:
             if key not in names:
                 raise ValueError(f"Config: unknown key {key!r}; allowed: {', '.join(sorted(names))}")
         return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> "Config":
+        """A Config from a JSON, YAML or TOML file of Config keys (at the top level or under a
+        `deepcompile` table), or of a DeepSpeed config (read by `from_deepspeed`). Keyword
+        arguments override the file."""
+        from ._config_io import is_deepspeed, load_file
+
+        data = load_file(path)
+        if is_deepspeed(data):
+            return cls.from_deepspeed(data, **overrides)
+        if isinstance(data.get("deepcompile"), Mapping):
+            data = data["deepcompile"]
+        return cls.from_dict({**data, **overrides})
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: "Mapping[str, Any] | str | os.PathLike",
+                       **overrides: Any) -> "Config":
+        """A Config from a DeepSpeed config (a dict or a JSON/YAML/TOML file): ZeRO stage,
+        bf16/fp16 (with its loss scaling), gradient accumulation, clipping, optimizer-state
+        offload, communication dtype, `compile.deepcompile`. Keys the compiler decides itself
+        are accepted with a warning; keys that would change training and have no counterpart
+        raise ValueError naming them. Keyword arguments (Config keys) fill DeepSpeed's "auto"
+        values and override the rest."""
+        from ._config_io import from_deepspeed, load_file
+
+        if isinstance(ds_config, (str, os.PathLike)):
+            ds_config = load_file(ds_config)
+        return cls.from_dict(from_deepspeed(ds_config, dict(overrides)))
 
     @classmethod
     def coerce(cls, value: "Config | Mapping[str, Any] | None") -> "Config":

@@ -15,6 +15,7 @@ from torch import nn
 from .compiler.backend import Backend
 from .compiler.pipeline import Pipeline
 from .config import Config
+from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
@@ -109,6 +110,10 @@ class Engine:
             self._offload.provisional = True   # until planned, all movable state leaves
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
+        # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
+        self._guard = ModelGuard(module, self._registry, config.zero_stage)
+        self._compiled = self._guard.wrap(self._compiled)
+        self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
         self._micro_steps = 0
         self._optimizer_steps = 0
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
@@ -120,6 +125,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         gas = self.config.gradient_accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale_loss(loss)
         (loss / gas if gas > 1 else loss).backward()
         self._micro_steps += 1
 
@@ -129,10 +136,12 @@ class Engine:
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
         self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
-        if self.config.max_grad_norm is not None:
+        finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
+        if finite and self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._shards_changed()
         self._micro_steps = 0
@@ -145,6 +154,23 @@ class Engine:
     def _shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (runtime/runtime.py)."""
         self._runtime.shards_changed(frozen_too)
+
+    def _make_loss_scaler(self):
+        mode = self.config.loss_scaling
+        if mode is None:
+            return None
+        from .runtime.loss_scale import LossScaler
+
+        return LossScaler(self._comm, self.device, dynamic=mode == "dynamic",
+                          scale=self.config.initial_loss_scale if mode == "dynamic"
+                          else self.config.loss_scale, window=self.config.loss_scale_window)
+
+    def _unscale_grads(self) -> bool:
+        """Loss scaling: the shards' gradients divided by the scale; False when a gradient
+        overflowed on any rank (the optimizer step is then skipped everywhere)."""
+        if self._scaler is None:
+            return True
+        return self._scaler.unscale(self._trainable)
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
@@ -185,18 +211,34 @@ class Engine:
                 out[name] = full
         return out
 
-    def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Write this rank's shards and optimizer state and the step counters under the
-        directory `path` (collective; at an optimizer-step boundary). See checkpoint.py."""
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, *,
+                        async_save: bool = False):
+        """Save the shards, the optimizer state, the step counters and rank 0's `client_state`
+        (anything `torch.load(weights_only=True)` reads back) under the directory `path`, on
+        torch.distributed.checkpoint: loadable on any number of ranks and ZeRO stage, published
+        atomically (collective; at an optimizer-step boundary). Returns `path`; with
+        `async_save=True`, a Future of it (the data is copied first: training may go on).
+        See checkpoint.py."""
         from . import checkpoint
 
-        return str(checkpoint.save(self, path))
+        return checkpoint.save(self, path, client_state, async_save=async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote (collective; same world size and model)."""
+    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+        """Restore what `save_checkpoint` wrote (collective; any world size and ZeRO stage, the
+        same model and optimizer groups); returns the saved `client_state` (or None)."""
         from . import checkpoint
 
-        checkpoint.load(self, path)
+        return checkpoint.load(self, path)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> str:
+        """Write the full model as a Hugging Face model directory (safetensors weights, and
+        config.json when the model is a `transformers.PreTrainedModel`), in the master dtype
+        unless `dtype` is given. Collective: call on every rank; rank 0 writes."""
+        from . import export
+
+        return export.save_pretrained(self, directory, dtype=dtype,
+                                      max_shard_bytes=max_shard_bytes)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self._comm.stats()
