@@ -10,8 +10,8 @@
   not counted), and custom-op calls (`deepcompile::` events of torch.profiler), for a tiny
   Llama of each depth.
 * copies: bytes written per step by data-movement aten ops (copy_, clone, _to_copy, cat,
-  constant_pad_nd, split_with_sizes_copy, reshape copies...) as torch.profiler records them with
-  shapes, with the fx compiler (every aten op visible), against plain single-process
+  constant_pad_nd, split_with_sizes_copy, casts...) as a dispatch mode sees them, with the fx
+  compiler (every aten op runs as such), against plain single-process
   `torch.compile(backend="aot_eager")` of the same model on one rank's batch.
 * profile: the sum of the profiled node times of one step (the agreed profiles, weighted by
   how often each graph runs) against the measured steady step (median).
@@ -55,40 +55,50 @@ def _batch(step: int, rank: int):
     return {"input_ids": ids, "labels": ids}
 
 
-_COPY_OPS = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::constant_pad_nd",
-             "aten::split_with_sizes_copy", "aten::index_select", "aten::_unsafe_view_copy",
-             "aten::contiguous", "aten::slice_scatter", "aten::new_zeros", "aten::zeros")
-_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
-             "int": 4, "bool": 1, "unsigned char": 1}
+class _CopyCounter:
+    """Bytes written by data-movement ops (a dispatch mode: every aten op the graphs run on the
+    CPU, at the op level, with its real output sizes)."""
 
+    NAMES = ("copy_", "clone", "_to_copy", "cat", "constant_pad_nd", "split_with_sizes_copy",
+             "convert_element_type", "index_select", "slice_scatter", "select_scatter",
+             "contiguous", "_reshape_copy", "repeat", "expand_copy")
 
-def _copied_bytes(prof) -> dict[str, list[int]]:
-    """op -> [calls, bytes written] for the data-movement ops (top-level aten calls: an op's
-    own aten children are not counted twice)."""
-    out: dict[str, list[int]] = {}
-    for e in prof.events():
-        if e.name not in _COPY_OPS or (e.cpu_parent is not None and e.cpu_parent.name in _COPY_OPS):
-            continue
-        shapes, dtypes = e.input_shapes, e.input_types
-        if not shapes or not shapes[0]:
-            continue
-        if e.name == "aten::cat":   # written: the sum of the inputs
-            numel = sum(_numel(s) for s in shapes[0]) if shapes[0] and isinstance(shapes[0][0], list) \
-                else _numel(shapes[0])
-        else:
-            numel = _numel(shapes[0])
-        nbytes = numel * _ITEMSIZE.get(dtypes[0] if dtypes else "float", 4)
-        c = out.setdefault(e.name, [0, 0])
-        c[0] += 1
-        c[1] += nbytes
-    return out
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
 
+        counts: dict[str, list[int]] = {}
+        names = self.NAMES
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.namespace == "deepcompile":   # a Python op: count what its body runs
+                    from torch._library.custom_ops import OPDEFS
+
+                    with self:
+                        return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+                out = func(*args, **kwargs)
+                name = func._schema.name.split("::")[-1]
+                if name in names:
+                    written = kwargs.get("out", out)
+                    tensors = written if isinstance(written, (list, tuple)) else [written]
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors
+                                 if isinstance(t, torch.Tensor))
+                    c = counts.setdefault(name, [0, 0])
+                    c[0] += 1
+                    c[1] += nbytes
+                return out
+
+        self.counts, self.mode = counts, Mode()
+
+    def wrap(self, fn):
+        """`fn` with the mode on inside it: a compiled graph's code, which Dynamo is done with
+        (a dispatch mode around a torch.compile'd call would make Dynamo run it eagerly)."""
+        def run(*args, **kwargs):
+            with self.mode:
+                return fn(*args, **kwargs)
+        run._boxed_call = getattr(fn, "_boxed_call", False)
+        return run
 
 
 def _worker(rank: int, world: int, port: int, what: str, args, queue) -> None:
@@ -98,6 +108,9 @@ def _worker(rank: int, world: int, port: int, what: str, args, queue) -> None:
     dist.init_process_group("gloo")
     try:
         queue.put((rank, _measure(rank, world, what, args)))
+    except BaseException:   # noqa: BLE001 -- reported by the parent
+        import traceback
+        queue.put((rank, {"error": traceback.format_exc()}))
     finally:
         dist.destroy_process_group()
 
@@ -144,15 +157,53 @@ def _measure(rank: int, world: int, what: str, a) -> dict:
         res.update(python_calls=sum(counts.values()), custom_op_calls=len(custom),
                    custom_ops=sorted(set(custom)))
     elif what == "copies":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    record_shapes=True) as p:
+        # inside every graph (the slots run the lowered graphs) and around the optimizer step
+        # (the runtime's refreshes); autograd's own accumulation is outside both
+        counter = _CopyCounter()
+        pipe = engine._pipeline
+        slots = [s for s in pipe.slots.values() if hasattr(s, "runner")]
+        saved = [s.runner for s in slots]
+        for s in slots:
+            s.runner = counter.wrap(s.runner)
+        if not slots:   # an earlier version: slots call their pipeline's run
+            pipe.run = counter.wrap(pipe.run)
+        step_fn = engine.step
+        engine.step = counter.wrap(step_fn)
+        try:
             step()
-        res["ours"] = _copied_bytes(p)
+        finally:
+            for s, r in zip(slots, saved):
+                s.runner = r
+            pipe.__dict__.pop("run", None)
+            engine.step = step_fn
+        res["ours"] = counter.counts
+        rep = engine.report().to_dict()
+        res["plan"] = {p["pass"]: p.get("after", {}).get("collectives") for p in rep["passes"]}
+        res["comm_per_step"] = rep["comm"]
+        dist.barrier()   # the plain run below is local: the other ranks wait here
         if rank == 0:
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_func
+
             torch.manual_seed(0)
             plain = _model(a.layers_now)
             opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-            compiled = torch.compile(plain, backend="aot_eager")
+            counter = _CopyCounter()
+            counting = [False]
+
+            def graph(gm, _examples):   # aot_eager, counted while `counting`
+                run = make_boxed_func(gm.forward)
+
+                def call(args):
+                    if not counting[0]:
+                        return run(args)
+                    with counter.mode:
+                        return run(args)
+                call._boxed_call = True
+                return call
+
+            compiled = torch.compile(plain, backend=aot_autograd(fw_compiler=graph,
+                                                                 bw_compiler=graph))
 
             def plain_step(i):
                 for m in range(a.gas):
@@ -162,10 +213,10 @@ def _measure(rank: int, world: int, what: str, a) -> dict:
 
             for i in range(3):
                 plain_step(i)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        record_shapes=True) as p:
-                plain_step(3)
-            res["plain"] = _copied_bytes(p)
+            counting[0] = True
+            plain_step(3)
+            res["plain"] = counter.counts
+        dist.barrier()
     elif what == "profile":
         times = []
         for _ in range(a.timed):
@@ -214,6 +265,9 @@ def main(argv=None) -> None:
             got = dict(queue.get(timeout=1800) for _ in procs)
             for pr in procs:
                 pr.join()
+            errors = [r["error"] for r in got.values() if "error" in r]
+            if errors:
+                raise SystemExit(errors[0])
             results.append(got[0] if a.what != "profile" else
                            {**got[0], "ratio_per_rank": [got[r]["ratio"] for r in sorted(got)]})
     doc = {"what": a.what, "deepcompile": os.path.dirname(deepcompile.__file__),
