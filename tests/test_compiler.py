@@ -76,6 +76,7 @@ def _liveness(rank: int, world: int) -> dict:
         out["after_backward"] = _settled_count(live)
         out["gathered_total"] = live.total
     out["param_storage"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    out["eager_gathers"] = engine._fallback.materializations   # 0: the compiled graphs ran
     return out
 
 
@@ -87,3 +88,4 @@ def test_gathered_parameters_are_freed_after_last_use():
         assert r["gathered_total"] == 12 + 5           # backward re-gathers weights 2..6
         assert r["after_backward"] == 0
         assert r["param_storage"] == 0
+        assert r["eager_gathers"] == 0

@@ -1,8 +1,10 @@
 """Liveness of gathered parameters, for tests: are gathered buffers freed after their last use?
 
-Off by default (no cost). `track_live_buffers()` tracks, for the duration of a block, every
-buffer a gather produced — the functional all-gathers the lowered graphs run (seen by a
-dispatch mode; unwaited gathers handed to the next graph are not counted) and the reference gathers of the eager fallback (`ParamEntry.gather`) — by weak
+Off by default (one `is None` test per graph call). `track_live_buffers()` tracks, for the
+duration of a block, every buffer a gather produced — the functional all-gathers the lowered
+graphs run (seen by a dispatch mode the pipeline enters inside each graph call, `watch()`: one
+around a compiled call would make Dynamo run it eagerly; unwaited gathers handed to the next
+graph are not counted) and the reference gathers of the eager fallback (`ParamEntry.gather`) — by weak
 reference: how many are alive now, the peak, and the peak bytes. A view of a buffer keeps the
 buffer alive (its tensor is preserved while any view refers to it), so a buffer counts as alive
 exactly while its memory is.
@@ -72,7 +74,11 @@ def track_live_buffers():
     global TRACKER
     previous, TRACKER = TRACKER, LiveBuffers()
     try:
-        with _GatherWatch(TRACKER):
-            yield TRACKER
+        yield TRACKER
     finally:
         TRACKER = previous
+
+
+def watch() -> _GatherWatch:
+    """The dispatch mode that tracks a graph run's gathers (only while TRACKER is set)."""
+    return _GatherWatch(TRACKER)
