@@ -68,6 +68,9 @@ class KeptParams:
         self.entries = list(entries)
         self.full = {}
         self.table.clear()   # the same table object: lowered graphs hold its lookup
+        if not self.entries:
+            self._plan = None
+            return
         dests = []
         for e in self.entries:
             buf = torch.empty(e.padded_numel, dtype=e.compute_dtype, device=e.shard.device)
@@ -77,6 +80,11 @@ class KeptParams:
         self._plan = RegatherPlan(self.entries, dests, MAX_REFRESH_BYTES,
                                   label="deepcompile.refresh_kept")
         self.refresh()
+
+    @property
+    def plan(self) -> RegatherPlan | None:
+        """How the refresh gathers the kept parameters (None: nothing kept)."""
+        return self._plan
 
     def held_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.full.values())
