@@ -61,9 +61,10 @@ class Config:
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
-    measure_steps: optimizer steps timed before the first pass and after each pass that changed
-        a graph (after one step that settles the new code); a pass whose steps are all slower
-        than before is reverted (compiler/autoplan.py). 0: passes are judged on memory only.
+    measure_steps: after each pass that changed a graph, optimizer steps timed with the new
+        graphs and as many with the graphs from before it, interleaved (after one step of each
+        that settles freshly made code); a pass whose steps are all slower than before is
+        reverted (compiler/autoplan.py). 0: passes are judged on memory only.
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
         None: 90% of device memory on CUDA, unbounded on CPU.
     cache_dir: directory of the plan cache (profiles and decisions); None: no cache.

@@ -28,13 +28,13 @@ Benchmarks section describes, fusing to the cap was faster than the overlap rule
 turn a fuse into a split (1.2 / 0.8 = 1.5 < 2).
 
 [Note: keeping a pass] A pass that changed graphs is re-profiled and then, unless
-`Config.measure_steps` is 0, its steps are timed (`measure_steps` unprofiled steps after one
-that settles the new code) and compared with the same number of steps timed before it
-(`verdict`). It is reverted — graphs and the runtime state it configured — when its re-profiled
-peak exceeds the budget (and grew), or when it is slower with confidence: every measured step
-after it slower than every step before it (with 3 steps each, a chance of 1 in 20 when nothing
-changed), and the median slower by more than `TIME_MARGIN`. A pass within the noise is kept:
-plans do not flip with the load of the machine.
+`Config.measure_steps` is 0, timed against the graphs from before it, in interleaved steps
+([Note: interleaved measurement] in compiler/pipeline.py). It is reverted — graphs and the
+runtime state it configured — when its re-profiled peak exceeds the budget (and grew), or when
+it is slower with confidence: every measured step after it slower than every step before it
+(with 3 steps each, a chance of 1 in 20 when nothing changed), and the median slower by more
+than `TIME_MARGIN`. A pass within the noise is kept: plans do not flip with the load of the
+machine.
 """
 
 from __future__ import annotations

@@ -6,13 +6,19 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
   PROFILE  `profile_steps` steps run every graph through the profiler; at the end the local
            profiles are agreed across ranks (compiler/agree.py). After the first profile, with
            `passes="auto"`, the passes to run are chosen from it (compiler/autoplan.py).
-  MEASURE  1 + `measure_steps` steps run normally; the last `measure_steps` are timed (the
-           first settles code that was just lowered) and agreed across ranks (MAX). Measured
-           once before the first pass, and after every pass that changed a graph.
   ...      the next pass plans from the latest agreed profiles and rewrites the graphs
            (compiler/planner.py); a pass that changed a graph is followed by PROFILE and
            MEASURE, and then kept or reverted ([Note: keeping a pass] in compiler/autoplan.py);
            a pass that changed nothing is not.
+  MEASURE  [Note: interleaved measurement] 2 + 2 x `measure_steps` steps that alternate between
+           the graphs after the pass and the graphs from before it (both lowered and compiled
+           side by side, `GraphSlot.swap`): one step each to settle freshly made code, then
+           `measure_steps` timed steps of each side, interleaved, so that a change in the
+           machine's load between two windows of time falls on both sides alike (on a shared
+           machine, consecutive windows of steps differ by 30% and more). Each step's time is
+           the slowest rank's (agreed with MAX). Steps of the side before a pass that kept
+           parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
+           redone, outside the timed steps, before the other side runs again.
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs).
 
@@ -46,7 +52,7 @@ from . import cache as _cache
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
 from .lower import Lowered, fold_profile, lower, needs_variants
-from .planner import Planner
+from .planner import Planner, copy_graph
 from .profiler import GraphProfile, profile_run
 from .slots import GraphSlot
 
@@ -112,8 +118,7 @@ class Pipeline:
                                summarize=self._summary)
         self.planner.configure(config.pass_list)
         self._awaiting: dict | None = None       # pass log entry waiting for its re-profile
-        self._baseline: list[float] | None = None   # measured step times before the next pass
-        self._measured: list[float] = []
+        self._ab: dict | None = None             # the interleaved measurement under way
         self.cache_info: dict[str, Any] = {"enabled": config.cache_dir is not None, "hit": False}
         self.perturb: Callable[[GraphProfile], None] | None = None  # test hook: local profiles
         self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
@@ -171,29 +176,30 @@ class Pipeline:
         # graph that first appears in steady state (a recompilation for a new shape) runs its
         # FX code once and is compiled on its second call.
         final = self.phase is Phase.STEADY and slot.calls > 1
-        tag = (slot.version, final)
-        have = slot.compiled.get(last)
-        if have is None or have[0] != tag:
-            have = slot.compiled[last] = (tag, self._compile(slot, low, full, final))
+        tag = (last, slot.version, final)
+        fn = slot.compiled.get(tag)
+        if fn is None:
+            fn = slot.compiled[tag] = self._compile(slot, low, full, final)
         t0 = time.perf_counter()
         with _compat.below_autograd():
             if self.tracing is not None:   # a traced step (report/steptrace.py)
                 with record_function(f"deepcompile:{slot.key}"):
-                    out = have[1](full)
+                    out = fn(full)
                 self.tracing.append((slot.key, last, slot.version))
             elif memory.TRACKER is None:
-                out = have[1](full)
+                out = fn(full)
             else:   # tests: what the graph gathers, and when it frees it
                 with memory.watch():
-                    out = have[1](full)
+                    out = fn(full)
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
 
     def _lowered(self, slot: GraphSlot, last: bool) -> Lowered:
-        have = slot.lowered.get(last)
-        if have is None or have[0] != slot.version:
-            have = slot.lowered[last] = (slot.version, lower(slot.gm, self.runtime, last=last))
-        return have[1]
+        key = (last, slot.version)
+        low = slot.lowered.get(key)
+        if low is None:
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last)
+        return low
 
     def _compile(self, slot: GraphSlot, low: Lowered, args: list[Any], final: bool) -> Callable:
         gm = low.gm
@@ -230,10 +236,13 @@ class Pipeline:
         elif phase is Phase.MEASURE:
             self.timings["measured_steps_s"].append(elapsed)
             self._steps_in_phase += 1
-            if self._steps_in_phase > 1:   # the first one settles freshly lowered code
-                self._measured.append(elapsed)
-            if self._steps_in_phase > self.config.measure_steps:
+            ab, n = self._ab, self._steps_in_phase
+            if n > 2:   # the first step of each side settles freshly made code
+                ab["samples"][ab["side"]].append(elapsed)
+            if n >= 2 + 2 * self.config.measure_steps:
                 self._finish_measure()
+            else:
+                self._set_side("before" if n % 2 else "after")
         else:
             if len(self.timings["steady_steps_s"]) < 64:
                 self.timings["steady_steps_s"].append(elapsed)
@@ -246,8 +255,9 @@ class Pipeline:
             self._order_now = []
             for slot in self.slots.values():
                 slot.pending.clear()
-        if phase is Phase.MEASURE:
-            self._measured = []
+        if phase is Phase.STEADY:
+            for slot in self.slots.values():
+                slot.prune()
         log.info("deepcompile: phase %s%s", phase.value, f" ({label})" if label else "")
 
     def _after_warmup(self) -> None:
@@ -257,7 +267,7 @@ class Pipeline:
             self.cache_info["key"] = self._key[0]
         if self.config.cache_dir is not None and self._load_cached_plan():
             self._enter(Phase.STEADY)
-        elif self.config.profile_steps > 0 and (self.config.auto_passes or self.planner.queue):
+        elif self.config.profile_steps > 0:
             self._enter(Phase.PROFILE, "initial")
         else:
             self._enter(Phase.STEADY)
@@ -277,27 +287,51 @@ class Pipeline:
         entry = self._awaiting
         if entry is not None:          # a pass's re-profile
             entry["after"] = self._summary(self.latest_profiles())
+            if self.config.measure_steps > 0:
+                self._start_measure(entry)
+                return
+            self._judge(entry)
         elif self.config.auto_passes and self.planner.chosen is None:
             self.planner.choose(zero_stage=self.registry.zero_stage,
                                 warmup_steps=self.config.warmup_steps)
-        if self.config.measure_steps > 0 and (entry is not None or self.planner.queue):
-            self._enter(Phase.MEASURE, "before the passes" if entry is None
-                        else f"after {entry['pass']}")
-            return
-        if entry is not None:
-            self._judge(entry)
         self._next_pass()
 
+    # -- [Note: interleaved measurement] ----------------------------------------------------
+    def _start_measure(self, entry: dict) -> None:
+        snap = self.planner.snapshot(entry)
+        faces = {}
+        for key in entry["changed"]:
+            slot = self.slots[key]
+            before = fx.GraphModule(slot.gm, copy_graph(snap.graphs[key]))
+            faces[key] = {"after": (slot.gm, slot.version), "before": (before, -slot.version - 1)}
+        kept_now = [e.pid for e in self.runtime.kept.entries]
+        self._ab = {"entry": entry, "faces": faces, "side": "after",
+                    "samples": {"after": [], "before": []},
+                    # the pass started keeping parameters: the side before it skips the refresh
+                    "suspend": bool(kept_now) and not snap.runtime["kept"]}
+        self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
+
+    def _set_side(self, side: str) -> None:
+        ab = self._ab
+        ab["side"] = side
+        for key, face in ab["faces"].items():
+            self.slots[key].swap(*face[side])
+        if ab["suspend"]:
+            if side == "before":
+                self.runtime.kept.suspend()
+            else:
+                self.runtime.kept.resume()
+
     def _finish_measure(self) -> None:
-        agreed = agree_max(self.comm, self._measured, self.device)
-        entry = self._awaiting
-        if entry is None:
-            self._baseline = agreed
-        else:
-            entry["before"]["measured_s"] = self._baseline
-            entry["after"]["measured_s"] = agreed
-            if self._judge(entry):
-                self._baseline = agreed
+        ab = self._ab
+        self._set_side("after")
+        self._ab = None
+        m = self.config.measure_steps
+        agreed = agree_max(self.comm, ab["samples"]["after"] + ab["samples"]["before"],
+                           self.device)
+        entry = ab["entry"]
+        entry["after"]["measured_s"], entry["before"]["measured_s"] = agreed[:m], agreed[m:]
+        self._judge(entry)
         self._next_pass()
 
     def _judge(self, entry: dict) -> bool:

@@ -101,6 +101,10 @@ class Planner:
             self._snapshots[id(entry)] = snap
         return entry
 
+    def snapshot(self, entry: dict[str, Any]) -> Snapshot:
+        """What was there before `entry`'s pass applied."""
+        return self._snapshots[id(entry)]
+
     def unchanged(self, entry: dict[str, Any]) -> None:
         entry["after"] = entry["before"]
         entry["verdict"] = "changed no graph"

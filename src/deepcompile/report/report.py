@@ -59,8 +59,8 @@ def _predicted_comm_s(cost: dict | None, counts) -> float | None:
 def _graph_row(slot, cost: dict | None) -> dict[str, Any]:
     p = slot.profile
     launched = collectives_launched(slot.gm)
-    low = slot.lowered.get(True) or slot.lowered.get(False)
-    counts = low[1].counts if low is not None and low[0] == slot.version else None
+    low = slot.current_lowered()
+    counts = low.counts if low is not None else None
     row: dict[str, Any] = {
         "slot": slot.key, "kind": slot.kind, "version": slot.version,
         "training": getattr(slot, "training", True),
@@ -96,13 +96,13 @@ def step_collectives(engine, profiles: dict, order: list[str]) -> list[dict[str,
         slot = pipe.slots.get(key)
         if slot is None:
             continue
-        low = slot.lowered.get(True) or slot.lowered.get(False)
+        low = slot.current_lowered()
         runs = order.count(key)
-        if low is None or low[0] != slot.version:
+        if low is None:
             launched = collectives_launched(slot.gm)
             counts = [(k, n, None) for k, n in launched.items() if n]
         else:
-            counts = list(low[1].counts)
+            counts = list(low.counts)
         for kind, n, nbytes in counts:
             rows.append({"where": key, "what": "in the graph" + (f", x{runs} runs" if runs > 1 else ""),
                          "kind": kind, "count": n * max(runs, 1),

@@ -127,9 +127,8 @@ class StepTracer:
         labels = []
         for key, last, version in runs:
             slot = pipe.slots.get(key)
-            low = slot.lowered.get(last) if slot is not None else None
-            labels.append(collective_labels(low[1].gm, slot.gm) if low and low[0] == version
-                          else ([], []))
+            low = slot.lowered.get((last, version)) if slot is not None else None
+            labels.append(collective_labels(low.gm, slot.gm) if low is not None else ([], []))
 
         def ev(lane, name, e, **extra):
             out.append({"lane": lane, "name": name, "ts_s": (e.start_ns() - t0) / 1e9,
