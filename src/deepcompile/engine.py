@@ -270,6 +270,11 @@ class Engine:
 
         return export_trace(self, path)
 
+    @property
+    def phase(self) -> str:
+        """Where the engine is: "warmup", "profile", "measure" or "steady" (planning over)."""
+        return self._pipeline.phase.value
+
     def metrics(self, peak_flops: float | None = None) -> dict[str, Any]:
         """Figures of the last optimizer step: step time, tokens/s, FLOPs and MFU (where the
         device's peak is known, or `peak_flops` is given), exposed communication, peak memory,

@@ -44,23 +44,35 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.2f}"
 
 
-def _predicted_comm_s(cost: dict | None, counts) -> float | None:
-    """Predicted seconds of a graph's collectives ((kind, n, bytes) per kind): n latencies and
-    the bytes at the fitted bandwidth (the cost model is linear)."""
-    if not cost or not counts:
-        return 0.0 if cost else None
+def _async_predicted_s(slot, cost: dict | None) -> float | None:
+    """Predicted seconds of the asynchronous collectives a graph starts (cost model; the
+    bytes of each from its parameters)."""
+    if not cost:
+        return None
+    from ..compiler.cost import LinearCostModel
+    from ..runtime.registry import lookup
+
+    model = LinearCostModel.from_dict(cost)
     total = 0.0
-    for kind, n, nbytes in counts:
-        a, b = cost["coeffs"].get(kind) or cost["coeffs"]["all_gather"]
-        total += n * a + b * nbytes
+    for node in slot.gm.graph.nodes:
+        kind = ops.COMM_KINDS.get(node.target) if node.op == "call_function" else None
+        if kind is None or kind in ops.BLOCKING or kind not in ops.LAUNCHES:
+            continue
+        launched = ops.LAUNCHES[kind]
+        pids = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        try:
+            entries = [lookup(int(p)) for p in pids]
+        except (RuntimeError, KeyError):
+            continue
+        nbytes = sum(e.padded_numel * (e.compute_dtype if launched == "all_gather"
+                                       else e.reduce_dtype).itemsize for e in entries)
+        total += model.collective_s(launched, nbytes)
     return total
 
 
 def _graph_row(slot, cost: dict | None) -> dict[str, Any]:
     p = slot.profile
     launched = collectives_launched(slot.gm)
-    low = slot.current_lowered()
-    counts = low.counts if low is not None else None
     row: dict[str, Any] = {
         "slot": slot.key, "kind": slot.kind, "version": slot.version,
         "training": getattr(slot, "training", True),
@@ -76,13 +88,10 @@ def _graph_row(slot, cost: dict | None) -> dict[str, Any]:
         launch = sum(n.time_s for n in p.nodes if n.kind != "compute" and n.kind not in ops.BLOCKING)
         async_n = sum(1 for n in p.nodes if n.kind != "compute" and n.kind not in ops.BLOCKING
                       and n.kind in ops.LAUNCHES)
-        predicted = _predicted_comm_s(cost, counts)
         row["profile"] = {"label": slot.history[-1][0], "time_s": p.total_s,
                           "compute_s": p.compute_s(), "blocked_s": blocked, "launch_s": launch,
                           "async_collectives": async_n,
-                          "predicted_comm_s": predicted,
-                          "in_flight_s": None if predicted is None else max(predicted - blocked, 0.0)
-                          if async_n else 0.0,
+                          "in_flight_s": _async_predicted_s(slot, cost),
                           "peak_bytes": p.peak_bytes,
                           "local_time_s": slot.local.total_s if slot.local is not None else None}
     return row
