@@ -67,8 +67,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="micro-steps per optimizer step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's random weights (default: %(default)s)")
-    p.add_argument("--passes", default="prefetch,bucket_reduce", metavar="P1,P2",
-                   help="optimization passes, comma-separated, in order; '' for insertion only "
+    p.add_argument("--passes", default="auto", metavar="P1,P2",
+                   help="'auto' (chosen from the profile, as Config's default) or optimization "
+                        "passes, comma-separated, in order; '' for insertion only "
                         "(default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="'auto' (default) uses CUDA GPUs with NCCL when available, else CPU with "
@@ -89,10 +90,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if nproc is None:
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     compiler = args.compiler or ("inductor" if device == "cuda" else "fx")
-    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    passes = "auto" if args.passes.strip() == "auto" else \
+        tuple(p.strip() for p in args.passes.split(",") if p.strip())
     from .passes import known_passes
 
-    unknown = [p for p in passes if p not in known_passes()]
+    unknown = [p for p in passes if p not in known_passes()] if passes != "auto" else []
     if unknown:
         raise SystemExit(f"deepcompile demo: unknown pass(es) {', '.join(unknown)}; "
                          f"known: {', '.join(known_passes())}")
