@@ -24,9 +24,11 @@ from .report import Report
 
 PHASE_COLORS = {"warmup": "tab:gray", "profile": "tab:orange", "measure": "tab:purple",
                 "steady": "tab:blue"}
-LANES = ("graphs", "launch", "exposed", "transport")
+LANES = ("graphs", "launch", "exposed", "transport", "device")
 LANE_COLORS = {"graphs": "tab:blue", "launch": "tab:green", "exposed": "tab:red",
-               "transport": "tab:orange"}
+               "transport": "tab:orange", "device": "tab:purple"}
+LANE_NAMES = {"graphs": "graph calls", "launch": "launches", "exposed": "exposed (blocked)",
+              "transport": "transport", "device": "GPU compute"}
 
 
 class MissingPlotting(ImportError):
@@ -144,7 +146,9 @@ def _timeline(plt, report: Report):
                              sharex=True)
     for ax, r in zip(axes[:, 0], ranks):
         tr = r["trace"]
-        for lane_i, lane in enumerate(LANES):
+        lanes = [lane for lane in LANES if lane != "device"
+                 or any(e["lane"] == "device" for e in tr["events"])]
+        for lane_i, lane in enumerate(lanes):
             evs = [e for e in tr["events"] if e["lane"] == lane]
             ax.broken_barh([(e["ts_s"] * 1e3, max(e["dur_s"] * 1e3, 0.002)) for e in evs],
                            (lane_i - 0.4, 0.8), color=LANE_COLORS[lane], alpha=0.85)
@@ -158,12 +162,11 @@ def _timeline(plt, report: Report):
                        key=lambda e: -e["dur_s"])[:4]
         for e in waits:
             ax.annotate(f"{e['name']} ({e['dur_s'] * 1e3:.2f} ms)",
-                        ((e["ts_s"] + e["dur_s"] / 2) * 1e3, LANES.index("exposed") + 0.4),
+                        ((e["ts_s"] + e["dur_s"] / 2) * 1e3, lanes.index("exposed") + 0.4),
                         xytext=(0, 10), textcoords="offset points", ha="center", fontsize=6.5,
                         color="tab:red", arrowprops={"arrowstyle": "-", "color": "tab:red", "lw": 0.6})
-        ax.set_yticks(range(len(LANES)), ["graph calls", "launches", "exposed (blocked)",
-                                          "transport"], fontsize=8)
-        ax.set_ylim(-0.6, len(LANES) + 0.2)
+        ax.set_yticks(range(len(lanes)), [LANE_NAMES[lane] for lane in lanes], fontsize=8)
+        ax.set_ylim(-0.6, len(lanes) + 0.2)
         ax.invert_yaxis()
         ax.set_title(f"rank {r['rank']}: {tr['phase']} step, {tr['step_s'] * 1e3:.2f} ms; exposed "
                      f"communication {tr['exposed_s'] * 1e3:.2f} ms "

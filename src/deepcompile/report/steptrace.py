@@ -14,7 +14,8 @@ What is kept (a few events per collective, not the ~2,400 aten events of a step)
 * lane "launch": each collective's launch on the host, labelled with its modules;
 * lane "exposed": each wait in which the host was blocked on a collective (`wait_tensor`): the
   exposed communication, labelled with the collective it waited for;
-* lane "transport": what gloo's worker threads (or NCCL kernels on a GPU) spent moving data.
+* lane "transport": what gloo's worker threads (or NCCL kernels on a GPU) spent moving data;
+* lane "device" (GPU only): when the GPU ran compute kernels (merged busy periods).
 
 `exposed_s` is the step's total blocked time; `step_s` the traced step's wall time.
 """
@@ -135,6 +136,7 @@ class StepTracer:
                         "dur_s": max(e.duration_ns(), 0) / 1e9, **extra})
 
         span_i = -1
+        busy: list[tuple[int, int]] = []
         counters = [0, 0]
         exposed = 0.0
         for e in evs:
@@ -161,9 +163,28 @@ class StepTracer:
                 counters[1] += 1
                 ev("exposed", label, e, graph=key)
                 exposed += e.duration_ns() / 1e9
-            elif name.startswith(("gloo:", "nccl:")) or "nccl" in name.lower() and \
-                    e.device_type() == torch.autograd.DeviceType.CUDA:
+            elif name.startswith(("gloo:", "nccl:")):
                 ev("transport", name, e)
+            elif e.device_type() == torch.autograd.DeviceType.CUDA:
+                # GPU kernels: NCCL's are the transport; the others are the device's compute,
+                # merged into busy periods (gaps under 5 us), not one event per kernel
+                if "nccl" in name.lower():
+                    ev("transport", name, e)
+                else:
+                    busy.append((e.start_ns(), e.end_ns()))
+        for start, end in _merge(busy, gap_ns=5000):
+            out.append({"lane": "device", "name": "GPU kernels", "ts_s": (start - t0) / 1e9,
+                        "dur_s": (end - start) / 1e9})
         out.sort(key=operator.itemgetter("ts_s"))
         return {"phase": phase, "step_s": step_s, "exposed_s": exposed, "events": out,
                 "graph_runs": [list(r[:2]) for r in runs]}
+
+
+def _merge(intervals: list[tuple[int, int]], gap_ns: int) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if out and start - out[-1][1] <= gap_ns:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]

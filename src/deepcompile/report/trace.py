@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .steptrace import module_path
 
-LANES = ("graphs", "launch", "exposed", "transport")
+LANES = ("graphs", "launch", "exposed", "transport", "device")
 
 
 def _meta(rank: int, names: list[str]) -> list[dict]:
