@@ -144,8 +144,14 @@ def _timeline(plt, report: Report):
         return None
     fig, axes = plt.subplots(len(ranks), 1, figsize=(13, 2.4 + 1.9 * len(ranks)), squeeze=False,
                              sharex=True)
+    # one time axis for all ranks where their clocks agree (one machine: the same clock)
+    t0s = [r["trace"].get("t0_ns") for r in ranks]
+    aligned = None not in t0s and max(t0s) - min(t0s) < 10e9
     for ax, r in zip(axes[:, 0], ranks):
         tr = r["trace"]
+        if aligned:
+            shift = (tr["t0_ns"] - min(t0s)) / 1e9
+            tr = {**tr, "events": [{**e, "ts_s": e["ts_s"] + shift} for e in tr["events"]]}
         lanes = [lane for lane in LANES if lane != "device"
                  or any(e["lane"] == "device" for e in tr["events"])]
         for lane_i, lane in enumerate(lanes):
@@ -173,7 +179,8 @@ def _timeline(plt, report: Report):
                      f"({100 * tr['exposed_s'] / max(tr['step_s'], 1e-12):.0f}% of the step)",
                      fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    axes[-1, 0].set_xlabel("time from the start of the traced step, ms (torch.profiler)")
+    axes[-1, 0].set_xlabel("time from the start of the traced step, ms (torch.profiler"
+                           + ("; one clock for all ranks)" if aligned else "; per rank)"))
     fig.suptitle("Compute and communication of a steady step — " + _title(report), fontsize=9)
     fig.tight_layout()
     return fig

@@ -177,6 +177,7 @@ class StepTracer:
                         "dur_s": (end - start) / 1e9})
         out.sort(key=operator.itemgetter("ts_s"))
         return {"phase": phase, "step_s": step_s, "exposed_s": exposed, "events": out,
+                "t0_ns": t0,
                 "graph_runs": [list(r[:2]) for r in runs]}
 
 
