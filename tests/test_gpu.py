@@ -114,7 +114,8 @@ def test_offload_optimizer_parity_and_budget(nccl):
     without offloading; the measured CUDA profile after planning stays within the budget; the
     reloads ran on the copy stream and the step waited for them."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    base = {"compiler": "fx", "warmup_steps": 1, "passes": ("offload_optimizer",)}
+    base = {"compiler": "fx", "warmup_steps": 1, "passes": ("offload_optimizer",),
+            "measure_steps": 0}
     plain, plain_losses = _train({"compiler": "fx", "warmup_steps": 1})
     unbounded, _ = _train(base)
     d = next(p for p in unbounded.report().to_dict()["passes"]

@@ -194,7 +194,8 @@ def _host_calls_job(rank, world, model_name, config):
     engine = deepcompile.initialize(_models.build_model(model_name),
                                     optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                     config={"compiler": "fx", "gradient_accumulation_steps": 2,
-                                            "max_grad_norm": 1.0, "warmup_steps": 1, **config})
+                                            "max_grad_norm": 1.0, "warmup_steps": 1,
+                                            "measure_steps": 0, **config})
     micro = 0
 
     def step():
