@@ -1,0 +1,117 @@
+"""What every schedule shares: the setting (model, ranks, cost model, dtypes, budget), the
+sizes of a parameter's collectives, the persistent per-rank state and the optimizer step.
+
+Sizes follow the runtime (runtime/registry.py): a parameter's flat shard is `ceil(numel / N)`
+elements; a gather moves the padded full tensor in the compute dtype; a gradient is reduced in
+the reduce dtype (= the compute dtype, deepcompile's default with `param_dtype`); masters,
+gradient shards and Adam's two moments are fp32 shards (16 bytes per shard element), what
+`offload_optimizer` calls the step's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from .compose import Model, Param
+from .simulate import Event
+
+MASTER_BYTES = 4          # fp32 master shard
+ADAM_BYTES = 8            # exp_avg + exp_avg_sq (fp32)
+GRAD_SHARD_BYTES = 4      # shard.grad (fp32)
+ADAMW_TRAFFIC = 28        # bytes moved per shard element by AdamW (read p g m v, write p m v)
+
+
+class Cost(Protocol):
+    def collective_s(self, kind: str, nbytes: int) -> float: ...
+    def copy_s(self, nbytes: int) -> float: ...
+    def launch_s(self, kind: str) -> float: ...
+
+
+@dataclasses.dataclass
+class Setting:
+    model: Model
+    world: int
+    cost: Cost
+    budget: float                  # bytes per rank (planners' memory budget)
+    gas: int
+    mem_bw: float                  # achievable device memory bandwidth (on-device copies)
+    kernel_host_s: float           # host time per compiled kernel
+    eager_op_host_s: float         # host time per eager op
+    host_is_compute: bool = False  # a CPU rank: host and compute are one thread
+    optimizer_s: float | None = None   # measured optimizer step (CPU); else from bandwidth
+    stage: int = 3
+
+    @property
+    def csize(self) -> int:
+        return torch.empty((), dtype=self.model.dtype).element_size()
+
+    def shard_numel(self, p: Param) -> int:
+        return -(-p.numel // self.world)
+
+    def padded(self, p: Param) -> int:
+        return self.shard_numel(p) * self.world
+
+    def gather_bytes(self, p: Param) -> int:
+        return self.padded(p) * self.csize
+
+    def full_bytes(self, p: Param) -> int:
+        return p.numel * self.csize
+
+    def shard_elems(self) -> int:
+        return sum(self.shard_numel(p) for p in self.model.params)
+
+    def persistent_bytes(self) -> int:
+        """Master shards, gradient shards and Adam state (ZeRO-3: all sharded); ZeRO-1/2 also
+        hold the full parameters in the compute dtype."""
+        per = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * self.shard_elems()
+        if self.stage < 3:
+            per += sum(self.full_bytes(p) for p in self.model.params)
+        return per
+
+    def copy_on_device_s(self, nbytes: int) -> float:
+        """A device-memory copy of `nbytes` (read + write)."""
+        return 2 * nbytes / self.mem_bw
+
+    def optimizer_step_s(self) -> float:
+        if self.optimizer_s is not None:
+            return self.optimizer_s
+        return ADAMW_TRAFFIC * self.shard_elems() / self.mem_bw
+
+
+def node_host(setting: Setting, kernels: int, eager: bool) -> float:
+    if setting.host_is_compute:
+        return 0.0   # a measured CPU node's time already includes its dispatch
+    return kernels * (setting.eager_op_host_s if eager else setting.kernel_host_s)
+
+
+def optimizer_events(setting: Setting, live: int, label: str = "optimizer") -> list[Event]:
+    n = len(setting.model.params)
+    host = 0.0 if setting.host_is_compute else n * setting.eager_op_host_s
+    return [Event("compute", "optimizer step", setting.optimizer_step_s(), host, live=live,
+                  label=label)]
+
+
+@dataclasses.dataclass
+class Schedule:
+    """One system's optimizer step as events, and what it decided."""
+    system: str
+    description: str
+    events: list[Event]
+    collectives: dict[str, dict[str, int]]      # kind -> {"count", "bytes"} per step
+    decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+class Counter:
+    """Collectives launched per optimizer step."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def add(self, kind: str, nbytes: int, times: int = 1) -> None:
+        c = self.counts.setdefault(kind, {"count": 0, "bytes": 0})
+        c["count"] += times
+        c["bytes"] += nbytes * times
