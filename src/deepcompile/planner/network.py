@@ -18,8 +18,10 @@ one node, a GPU's NVLink bandwidth; across nodes, NCCL runs G rings, one per NIC
 G x NIC)` — which is why 8 x 400 Gb/s H100 nodes reach about NVLink speed for large messages.
 All-reduce is reduce-scatter + all-gather on the ring (`2 (N-1)/N S / busbw`, twice the
 latency), or NCCL's tree (a chain inside each node, a binary tree across nodes: latency
-`2 (log2(nodes) x net hop + (G - 1) x NVLink hop)`, bandwidth `2 S / busbw`); `algorithm`
-"auto" takes the faster, as NCCL's tuner does. World size 1 has no wire: 0.
+`2 (log2(nodes) x net hop + (G - 1) x NVLink hop)`, bandwidth `2 S / (busbw x 0.9)`: a tree
+reaches less of the links than a ring, as in NCCL's tuning model); `algorithm` "auto" takes the
+faster, as NCCL's tuner does: the tree for small messages, the ring for large ones. World size
+1 has no wire: 0.
 
 Achievable link bandwidth is the datasheet figure times an efficiency (NCCL reaches ~80% of
 NVLink4 in all-gather, ~90% of InfiniBand). Every figure is printed with a plan and can be
@@ -52,6 +54,7 @@ class Fabric:
     base_s: float = 8e-6           # per collective on the device: kernel start, channel sync
     copy_lat_s: float = 10e-6      # per host<->device copy
     launch_host_s: float = 100e-6  # host seconds to launch one collective (see plan.py)
+    tree_bw_factor: float = 0.9    # a tree's bus bandwidth relative to a ring's
     algorithm: str = "auto"        # all-reduce: "ring", "tree" or "auto"
 
     @property
@@ -85,7 +88,7 @@ class Fabric:
             return self.base_s + self.ring_latency() + frac * nbytes / bw
         if kind == "all_reduce":
             ring = self.base_s + 2 * self.ring_latency() + 2 * frac * nbytes / bw
-            tree = self.base_s + self.tree_latency() + 2 * nbytes / bw
+            tree = self.base_s + self.tree_latency() + 2 * nbytes / (bw * self.tree_bw_factor)
             return {"ring": ring, "tree": tree}.get(self.algorithm, min(ring, tree))
         raise ValueError(f"deepcompile plan: unknown collective kind {kind!r}")
 

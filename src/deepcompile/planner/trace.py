@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from unittest import mock
 
 import torch
@@ -99,17 +100,17 @@ def trace_all(pieces: Pieces) -> dict[str, PieceGraphs]:
 
 @contextlib.contextmanager
 def as_dynamo_sees_it():
-    """Hugging Face picks some implementations by `is_torchdynamo_compiling()`: its MoE experts
-    use `torch._grouped_mm` only for bf16 when compiled, else its own `grouped_mm_fallback` op.
-    deepcompile's graphs come from Dynamo, so the pieces are traced with that switch on (scoped
-    to the trace, on the one module that reads it)."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        yield
-        return
-    if not hasattr(moe, "is_torchdynamo_compiling"):
-        yield
-        return
-    with mock.patch.object(moe, "is_torchdynamo_compiling", lambda: True):
+    """Hugging Face picks some code paths by `is_torchdynamo_compiling()`: its MoE experts use
+    `torch._grouped_mm` only for bf16 when compiled (else its own `grouped_mm_fallback` op).
+    deepcompile's graphs come from Dynamo, so the
+    pieces are traced with that switch on (scoped to the trace, in the modules that read it)."""
+    with contextlib.ExitStack() as stack:
+        for name in ("transformers.integrations.moe",):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(module, "is_torchdynamo_compiling"):
+                stack.enter_context(mock.patch.object(module, "is_torchdynamo_compiling",
+                                                      lambda: True))
         yield
