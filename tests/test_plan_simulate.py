@@ -84,3 +84,12 @@ def test_memory_curve_and_peak():
 def test_unknown_event_kind_is_an_error():
     with pytest.raises(ValueError):
         simulate([Event("nap", "x")])
+
+
+def test_a_collective_launched_late_by_the_host_is_host_bound_not_exposed():
+    ev = [C("a", 1.0), S("ag", 0.5, 1, host=3.0), W(1), C("b", 1.0)]
+    r = simulate(ev)
+    # the host issues "ag" at 3.0; it runs 3.0-3.5; "b" waits from 1.0: 2.0 s for the host,
+    # 0.5 s for the wire
+    assert r.step_s == pytest.approx(4.5)
+    assert r.host_bound_s == pytest.approx(2.0) and r.exposed_comm_s == pytest.approx(0.5)

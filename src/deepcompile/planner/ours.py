@@ -106,7 +106,9 @@ class Plan:
         n = len(g.nodes)
         cost = s.cost
         grouped = {p for grp in self.groups[key] for p in grp.pids}
-        bucketed = {p for b in self.buckets for p in b.pids} if key == "bw" else set()
+        # ZeRO-1 launches nothing before the last micro-step: its buckets accumulate locally
+        buckets = self.buckets if key == "bw" and (s.stage != 1 or last) else []
+        bucketed = {p for b in buckets for p in b.pids}
         before: dict[int, list] = {}
         after: dict[int, list] = {}
         for k, grp in enumerate(self.groups[key]):
@@ -138,7 +140,7 @@ class Plan:
         for gr in g.grads:
             if gr.pid in bucketed:
                 bucket_grads.setdefault(gr.at, []).append(gr)
-        for k, b in enumerate(self.buckets if key == "bw" else []):
+        for k, b in enumerate(buckets):
             after.setdefault(b.start_after, []).append(("bstart", k, b))
             before.setdefault(b.wait_before, []).append(("bwait", k, b))
 
@@ -424,17 +426,26 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _movable_bytes(s: Setting) -> int:
+    return ADAM_BYTES * s.shard_elems()
+
+
 def _offload(plan: Plan) -> dict[str, Any]:
+    """[Note: provisional offload] in runtime/offload.py: until this pass plans, every movable
+    fragment is off the device, so the passes before it planned on that curve; this plan
+    puts them back and keeps on the device what fits."""
     s = plan.s
     params = s.model.params
+    plan.offloaded = 0     # the curve with all state on the device
     points = []
     for m in range(s.gas):
         last = m == s.gas - 1
         for key in ("fw", "bw"):
-            for it in plan.items(key, last):
-                if it.kind == "compute":
-                    points.append(offload_optimizer.Point(
-                        f"{m}.{key}", f"{it.ref}", it.live, it.dur, last and key == "bw"))
+            for it in plan.items(key, last):   # every node of the profile, comm ops too
+                compute = it.kind == "compute"
+                points.append(offload_optimizer.Point(
+                    f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
+                    it.dur if compute else 0.0, compute and last and key == "bw"))
     frags = [offload_optimizer.Frag(p.pid, k, s.shard_numel(p) * 4, p.name)
              for p in params for k in ("exp_avg", "exp_avg_sq")]
     step_bytes = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
@@ -467,6 +478,8 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         pl.decisions["refresh"] = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
                                    for grp in regather.groups(entries, REPLICA_REFRESH_BYTES)]
         passes = tuple(p for p in passes if p == "bucket_reduce")
+    if "offload_optimizer" in passes:
+        pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
     for name in passes:
         pl.decisions[name] = _RUN[name](pl)
     return pl
@@ -541,6 +554,6 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
         events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=kind))
         counter.add(kind, it.nbytes)
     elif k.endswith("_wait"):
-        events.append(Event("wait", it.name, cid=ids[it.ref], live=live))
+        events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], live=live))
     else:
         raise ValueError(f"unknown item kind {k!r}")

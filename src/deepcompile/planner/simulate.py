@@ -18,7 +18,9 @@ when the host issues it, and a wait blocks the host.
 
 Memory: every event carries the bytes live after it (`live`) and the most live while it runs
 (`peak`, default `live`); the memory curve is those figures at the compute lane's time.
-Exposed communication is the time the compute lane spends waiting for collectives.
+Exposed communication is the time the compute lane spends waiting for collectives while they
+run (or queue behind others on their lane); time it waits because the host launched the
+collective late counts as host-bound, like compute waiting for the host to issue it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Result:
     comm_s: float              # busy time of the communication lane
     exposed_comm_s: float      # compute lane idle, waiting for a collective
     host_s: float              # host busy time
-    host_bound_s: float        # compute lane idle, waiting for the host to issue work
+    host_bound_s: float        # compute lane idle, waiting for the host to issue work (or to
+                               # launch a collective it waits for)
     peak_bytes: int
     segments: list[Segment]
     memory: list[tuple[float, int]]   # (time, bytes live)
@@ -77,6 +80,7 @@ def simulate(events: list[Event], *, host_is_compute: bool = False,
     lanes: dict[str, float] = {}
     busy: dict[str, float] = {}
     done: dict[int, float] = {}
+    late: dict[int, float] = {}
     exposed = host_bound = host_busy = 0.0
     peak = 0
     segments: list[Segment] = []
@@ -103,18 +107,23 @@ def simulate(events: list[Event], *, host_is_compute: bool = False,
             if host_is_compute:
                 t_host = t_comp
         elif ev.kind == "start":
-            t0 = max(t_host, t_comp, lanes.get(ev.lane, 0.0))
+            ready = max(t_comp, lanes.get(ev.lane, 0.0))
+            t0 = max(t_host, ready)
             t1 = t0 + ev.dur
             lanes[ev.lane] = t1
             busy[ev.lane] = busy.get(ev.lane, 0.0) + ev.dur
             if ev.cid is not None:
                 done[ev.cid] = t1
+                late[ev.cid] = t0 - ready     # launched late by the host
             seg(ev.lane, ev.name, t0, t1, ev.label)
         elif ev.kind == "wait":
             end = done.get(ev.cid, 0.0)
             if end > t_comp:
+                stall = end - t_comp
+                by_host = min(stall, late.get(ev.cid, 0.0))
+                host_bound += by_host
                 if ev.lane == "comm":
-                    exposed += end - t_comp
+                    exposed += stall - by_host
                 seg("compute", ev.name, t_comp, end, "wait")
                 t_comp = end
             if host_is_compute or ev.host_blocks:

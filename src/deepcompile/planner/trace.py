@@ -61,7 +61,11 @@ def trace_piece(piece: Piece, mode=None) -> PieceGraphs:
     def capture(kind):
         def compiler(gm, _example_inputs):
             graphs[kind] = gm
-            return gm
+
+            def run(args):   # AOT's boxed calling convention: one list of arguments
+                return gm(*args)
+            run._boxed_call = True
+            return run
         return compiler
 
     fn = piece.fn
