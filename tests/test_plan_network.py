@@ -84,5 +84,8 @@ def test_fit_recovers_a_linear_model_and_stays_non_negative():
     a, b = fit([(1 << 10, 5e-4), (1 << 20, 1e-4)])   # noise: slope would be negative
     assert b == 0.0 and a > 0
     m = Fitted(2, {"all_gather": (1e-4, 1e-9)}, launch={"all_gather": 3e-6})
+    # a synchronous op's measured time is its launch on the host plus the rest on its lane
+    assert m.collective_s("all_gather", 1000) + m.launch_s("all_gather") == \
+        pytest.approx(1e-4 + 1e-6)
     assert m.collective_s("reduce_scatter", 1000) == pytest.approx(1e-4 + 1e-6)
     assert m.launch_s("all_gather") == 3e-6 and m.launch_s("reduce_scatter") == 0.0

@@ -4,11 +4,20 @@
 cores), nothing is scaled: the pieces are built with real random weights, traced like the fake
 ones, and each graph is run through deepcompile's own profiler (`compiler.profiler.profile_run`:
 one wall-clock time per node, the FX graph executed node by node, as `compiler="fx"` runs it);
-the optimizer step is AdamW on this rank's shards; the network is a sweep of gloo all-gathers
-and reduce-scatters fitted to `latency + bytes x seconds per byte` (the runtime's calibration,
-over more sizes). All of it runs in N spawned ranks at once, one thread each as the bench runs
-them, so the figures include what N ranks sharing these cores cost each other; per node, the
-median over the repeats, then the maximum over ranks (the pipeline's agreement rule).
+the optimizer step is AdamW on this rank's shards; the network is the runtime's own
+communication ops (`allgather_param`, `reduce_grad`, and the launch of their asynchronous
+forms) timed over a sweep of sizes and fitted to `latency + bytes x seconds per byte`: on a
+CPU the per-op host cost (Python op, registry, gloo's call) is most of it; the framework's
+time per micro-step outside the graphs (guards, wrappers, autograd) is measured on the pieces'
+one-layer model (`framework_overhead`: a deepcompile run of it, not of the model planned);
+and how much of an
+asynchronous collective the rank's compute hides (`overlap_factor`: on cores all busy with
+ranks, gloo's thread runs on the compute's core). The passes plan, as
+in a run, with the cost model the runtime calibrates at start-up (`compiler.cost.calibrate`:
+gloo's collectives alone, without the ops' host cost). All of it runs in N
+spawned ranks at once, one thread each as the bench runs them, so the figures include what N
+ranks sharing these cores cost each other; per figure, the median over the repeats, then the
+maximum over ranks (the pipeline's agreement rule).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..compiler.cost import LinearCostModel
 from .network import Fitted, fit
 from .roofline import NodeCost
 
@@ -34,12 +44,16 @@ class HostProfile:
     optimizer_s: float
     network: Fitted
     load: list[float]                        # 1/5/15-min load average when measured
+    overhead_s: float = 0.0                  # framework time per micro-step outside graphs
+    plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "optimizer_s": self.optimizer_s,
+                "overhead_s": self.overhead_s,
+                "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
                 "network": self.network.to_dict(), "load": self.load,
                 "graph_s": {k: sum(v.values()) for k, v in self.node_s.items()}}
 
@@ -84,34 +98,117 @@ def time_optimizer(numels: list[int], world: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def sweep_network(comm, repeats: int) -> dict[str, list[float]]:
-    """Median seconds of a synchronous all-gather / reduce-scatter per SWEEP size, and the host
-    time of launching an asynchronous one."""
-    out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [], "launch": []}
-    world = comm.world
-    for nbytes in SWEEP:
-        numel = max(world, nbytes // 4) // world * world
-        full = torch.zeros(numel)
-        shard = full[: numel // world].clone()
-        for kind, fn in (("all_gather", lambda: comm.all_gather(shard, count=False)),
-                         ("reduce_scatter", lambda: comm.reduce_scatter_avg(full, count=False))):
+def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
+    """Median seconds of the runtime's own communication ops per SWEEP size, one parameter of
+    that many fp32 bytes each: `allgather_param` and `reduce_grad` (synchronous: Python op,
+    registry, gloo), and the host time of launching `allgather_start` / `reduce_start`."""
+    from ..runtime import ops
+    from ..runtime.registry import ParamRegistry
+
+    module = torch.nn.Module()
+    for i, nbytes in enumerate(SWEEP):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(nbytes // 4)))
+    registry = ParamRegistry(module, comm, param_dtype=None, reduce_dtype=None)
+    out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [],
+                                   "launch_all_gather": [], "launch_reduce_scatter": []}
+    barrier = torch.distributed.barrier
+
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            barrier()
+            t0 = time.perf_counter()
             fn()
-            ts = []
-            for _ in range(repeats):
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            out[kind].append(statistics.median(ts))
-    ts = []
-    for _ in range(repeats):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        _, work = comm.all_gather_async(shard)
-        ts.append(time.perf_counter() - t0)
-        work.wait()
-    out["launch"].append(statistics.median(ts))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def launch(start, wait):
+        ts = []
+        for _ in range(repeats):
+            barrier()
+            t0 = time.perf_counter()
+            token = start()
+            ts.append(time.perf_counter() - t0)
+            wait(token)
+        return statistics.median(ts)
+
+    for e in registry:
+        shape, pid, dt = list(e.shape), e.pid, e.compute_dtype
+        grad = torch.ones(e.shape)
+        n, sdt = e.shard.numel(), e.shard.dtype
+        out["all_gather"].append(timed(lambda: ops.ALLGATHER(e.shard, pid, shape, dt)))
+        out["reduce_scatter"].append(timed(lambda: ops.REDUCE_GRAD(grad, pid, n, sdt)))
+        out["launch_all_gather"].append(launch(lambda: ops.ALLGATHER_START([e.shard], [pid], dt),
+                                               lambda t: ops.ALLGATHER_WAIT(t, [pid])))
+        out["launch_reduce_scatter"].append(launch(lambda: ops.REDUCE_START([grad], [pid]),
+                                                   lambda t: ops.REDUCE_WAIT(t, [pid])))
     return out
+
+
+def overlap_factor(comm, repeats: int) -> float:
+    """How much of an asynchronous collective this rank's compute actually hides, measured:
+    the runtime's async all-gather of 1 MiB alone (T_a), compute sized to take as long (T_c),
+    both at once (T_b): (T_c + T_a - T_b) / min(T_c, T_a), clamped to [0, 1]; the median of
+    `repeats` trials. On a CPU whose cores are all busy with ranks, gloo's thread takes the
+    compute's core and little overlaps."""
+    from ..runtime import ops
+    from ..runtime.registry import ParamRegistry
+
+    module = torch.nn.Module()
+    module.register_parameter("p", torch.nn.Parameter(torch.zeros(1 << 18)))
+    e = next(iter(ParamRegistry(module, comm, param_dtype=None, reduce_dtype=None)))
+    x = torch.randn(128, 128)
+    barrier = torch.distributed.barrier
+
+    def run(k: int, a: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        token = ops.ALLGATHER_START([e.shard], [e.pid], e.compute_dtype) if a else None
+        for _ in range(k):
+            torch.mm(x, x)
+        if a:
+            ops.ALLGATHER_WAIT(token, [e.pid])
+        return time.perf_counter() - t0
+
+    run(1, True)
+    ta = statistics.median(run(0, True) for _ in range(repeats))
+    one = statistics.median(run(10, False) for _ in range(5)) / 10
+    k = max(1, round(ta / one))
+    trials = []
+    for _ in range(repeats):
+        tc, ta_, tb = run(k, False), run(0, True), run(k, True)
+        trials.append(min(max((tc + ta_ - tb) / min(tc, ta_), 0.0), 1.0))
+    return statistics.median(trials)
+
+
+def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> float:
+    """Seconds per micro-step a deepcompile step spends outside its graphs (Dynamo's guards,
+    AOTAutograd's wrappers, the engine's calls, the autograd engine, the model's output
+    object): the forward and backward calls' time minus their graphs' run times, measured on
+    the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
+    parameters are sharded by the engine: call it after everything else of the pieces."""
+    import functools
+
+    from .. import initialize
+
+    eng = initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                     config={"compiler": "fx", "passes": ()})
+    warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
+    over = []
+    for step in range(warm + repeats):
+        slots = eng._pipeline.slots
+        before = {k: len(sl.run_s) for k, sl in slots.items()}
+        t0 = time.perf_counter()
+        loss = eng(input_ids=ids, labels=ids).loss
+        eng.backward(loss)
+        loss.item()
+        t1 = time.perf_counter()
+        eng.step()
+        runs = sum(sum(list(sl.run_s)[before.get(k, 0):]) for k, sl in slots.items())
+        if step >= warm:
+            over.append((t1 - t0) - runs)
+    return statistics.median(over)
 
 
 def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
@@ -121,6 +218,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
     try:
         import torch.distributed as dist
 
+        from ..compiler.cost import calibrate
         from ..runtime.comm import Comm
         from . import pieces, shapes, trace
 
@@ -132,18 +230,24 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         graphs = trace.trace_all(ps)
         node_s = profile_pieces(graphs, spec["repeats"])
         opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"])
-        net = sweep_network(comm, spec["net_repeats"])
-        flat = [t for d in node_s.values() for t in d.values()] + [opt_s] + \
-            [t for k in ("all_gather", "reduce_scatter", "launch") for t in net[k]]
+        net = sweep_ops(comm, spec["net_repeats"])
+        eta = overlap_factor(comm, spec["net_repeats"])
+        ids = ps.embed.inputs[0]
+        over = framework_overhead(ps.model, ids, spec["repeats"])   # last: shards the model
+        # the cost model the runtime's passes plan with (agreed across ranks inside)
+        plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
+        keys = list(net)
+        flat = [t for d in node_s.values() for t in d.values()] + [opt_s, over, -eta] + \
+            [t for k in keys for t in net[k]]
         vec = torch.tensor(flat, dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         if rank == 0:
             vals = iter(vec.tolist())
             node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
-            opt_s = next(vals)
-            net = {k: [next(vals) for _ in net[k]] for k in ("all_gather", "reduce_scatter",
-                                                          "launch")}
-            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s, "net": net}))
+            opt_s, over, eta = next(vals), next(vals), -next(vals)   # the least overlap
+            net = {k: [next(vals) for _ in net[k]] for k in keys}
+            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s, "overhead_s": over,
+                              "overlap": eta, "net": net, "plan_cost": plan_cost}))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- the parent reports it
         import traceback
@@ -184,9 +288,10 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     if status != "ok":
         raise RuntimeError(f"deepcompile plan: measuring on this machine failed:\n{data}")
     net = data["net"]
-    network = Fitted(world,
-                     {k: fit(list(zip(SWEEP, net[k]))) for k in ("all_gather", "reduce_scatter")},
-                     launch={"all_gather": net["launch"][0], "reduce_scatter": net["launch"][0]},
-                     copy=(0.0, 0.0),
-                     samples={k: list(zip(SWEEP, net[k])) for k in ("all_gather", "reduce_scatter")})
-    return HostProfile(world, data["node_s"], data["optimizer_s"], network, load)
+    kinds = ("all_gather", "reduce_scatter")
+    launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds}
+    network = Fitted(world, {k: fit(list(zip(SWEEP, net[k]))) for k in kinds}, launch=launch,
+                     copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
+                     overlap=data["overlap"])
+    return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
+                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]))

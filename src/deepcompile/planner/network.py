@@ -113,16 +113,20 @@ class Fabric:
 
 @dataclasses.dataclass
 class Fitted:
-    """A measured network (gloo on this machine): per kind, latency + bytes x seconds/byte."""
+    """A measured network (gloo on this machine): per kind, a synchronous op's time as latency +
+    bytes x seconds/byte, and the host time of launching an asynchronous one. A collective is
+    then `launch_s` on the host and `collective_s` (the rest) on its lane: a synchronous one
+    costs its measured time in all."""
     world: int
     coeffs: dict[str, tuple[float, float]]   # kind -> (latency s, s per byte)
     launch: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s (async)
     copy: tuple[float, float] = (0.0, 0.0)
     samples: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    overlap: float = 1.0   # share of an asynchronous collective compute can hide (measured)
 
     def collective_s(self, kind: str, nbytes: int) -> float:
         a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
-        return a + b * nbytes
+        return max(a + b * nbytes - self.launch_s(kind), 0.0)
 
     def copy_s(self, nbytes: int) -> float:
         a, b = self.copy
@@ -132,9 +136,11 @@ class Fitted:
         return self.launch.get(kind, 0.0)
 
     def describe(self) -> str:
-        parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s"
+        parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s "
+                 f"(launch {self.launch_s(k) * 1e6:.0f} us)"
                  for k, (a, b) in sorted(self.coeffs.items())]
-        return f"gloo at {self.world} ranks (measured): " + "; ".join(parts)
+        return (f"runtime ops on gloo at {self.world} ranks (measured): " + "; ".join(parts)
+                + f"; overlap {self.overlap:.2f}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,9 +5,12 @@ synchronous gather before the first use of each parameter in each graph, a synch
 right after each gradient is complete. Then each configured pass plans, in the order given,
 with its real planner (`prefetch.plan_graph` / `plan_across`, `bucket_reduce.plan_graph`,
 `selective_unshard.options_of` / `choose`, `offload_optimizer.plan_step`) on `Step` lists built
-here from the current plan, the network model as its cost model and the memory budget: what
-the passes see in a run, where the profile after each pass is measured, is here the memory
-model of the plan so far (`Plan.items`), so each pass plans on the effect of the ones before.
+here from the current plan, with the memory budget and the cost model the runtime would give
+them (`Setting.planner_cost`: the network model on a GPU cluster; on this machine the
+runtime's own calibration): what the passes see in a run, where the profile after each pass
+is measured, is here the memory model of the plan so far (`Plan.items`), so each pass plans
+on the effect of the ones before. The simulation then times the plan with the measured or
+modelled costs, host costs included.
 
 Memory model of a plan (the profiler's: live bytes after each node): the persistent state
 (shards, gradient shards, Adam state, kept parameters, accumulators), the step's activations
@@ -33,7 +36,8 @@ from ..passes._common import Collective, Step
 from ..runtime import regather, unshard
 from .compose import Graph, Model
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
-                       node_host, optimizer_events)
+                       framework_event, node_host, optimizer_events)
+from .schedule import async_launch_s as _launch
 from .simulate import Event
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
@@ -170,12 +174,14 @@ class Plan:
             if what == "start":
                 held[("grp", k)] = obj.nbytes
                 emit("all_gather_start", f"ag{key}{k}", cost.collective_s("all_gather", obj.nbytes),
-                     cost.launch_s("all_gather"), (key, "grp", k), i, lab[min(i, n - 1)],
+                     _launch(cost, "all_gather", obj.nbytes), (key, "grp", k), i,
+                     lab[min(i, n - 1)],
                      nbytes=obj.nbytes)
             elif what == "ahead":
                 held[("ahead", k)] = obj.nbytes
                 emit("all_gather_start", f"agbw{k}", cost.collective_s("all_gather", obj.nbytes),
-                     cost.launch_s("all_gather"), ("bw", "grp", k), i, lab[min(i, n - 1)],
+                     _launch(cost, "all_gather", obj.nbytes), ("bw", "grp", k), i,
+                     lab[min(i, n - 1)],
                      nbytes=obj.nbytes)
             elif what == "wait":
                 held.pop(("grp", k), None)
@@ -235,7 +241,8 @@ class Plan:
                     copy = s.copy_on_device_s(obj.nbytes) if len(obj.pids) > 1 else 0.0
                     emit("reduce_scatter_start", f"rs{k}",
                          cost.collective_s("reduce_scatter", obj.nbytes) + copy,
-                         cost.launch_s("reduce_scatter"), ("bw", "bucket", k), i + 1, lab[i],
+                         _launch(cost, "reduce_scatter", obj.nbytes), ("bw", "bucket", k), i + 1,
+                         lab[i],
                          nbytes=obj.nbytes)
         for entry in sorted(before.get(n, []), key=_order):
             comm_item(entry, n)
@@ -288,7 +295,7 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
         steps[key] = st
         gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
                    for i, it in enumerate(items) if it.kind == "all_gather"]
-        decisions[key] = prefetch.plan_graph(st, gathers, s.cost, s.budget)
+        decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget)
     prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
     ahead = (decisions["fw"].get("for_next") or [None])[0]
     n_fw = len(plan.model.fw.nodes)
@@ -332,7 +339,7 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
             reduces.append(bucket_reduce.Reduce(
                 it.name, i, it.nbytes, p.pid, str(s.model.dtype),
                 grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize))
-    d = bucket_reduce.plan_graph(st, reduces, s.cost, s.budget)
+    d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget)
     n = len(plan.model.bw.nodes)
     grad_at = {g.pid: g.at for g in plan.model.bw.grads}
     for b in d["buckets"]:
@@ -379,7 +386,7 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     cands = [selective_unshard.Candidate(p.pid, p.name, s.full_bytes(p),
                                          s.padded(p) * MASTER_BYTES, s.gather_bytes(p))
              for p in params if p.pid in used and s.stage == 3]
-    opts = selective_unshard.options_of(cands, colls, s.cost, s.gas, set())
+    opts = selective_unshard.options_of(cands, colls, s.planner_cost, s.gas, set())
     peak = plan.peak()
     capacity = s.budget - peak
     choice = selective_unshard.choose(
@@ -449,7 +456,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
     frags = [offload_optimizer.Frag(p.pid, k, s.shard_numel(p) * 4, p.name)
              for p in params for k in ("exp_avg", "exp_avg_sq")]
     step_bytes = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
-    d = offload_optimizer.plan_step(points, frags, step_bytes, s.cost.copy_s, s.budget)
+    d = offload_optimizer.plan_step(points, frags, step_bytes, s.planner_cost.copy_s, s.budget)
     if not d["unattainable"] and d["fragments"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]) if r["after"] is not None else -1, r["bytes"],
@@ -501,6 +508,8 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     for m in range(s.gas):
         last = m == s.gas - 1
         ids: dict[Any, int] = {}           # one micro-step: a forward may start a backward group
+        if s.framework_s:
+            events.append(framework_event(s, pl.persistent()))
         for key in ("fw", "bw"):
             reload_at = {r[0]: r for r in pl.reloads} if (last and key == "bw") else {}
             for it in pl.items(key, last):

@@ -35,6 +35,7 @@ from typing import Any
 
 from .compose import Graph, Model
 from .ours import Item, _events_of, _labels
+from .schedule import async_launch_s as _launch
 from .schedule import Counter, Schedule, Setting, node_host, optimizer_events
 from .simulate import Event
 
@@ -125,7 +126,8 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
         for u in by_issue.get(i, ()):
             held[("unit", u.name)] = u.nbytes
             emit("all_gather_start", f"ag.{u.name}", cost.collective_s("all_gather", u.nbytes),
-                 cost.launch_s("all_gather"), (key, "unit", u.name), i, label, nbytes=u.nbytes)
+                 _launch(cost, "all_gather", u.nbytes), (key, "unit", u.name), i, label,
+                 nbytes=u.nbytes)
         for u in by_first.get(i, ()):   # the unit's pre-hook (fetch, prefetch, bookkeeping)
             if u.name in issue:
                 emit("all_gather_wait", f"ag.{u.name}.wait", 0.0, hook_s, (key, "unit", u.name),
@@ -157,7 +159,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
             if not grads_copied:
                 held[("rs", k)] = wire + wire // s.world
             emit("reduce_scatter_start", f"rs{k}", cost.collective_s("reduce_scatter", wire) + copy,
-                 cost.launch_s("reduce_scatter") + hook_s, (key, "rs", k), i + 1, lab[i],
+                 _launch(cost, "reduce_scatter", wire) + hook_s, (key, "rs", k), i + 1, lab[i],
                  nbytes=wire)
     before(n)
     return out

@@ -51,6 +51,7 @@ class Pieces:
     embed: Piece
     layer: Piece
     head: Piece
+    model: Any = None               # the one-layer model the pieces are parts of
 
     def all(self) -> list[Piece]:
         return [self.embed, self.layer, self.head]
@@ -139,7 +140,7 @@ def build(shape: ModelShape, *, batch: int, seq: int, dtype: torch.dtype = torch
     head = Piece("head", head_fn,
                  ["model.norm.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"],
                  [norm_w, head_w], [hidden, labels], ["hidden", "labels"], ["loss"])
-    return Pieces(shape, batch, seq, dtype, fake, mode, embed, lp, head)
+    return Pieces(shape, batch, seq, dtype, fake, mode, embed, lp, head, model)
 
 
 def param_numels(pieces: Pieces) -> dict[str, int]:

@@ -63,6 +63,8 @@ class PlanArgs:
     ac: bool = False             # activation checkpointing of every decoder layer
     assume: dict[str, float] = dataclasses.field(default_factory=dict)
     repeats: int = 5             # CPU: profile repeats
+    plan_cost: dict | None = None   # CPU: the cost model the passes plan with (a runtime's
+                                    # LinearCostModel.to_dict()); None: calibrated here
 
     @property
     def world(self) -> int:
@@ -179,7 +181,8 @@ def _budget(args: PlanArgs, device_memory: float) -> float:
     return float(b)
 
 
-def make_plan(args: PlanArgs, log=print) -> Plan:
+def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
+    """`host`: a measure.HostProfile taken already (CPU), else measured here."""
     if args.stage not in (1, 2, 3):
         raise PlanError(f"deepcompile plan: --stage {args.stage}: 1, 2 or 3")
     _check_assume(args.assume)
@@ -201,10 +204,15 @@ def make_plan(args: PlanArgs, log=print) -> Plan:
     if cpu:
         from . import measure
 
-        log(f"[plan] measuring {args.model} at {args.world} gloo rank(s) on this machine "
-            f"({os.cpu_count()} cores)...")
-        host = measure.measure_host(args.model, world=args.world, batch=args.batch,
-                                    seq=args.seq, repeats=args.repeats)
+        if host is None:
+            log(f"[plan] measuring {args.model} at {args.world} gloo rank(s) on this machine "
+                f"({os.cpu_count()} cores)...")
+            host = measure.measure_host(args.model, world=args.world, batch=args.batch,
+                                        seq=args.seq, repeats=args.repeats)
+        if args.plan_cost is not None:
+            from ..compiler.cost import LinearCostModel
+
+            host = dataclasses.replace(host, plan_cost=LinearCostModel.from_dict(args.plan_cost))
         ps = pieces.build(shape, batch=args.batch, seq=args.seq, dtype=torch.float32, fake=False)
         graphs = trace.trace_all(ps)
         _check_measured(graphs, host)
@@ -256,7 +264,9 @@ def make_plan(args: PlanArgs, log=print) -> Plan:
         return Setting(model, args.world, net, budget, args.gas, mem_bw,
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
                        host_is_compute=cpu, optimizer_s=host.optimizer_s if cpu else None,
-                       stage=args.stage)
+                       stage=args.stage,
+                       framework_s=host.overhead_s if cpu else gpu.framework_host_s,
+                       plan_cost=host.plan_cost if cpu else None)
 
     results = []
     for name, ps_ in ladder:

@@ -197,7 +197,7 @@ def picture(plan, path: Path, systems: list[str] | None = None) -> Path | None:
         budget = plan.setting.get("memory_budget_bytes")
         if budget and budget != float("inf"):
             axm.axhline(budget / GiB, color="gray", linewidth=0.8, linestyle=":")
-            axm.text(t_max * 0.12, budget / GiB, "budget", fontsize=7, va="bottom", color="gray")
+            axm.text(t_max * 0.12, budget / GiB, "budget", fontsize=7, va="top", color="gray")
         axm.set_ylabel("GiB", fontsize=8)
         axm.set_ylim(0, max(max(ms, default=1) * 1.15,
                             (dev / GiB * 1.05) if dev != float("inf") else 0))

@@ -59,6 +59,7 @@ class GPU:
     kernel_min_s: float = 2.5e-6   # the shortest a kernel takes (launch latency on the device)
     kernel_host_s: float = 5e-6    # host time to launch one compiled kernel (Inductor wrapper)
     eager_op_host_s: float = 12e-6  # host time per eager op (Python + dispatcher + launch)
+    framework_host_s: float = 300e-6  # deepcompile's host time per micro-step outside graphs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -316,5 +317,6 @@ def roofline_summary(gpu: GPU) -> str:
             f"attention {gpu.attn_eff:.2f} / grouped {gpu.grouped_eff:.2f}; HBM "
             f"{gpu.hbm_bw / 1e12:.2f} TB/s x {gpu.mem_eff:.2f}; {gpu.memory / GiB:.1f} GiB; "
             f"kernel >= {gpu.kernel_min_s * 1e6:.1f} us, host {gpu.kernel_host_s * 1e6:.1f} us "
-            f"per compiled kernel, {gpu.eager_op_host_s * 1e6:.1f} us per eager op")
+            f"per compiled kernel, {gpu.eager_op_host_s * 1e6:.1f} us per eager op, "
+            f"{gpu.framework_host_s * 1e6:.0f} us per micro-step (guards, wrappers)")
 

@@ -43,6 +43,12 @@ class Setting:
     host_is_compute: bool = False  # a CPU rank: host and compute are one thread
     optimizer_s: float | None = None   # measured optimizer step (CPU); else from bandwidth
     stage: int = 3
+    framework_s: float = 0.0       # host time per micro-step outside the graphs (guards, ...)
+    plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
+
+    @property
+    def planner_cost(self) -> Cost:
+        return self.plan_cost if self.plan_cost is not None else self.cost
 
     @property
     def csize(self) -> int:
@@ -81,10 +87,24 @@ class Setting:
         return ADAMW_TRAFFIC * self.shard_elems() / self.mem_bw
 
 
+def async_launch_s(cost: Cost, kind: str, nbytes: int) -> float:
+    """Host time of launching an asynchronous collective: the launch, plus the part of the
+    collective that cannot overlap the host's compute (a CPU rank: `overlap` < 1; a GPU: 1)."""
+    overlap = getattr(cost, "overlap", 1.0)
+    extra = (1.0 - overlap) * cost.collective_s(kind, nbytes) if overlap < 1.0 else 0.0
+    return cost.launch_s(kind) + extra
+
+
 def node_host(setting: Setting, kernels: int, eager: bool) -> float:
     if setting.host_is_compute:
         return 0.0   # a measured CPU node's time already includes its dispatch
     return kernels * (setting.eager_op_host_s if eager else setting.kernel_host_s)
+
+
+def framework_event(setting: Setting, live: int) -> Event:
+    """deepcompile's own host time per micro-step outside its graphs (Dynamo's guards,
+    AOTAutograd's wrappers, the engine's calls, the autograd engine)."""
+    return Event("compute", "framework", 0.0, setting.framework_s, live=live, label="host")
 
 
 def optimizer_events(setting: Setting, live: int, label: str = "optimizer") -> list[Event]:

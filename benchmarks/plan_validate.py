@@ -1,0 +1,168 @@
+"""`deepcompile plan`'s predictions against measured step times on this machine (CPU, gloo).
+
+    python benchmarks/plan_validate.py --workloads tiny-llama tiny-llama-gas4 --worlds 1 2 4 \
+        --systems ours-z3 ours-z3+overlap ours-z3+overlap+unshard --launches 3
+
+For every round, world size and workload, interleaved (the machine's load drifts): the
+planner's profiles of this machine (`deepcompile plan --gpu cpu`: the pieces profiled, the
+runtime's ops, the optimizer and the framework's overhead timed, at that many gloo ranks), then
+per system one launch of the bench (`deepcompile bench`'s own worker, compiler "fx": the
+graphs the plan profiled, run as FX code) and the plan of that system. The passes in the plan
+are given the cost model that launch's runtime calibrated and planned with (read from its plan
+cache): both plan with the same figures, the rest of the prediction is the planner's own.
+Reports, per cell, the median predicted step time, the median of the launches' median step
+times, and the error; writes JSON (every launch) and markdown under
+benchmarks/results/<date>-cpu<cores>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+# At world size 1 the runtime's prefetch crashes today (allgather_wait returns a view of its
+# input: a known bug being fixed); the other systems are measured from 2 ranks on.
+WORLD1 = ("ours-z3",)
+
+
+def _predict(workload, world: int, system: str, host, plan_cost: dict | None) -> dict:
+    from deepcompile._bench import systems as S
+    from deepcompile.planner import plan as P
+
+    pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu="cpu",
+                    seq=workload.seq, batch=workload.batch, gas=workload.gas,
+                    passes=[S.resolved_passes(S.get(system))], peers=(), plan_cost=plan_cost)
+    r = P.make_plan(pa, log=lambda *a: None, host=host).results[0]
+    return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
+            "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None}
+
+
+def _run_cost(cache_dir: Path) -> dict | None:
+    """The cost model the measured run's passes planned with (from its plan cache)."""
+    for path in sorted(cache_dir.glob("plan-*.json")):
+        cost = json.loads(path.read_text()).get("cost")
+        if cost:
+            return cost
+    return None
+
+
+def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int) -> dict:
+    from deepcompile._bench.run import _launch_record
+    from deepcompile._bench.worker import LaunchSpec, launch
+
+    spec = LaunchSpec(system, workload.name, world, "cpu", 2, steps, "fx",
+                      log_path=str(tmp / f"{n}-{workload.name}-{world}-{system}.log"),
+                      inductor_cache=str(tmp / "inductor"), plan_cache=str(tmp / f"cache-{n}"))
+    # a cache of its own per launch: each run plans (and records its cost model)
+    load = list(os.getloadavg())
+    t0 = time.perf_counter()
+    ranks = launch(spec, world, 1200.0)
+    rec = _launch_record(ranks, time.perf_counter() - t0, [load, list(os.getloadavg())])
+    return {"ok": rec["ok"], "step_s": rec.get("step_s_median"), "load": load,
+            "plan_cost": _run_cost(Path(spec.plan_cache)),
+            "error": None if rec["ok"] else str(rec.get("reason"))[:2000],
+            "collectives": rec.get("collectives")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["tiny-llama", "tiny-llama-gas4"])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    ap.add_argument("--systems", nargs="+",
+                    default=["ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard"])
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7, help="profile repeats per plan")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from deepcompile._bench import workloads as W
+    from deepcompile.planner.measure import measure_host
+
+    date = datetime.date.today().isoformat()
+    out_dir = Path(args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = out_dir / "plan_validation.jsonl"
+    tmp = Path(tempfile.mkdtemp(prefix="deepcompile-planval-"))
+    rows = []
+    n = 0
+    for round_ in range(args.launches):
+        for world in args.worlds:
+            for wname in args.workloads:
+                w = W.get(wname)
+                t0 = time.perf_counter()
+                host = measure_host(w.model, world=world, batch=w.batch, seq=w.seq,
+                                    repeats=args.repeats)
+                pred = {"wall_s": round(time.perf_counter() - t0, 1), "load": host.load,
+                        "host": host.to_dict(), "network": host.network.describe(),
+                        "systems": {}}
+                rec = {"round": round_, "world": world, "workload": wname, "prediction": pred,
+                       "measured": {}}
+                systems = [s for s in args.systems if world > 1 or s in WORLD1]
+                for system in systems[round_ % len(systems):] + systems[:round_ % len(systems)]:
+                    n += 1
+                    m = rec["measured"][system] = _measure(w, world, system, args.steps, tmp, n)
+                    pred["systems"][system] = _predict(w, world, system, host, m["plan_cost"])
+                rows.append(rec)
+                with raw_path.open("a") as f:
+                    f.write(json.dumps(rec, default=str) + "\n")
+                print(f"round {round_ + 1}/{args.launches} world {world} {wname}: " + "; ".join(
+                    f"{s} predicted {pred['systems'][s]['step_s'] * 1e3:.1f} ms, measured "
+                    f"{(rec['measured'][s]['step_s'] or float('nan')) * 1e3:.1f} ms"
+                    for s in systems), flush=True)
+    summary = []
+    for world in args.worlds:
+        for wname in args.workloads:
+            cell = [r for r in rows if r["world"] == world and r["workload"] == wname]
+            for s in args.systems:
+                if s not in cell[0]["measured"]:
+                    continue
+                p = [r["prediction"]["systems"][s]["step_s"] for r in cell]
+                m = [r["measured"][s]["step_s"] for r in cell if r["measured"][s]["ok"]]
+                if not m:
+                    continue
+                pm, mm = statistics.median(p), statistics.median(m)
+                summary.append({"workload": wname, "world": world, "system": s,
+                                "predicted_ms": pm * 1e3, "measured_ms": mm * 1e3,
+                                "error": pm / mm - 1,
+                                "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
+                                "measured_range_ms": [min(m) * 1e3, max(m) * 1e3]})
+    meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "command": shlex.join(["python", "benchmarks/plan_validate.py", *(argv or sys.argv[1:])]),
+            "load_end": list(os.getloadavg())}
+    (out_dir / "plan_validation.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "rounds": rows}, indent=1, default=str))
+    lines = [f"# deepcompile plan: predicted vs measured step time, {date}", "",
+             f"- command: `{meta['command']}`",
+             f"- machine: {meta['machine']}, {meta['cpus']} CPUs; torch {meta['torch']}",
+             f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
+             "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
+             f"{args.steps} timed steps)", "",
+             "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | error |",
+             "|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
+                     f"{r['predicted_ms']:.1f} [{r['predicted_range_ms'][0]:.1f}, "
+                     f"{r['predicted_range_ms'][1]:.1f}] | {r['measured_ms']:.1f} "
+                     f"[{r['measured_range_ms'][0]:.1f}, {r['measured_range_ms'][1]:.1f}] | "
+                     f"{r['error'] * 100:+.0f}% |")
+    (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
