@@ -2,6 +2,9 @@
 
     python benchmarks/plan_validate.py --workloads tiny-llama tiny-llama-gas4 --worlds 1 2 4 \
         --systems ours-z3 ours-z3+overlap ours-z3+overlap+unshard --launches 3
+    # on a machine with one H100 (the bench's GPU workload, world size 1):
+    python benchmarks/plan_validate.py --device cuda --gpu h100 --workloads llama-1b \
+        --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 3
 
 For every round, world size and workload, interleaved (the machine's load drifts): the
 planner's profiles of this machine (`deepcompile plan --gpu cpu`: the pieces profiled, the
@@ -35,13 +38,16 @@ from pathlib import Path
 WORLD1 = ("ours-z3",)
 
 
-def _predict(workload, world: int, system: str, host, plan_cost: dict | None) -> dict:
+def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
+             gpu: str = "cpu") -> dict:
     from deepcompile._bench import systems as S
     from deepcompile.planner import plan as P
 
-    pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu="cpu",
+    peer = not system.startswith("ours")
+    pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu=gpu,
                     seq=workload.seq, batch=workload.batch, gas=workload.gas,
-                    passes=[S.resolved_passes(S.get(system))], peers=(), plan_cost=plan_cost)
+                    passes=[] if peer else [S.resolved_passes(S.get(system))],
+                    peers=(system,) if peer else (), plan_cost=plan_cost)
     r = P.make_plan(pa, log=lambda *a: None, host=host).results[0]
     return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
             "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None}
@@ -56,11 +62,13 @@ def _run_cost(cache_dir: Path) -> dict | None:
     return None
 
 
-def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int) -> dict:
+def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
+             device: str = "cpu") -> dict:
     from deepcompile._bench.run import _launch_record
     from deepcompile._bench.worker import LaunchSpec, launch
 
-    spec = LaunchSpec(system, workload.name, world, "cpu", 2, steps, "fx",
+    spec = LaunchSpec(system, workload.name, world, device, 2, steps,
+                      "fx" if device == "cpu" else "inductor",
                       log_path=str(tmp / f"{n}-{workload.name}-{world}-{system}.log"),
                       inductor_cache=str(tmp / "inductor"), plan_cache=str(tmp / f"cache-{n}"))
     # a cache of its own per launch: each run plans (and records its cost model)
@@ -84,6 +92,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7, help="profile repeats per plan")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: predictions from the roofline of --gpu and the network model, "
+                         "measured by the bench on this machine's GPUs (bf16, Inductor)")
+    ap.add_argument("--gpu", default="h100", help="with --device cuda: the GPU to predict for")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -103,18 +115,24 @@ def main(argv=None) -> int:
             for wname in args.workloads:
                 w = W.get(wname)
                 t0 = time.perf_counter()
-                host = measure_host(w.model, world=world, batch=w.batch, seq=w.seq,
-                                    repeats=args.repeats)
-                pred = {"wall_s": round(time.perf_counter() - t0, 1), "load": host.load,
-                        "host": host.to_dict(), "network": host.network.describe(),
+                host = None if args.device == "cuda" else measure_host(
+                    w.model, world=world, batch=w.batch, seq=w.seq, repeats=args.repeats)
+                pred = {"wall_s": round(time.perf_counter() - t0, 1),
+                        "load": list(os.getloadavg()) if host is None else host.load,
+                        "host": None if host is None else host.to_dict(),
+                        "network": None if host is None else host.network.describe(),
                         "systems": {}}
                 rec = {"round": round_, "world": world, "workload": wname, "prediction": pred,
                        "measured": {}}
-                systems = [s for s in args.systems if world > 1 or s in WORLD1]
+                systems = [s for s in args.systems if world > 1 or s in WORLD1
+                           or not s.startswith("ours")]
                 for system in systems[round_ % len(systems):] + systems[:round_ % len(systems)]:
                     n += 1
-                    m = rec["measured"][system] = _measure(w, world, system, args.steps, tmp, n)
-                    pred["systems"][system] = _predict(w, world, system, host, m["plan_cost"])
+                    m = rec["measured"][system] = _measure(w, world, system, args.steps, tmp, n,
+                                                           args.device)
+                    pred["systems"][system] = _predict(
+                        w, world, system, host, m["plan_cost"] if host else None,
+                        "cpu" if host else args.gpu)
                 rows.append(rec)
                 with raw_path.open("a") as f:
                     f.write(json.dumps(rec, default=str) + "\n")

@@ -99,9 +99,13 @@ def time_optimizer(numels: list[int], world: int, repeats: int) -> float:
 
 
 def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
-    """Median seconds of the runtime's own communication ops per SWEEP size, one parameter of
-    that many fp32 bytes each: `allgather_param` and `reduce_grad` (synchronous: Python op,
-    registry, gloo), and the host time of launching `allgather_start` / `reduce_start`."""
+    """Seconds of the runtime's own communication ops per SWEEP size, one parameter of that
+    many fp32 bytes each: `allgather_param` and `reduce_grad` (synchronous: Python op, registry,
+    gloo) each timed amid compute as a step runs it (`per_op`); their asynchronous forms
+    (`allgather_start` ... `allgather_wait` with compute between, the compute subtracted: on
+    cores busy with ranks an asynchronous collective costs more than a synchronous one, its
+    thread waking up and competing); and the host time of launching one, and of waiting for
+    one that is done (the wait op's own cost)."""
     from ..runtime import ops
     from ..runtime.registry import ParamRegistry
 
@@ -110,28 +114,57 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
         module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(nbytes // 4)))
     registry = ParamRegistry(module, comm, param_dtype=None, reduce_dtype=None)
     out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [],
-                                   "launch_all_gather": [], "launch_reduce_scatter": []}
-    barrier = torch.distributed.barrier
+                                   "all_gather_async": [], "reduce_scatter_async": [],
+                                   "launch_all_gather": [], "launch_reduce_scatter": [],
+                                   "wait_all_gather": [], "wait_reduce_scatter": []}
+    x = torch.randn(64, 64)
 
-    def timed(fn):
+    def work():   # what a graph does between two collectives (~0.1 ms of kernels)
+        for _ in range(8):
+            torch.mm(x, x)
+
+    def per_op(fn, works: int = 1) -> float:
+        """An op's cost amid compute, as in a step: `repeats` rounds of (work, op), minus the
+        work alone; ranks are not re-aligned before each op (skew between them is part of a
+        collective's cost in a real step). `works`: how many works the op runs itself."""
         fn()
-        ts = []
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
         for _ in range(repeats):
-            barrier()
-            t0 = time.perf_counter()
+            work()
             fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        both = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(repeats * (1 + works - 1)):
+            work()
+        return max(both - (time.perf_counter() - t0), 0.0) / repeats
+
+    def timed(fn, works: int = 1):
+        return statistics.median(per_op(fn, works) for _ in range(3))
+
+    def cycle(start, wait):
+        """An asynchronous collective with compute between its start and its wait."""
+        def run():
+            token = start()
+            work()
+            wait(token)
+        return run
 
     def launch(start, wait):
-        ts = []
+        """Host time of the start, and of the wait once the collective is done."""
+        ts, tw = [], []
         for _ in range(repeats):
-            barrier()
+            work()
             t0 = time.perf_counter()
             token = start()
             ts.append(time.perf_counter() - t0)
+            for _ in range(4):
+                work()
+            torch.distributed.barrier()   # every rank has launched: the collective is done
+            t0 = time.perf_counter()
             wait(token)
-        return statistics.median(ts)
+            tw.append(time.perf_counter() - t0)
+        return statistics.median(ts), statistics.median(tw)
 
     for e in registry:
         shape, pid, dt = list(e.shape), e.pid, e.compute_dtype
@@ -139,10 +172,15 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
         n, sdt = e.shard.numel(), e.shard.dtype
         out["all_gather"].append(timed(lambda: ops.ALLGATHER(e.shard, pid, shape, dt)))
         out["reduce_scatter"].append(timed(lambda: ops.REDUCE_GRAD(grad, pid, n, sdt)))
-        out["launch_all_gather"].append(launch(lambda: ops.ALLGATHER_START([e.shard], [pid], dt),
-                                               lambda t: ops.ALLGATHER_WAIT(t, [pid])))
-        out["launch_reduce_scatter"].append(launch(lambda: ops.REDUCE_START([grad], [pid]),
-                                                   lambda t: ops.REDUCE_WAIT(t, [pid])))
+        ag = (lambda: ops.ALLGATHER_START([e.shard], [pid], dt),
+              lambda t: ops.ALLGATHER_WAIT(t, [pid]))
+        rs = (lambda: ops.REDUCE_START([grad], [pid]), lambda t: ops.REDUCE_WAIT(t, [pid]))
+        out["all_gather_async"].append(timed(cycle(*ag), works=2))
+        out["reduce_scatter_async"].append(timed(cycle(*rs), works=2))
+        for kind, pair in (("all_gather", ag), ("reduce_scatter", rs)):
+            t_start, t_wait = launch(*pair)
+            out[f"launch_{kind}"].append(t_start)
+            out[f"wait_{kind}"].append(t_wait)
     return out
 
 
@@ -288,10 +326,11 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     if status != "ok":
         raise RuntimeError(f"deepcompile plan: measuring on this machine failed:\n{data}")
     net = data["net"]
-    kinds = ("all_gather", "reduce_scatter")
-    launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds}
+    kinds = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async")
+    launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds[:2]}
+    wait = {k: statistics.median(net[f"wait_{k}"]) for k in kinds[:2]}
     network = Fitted(world, {k: fit(list(zip(SWEEP, net[k]))) for k in kinds}, launch=launch,
                      copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
-                     overlap=data["overlap"])
+                     overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
                        data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]))

@@ -4,7 +4,8 @@
 cluster we don't have: `collective_s(kind, nbytes)` for a collective over the full tensor of
 `nbytes` (what the passes plan with), `copy_s(nbytes)` for a host<->device copy, and
 `launch_s(kind)` for the host time to launch one collective (the runtime's per-launch cost;
-`passes/_common.fuses` counts it once it lands there).
+`passes/_common.fuses` counts it once it lands there), and `wait_s(kind)` for the host time of
+an asynchronous collective's wait op.
 
 All-gather and reduce-scatter run NCCL's ring over all N = nodes x G ranks (NCCL has no tree
 for them). One ring step moves 1/N of the tensor over every link at once, so
@@ -98,6 +99,11 @@ class Fabric:
     def launch_s(self, kind: str) -> float:
         return self.launch_host_s
 
+    def wait_s(self, kind: str) -> float:
+        """Host time of an asynchronous collective's wait: in today's runtime a Python op too
+        (a synchronous collective is one op: its launch)."""
+        return self.launch_host_s
+
     def describe(self) -> str:
         return (f"{self.nodes} x {self.gpus_per_node} ranks; NVLink {self.nvlink_bw / 1e9:.0f} GB/s "
                 f"x {self.nvlink_eff:.2f}, NIC {self.nic_bw / 1e9:.1f} GB/s x {self.nic_eff:.2f} "
@@ -123,9 +129,17 @@ class Fitted:
     copy: tuple[float, float] = (0.0, 0.0)
     samples: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     overlap: float = 1.0   # share of an asynchronous collective compute can hide (measured)
+    wait: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s of a wait
 
     def collective_s(self, kind: str, nbytes: int) -> float:
         a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
+        return max(a + b * nbytes - self.launch_s(kind), 0.0)
+
+    def async_s(self, kind: str, nbytes: int) -> float:
+        """Lane time of an asynchronous collective (measured amid compute, less its launch)."""
+        if f"{kind}_async" not in self.coeffs:
+            return self.collective_s(kind, nbytes)
+        a, b = self.coeffs[f"{kind}_async"]
         return max(a + b * nbytes - self.launch_s(kind), 0.0)
 
     def copy_s(self, nbytes: int) -> float:
@@ -135,9 +149,12 @@ class Fitted:
     def launch_s(self, kind: str) -> float:
         return self.launch.get(kind, 0.0)
 
+    def wait_s(self, kind: str) -> float:
+        return self.wait.get(kind, 0.0)
+
     def describe(self) -> str:
         parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s "
-                 f"(launch {self.launch_s(k) * 1e6:.0f} us)"
+                 f"(launch {self.launch_s(k) * 1e6:.0f} us, wait {self.wait_s(k) * 1e6:.0f} us)"
                  for k, (a, b) in sorted(self.coeffs.items())]
         return (f"runtime ops on gloo at {self.world} ranks (measured): " + "; ".join(parts)
                 + f"; overlap {self.overlap:.2f}")

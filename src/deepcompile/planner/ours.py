@@ -38,6 +38,7 @@ from .compose import Graph, Model
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
                        framework_event, node_host, optimizer_events)
 from .schedule import async_launch_s as _launch
+from .schedule import async_s, wait_s
 from .simulate import Event
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
@@ -173,13 +174,13 @@ class Plan:
             what, k, obj = entry
             if what == "start":
                 held[("grp", k)] = obj.nbytes
-                emit("all_gather_start", f"ag{key}{k}", cost.collective_s("all_gather", obj.nbytes),
+                emit("all_gather_start", f"ag{key}{k}", async_s(cost, "all_gather", obj.nbytes),
                      _launch(cost, "all_gather", obj.nbytes), (key, "grp", k), i,
                      lab[min(i, n - 1)],
                      nbytes=obj.nbytes)
             elif what == "ahead":
                 held[("ahead", k)] = obj.nbytes
-                emit("all_gather_start", f"agbw{k}", cost.collective_s("all_gather", obj.nbytes),
+                emit("all_gather_start", f"agbw{k}", async_s(cost, "all_gather", obj.nbytes),
                      _launch(cost, "all_gather", obj.nbytes), ("bw", "grp", k), i,
                      lab[min(i, n - 1)],
                      nbytes=obj.nbytes)
@@ -188,8 +189,8 @@ class Plan:
                 for p in obj.pids:
                     if p in use_of:
                         held[("param", p)] = s.gather_bytes(params[p])
-                emit("all_gather_wait", f"ag{key}{k}.wait", 0.0, 0.0, (key, "grp", k), i,
-                     lab[min(i, n - 1)])
+                emit("all_gather_wait", f"ag{key}{k}.wait", 0.0, wait_s(cost, "all_gather"),
+                     (key, "grp", k), i, lab[min(i, n - 1)])
                 if len(obj.pids) > 1:
                     emit("copy", f"ag{key}{k}.copy_out", s.copy_on_device_s(obj.nbytes),
                          node_host(s, 1, False), None, i, lab[min(i, n - 1)])
@@ -206,8 +207,8 @@ class Plan:
                      node_host(s, 1, False), None, i, lab[min(i, n - 1)])
             elif what == "bwait":
                 held.pop(("bucket", k), None)
-                emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, 0.0, ("bw", "bucket", k), i,
-                     lab[min(i, n - 1)])
+                emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, wait_s(cost, "reduce_scatter"),
+                     ("bw", "bucket", k), i, lab[min(i, n - 1)])
 
         for i, node in enumerate(g.nodes):
             for entry in sorted(before.get(i, []), key=_order):
@@ -240,7 +241,7 @@ class Plan:
                     held[("bucket", k)] = obj.inflight
                     copy = s.copy_on_device_s(obj.nbytes) if len(obj.pids) > 1 else 0.0
                     emit("reduce_scatter_start", f"rs{k}",
-                         cost.collective_s("reduce_scatter", obj.nbytes) + copy,
+                         async_s(cost, "reduce_scatter", obj.nbytes) + copy,
                          _launch(cost, "reduce_scatter", obj.nbytes), ("bw", "bucket", k), i + 1,
                          lab[i],
                          nbytes=obj.nbytes)

@@ -36,6 +36,7 @@ from typing import Any
 from .compose import Graph, Model
 from .ours import Item, _events_of, _labels
 from .schedule import async_launch_s as _launch
+from .schedule import async_s
 from .schedule import Counter, Schedule, Setting, node_host, optimizer_events
 from .simulate import Event
 
@@ -125,7 +126,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
             emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, 0.0, (key, "rs", k), i, label)
         for u in by_issue.get(i, ()):
             held[("unit", u.name)] = u.nbytes
-            emit("all_gather_start", f"ag.{u.name}", cost.collective_s("all_gather", u.nbytes),
+            emit("all_gather_start", f"ag.{u.name}", async_s(cost, "all_gather", u.nbytes),
                  _launch(cost, "all_gather", u.nbytes), (key, "unit", u.name), i, label,
                  nbytes=u.nbytes)
         for u in by_first.get(i, ()):   # the unit's pre-hook (fetch, prefetch, bookkeeping)
@@ -158,7 +159,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
                 sum(grad_of[p].nbytes for p in pids if p in grad_of))
             if not grads_copied:
                 held[("rs", k)] = wire + wire // s.world
-            emit("reduce_scatter_start", f"rs{k}", cost.collective_s("reduce_scatter", wire) + copy,
+            emit("reduce_scatter_start", f"rs{k}", async_s(cost, "reduce_scatter", wire) + copy,
                  _launch(cost, "reduce_scatter", wire) + hook_s, (key, "rs", k), i + 1, lab[i],
                  nbytes=wire)
     before(n)

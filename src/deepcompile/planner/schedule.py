@@ -87,11 +87,23 @@ class Setting:
         return ADAMW_TRAFFIC * self.shard_elems() / self.mem_bw
 
 
+def async_s(cost: Cost, kind: str, nbytes: int) -> float:
+    """Lane time of an asynchronous collective (a measured CPU network times them apart)."""
+    fn = getattr(cost, "async_s", None)
+    return fn(kind, nbytes) if fn is not None else cost.collective_s(kind, nbytes)
+
+
+def wait_s(cost: Cost, kind: str) -> float:
+    """Host time of an asynchronous collective's wait op (0 where the cost model has none)."""
+    fn = getattr(cost, "wait_s", None)
+    return fn(kind) if fn is not None else 0.0
+
+
 def async_launch_s(cost: Cost, kind: str, nbytes: int) -> float:
     """Host time of launching an asynchronous collective: the launch, plus the part of the
     collective that cannot overlap the host's compute (a CPU rank: `overlap` < 1; a GPU: 1)."""
     overlap = getattr(cost, "overlap", 1.0)
-    extra = (1.0 - overlap) * cost.collective_s(kind, nbytes) if overlap < 1.0 else 0.0
+    extra = (1.0 - overlap) * async_s(cost, kind, nbytes) if overlap < 1.0 else 0.0
     return cost.launch_s(kind) + extra
 
 
