@@ -41,7 +41,7 @@ SWEEP = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 class HostProfile:
     world: int
     node_s: dict[str, dict[str, float]]     # "piece.phase" -> node name -> seconds
-    optimizer_s: float
+    optimizer_s: float                       # AdamW on the shards + engine.step's own time
     network: Fitted
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
@@ -220,11 +220,13 @@ def overlap_factor(comm, repeats: int) -> float:
     return statistics.median(trials)
 
 
-def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int) -> float:
-    """Seconds per micro-step a deepcompile step spends outside its graphs (Dynamo's guards,
-    AOTAutograd's wrappers, the engine's calls, the autograd engine, the model's output
-    object): the forward and backward calls' time minus their graphs' run times, measured on
-    the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
+def framework_overhead(model: torch.nn.Module, ids: torch.Tensor,
+                       repeats: int) -> tuple[float, float]:
+    """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
+    (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
+    model's output object: the forward and backward calls' time minus their graphs' run
+    times) and per optimizer step (`engine.step()` minus the optimizer's own `step`), measured
+    on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
     parameters are sharded by the engine: call it after everything else of the pieces."""
     import functools
 
@@ -232,9 +234,19 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int) 
 
     eng = initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                      config={"compiler": "fx", "passes": ()})
+    inner = eng.optimizer.step
+    spent = [0.0]
+
+    def timed_step(*a, **k):   # this throwaway engine's optimizer, timed
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    eng.optimizer.step = timed_step
     warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
-    over = []
-    for step in range(warm + repeats):
+    micro, step = [], []
+    for i in range(warm + repeats):
         slots = eng._pipeline.slots
         before = {k: len(sl.run_s) for k, sl in slots.items()}
         t0 = time.perf_counter()
@@ -242,11 +254,14 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int) 
         eng.backward(loss)
         loss.item()
         t1 = time.perf_counter()
+        spent[0] = 0.0
         eng.step()
+        t2 = time.perf_counter()
         runs = sum(sum(list(sl.run_s)[before.get(k, 0):]) for k, sl in slots.items())
-        if step >= warm:
-            over.append((t1 - t0) - runs)
-    return statistics.median(over)
+        if i >= warm:
+            micro.append((t1 - t0) - runs)
+            step.append((t2 - t1) - spent[0])
+    return statistics.median(micro), statistics.median(step)
 
 
 def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
@@ -271,20 +286,21 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         net = sweep_ops(comm, spec["net_repeats"])
         eta = overlap_factor(comm, spec["net_repeats"])
         ids = ps.embed.inputs[0]
-        over = framework_overhead(ps.model, ids, spec["repeats"])   # last: shards the model
+        over, step_over = framework_overhead(ps.model, ids, spec["repeats"])  # last: shards it
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
-        flat = [t for d in node_s.values() for t in d.values()] + [opt_s, over, -eta] + \
+        flat = [t for d in node_s.values() for t in d.values()] + [opt_s, over, step_over, -eta] + \
             [t for k in keys for t in net[k]]
         vec = torch.tensor(flat, dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         if rank == 0:
             vals = iter(vec.tolist())
             node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
-            opt_s, over, eta = next(vals), next(vals), -next(vals)   # the least overlap
+            opt_s, over, step_over, eta = next(vals), next(vals), next(vals), -next(vals)
             net = {k: [next(vals) for _ in net[k]] for k in keys}
-            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s, "overhead_s": over,
+            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
+                              "overhead_s": over,
                               "overlap": eta, "net": net, "plan_cost": plan_cost}))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- the parent reports it
