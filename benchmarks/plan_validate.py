@@ -40,7 +40,7 @@ WORLD1 = ("ours-z3",)
 
 
 def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
-             gpu: str = "cpu") -> dict:
+             gpu: str = "cpu", replay: dict | None = None) -> dict:
     from deepcompile._bench import systems as S
     from deepcompile.planner import plan as P
 
@@ -48,10 +48,13 @@ def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
     pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu=gpu,
                     seq=workload.seq, batch=workload.batch, gas=workload.gas,
                     passes=[] if peer else [S.resolved_passes(S.get(system))],
-                    peers=(system,) if peer else (), plan_cost=plan_cost)
+                    peers=(system,) if peer else (), plan_cost=plan_cost, replay=replay)
     r = P.make_plan(pa, log=lambda *a: None, host=host).results[0]
     return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
             "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None}
+
+
+_FRESH = [10_000_000]
 
 
 def _harness_s(workload, world: int) -> float:
@@ -65,20 +68,19 @@ def _harness_s(workload, world: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     ts = []
-    for k in range(9):
+    for _ in range(9):
+        _FRESH[0] += 1
         t0 = time.perf_counter()
-        W.local_batch(workload, 1_000_000 + k, 0, world)   # never cached
+        W.local_batch(workload, _FRESH[0], 0, world)   # a micro-step never made before
         ts.append(time.perf_counter() - t0)
     torch.set_num_threads(threads)
     return statistics.median(ts)
 
 
-def _run_cost(cache_dir: Path) -> dict | None:
-    """The cost model the measured run's passes planned with (from its plan cache)."""
+def _run_plan(cache_dir: Path) -> dict | None:
+    """The measured run's plan cache: the cost model its passes planned with, their decisions."""
     for path in sorted(cache_dir.glob("plan-*.json")):
-        cost = json.loads(path.read_text()).get("cost")
-        if cost:
-            return cost
+        return json.loads(path.read_text())
     return None
 
 
@@ -96,8 +98,9 @@ def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
     t0 = time.perf_counter()
     ranks = launch(spec, world, 1200.0)
     rec = _launch_record(ranks, time.perf_counter() - t0, [load, list(os.getloadavg())])
+    cached = _run_plan(Path(spec.plan_cache)) or {}
     return {"ok": rec["ok"], "step_s": rec.get("step_s_median"), "load": load,
-            "plan_cost": _run_cost(Path(spec.plan_cache)),
+            "plan_cost": cached.get("cost"), "plan": cached,
             "error": None if rec["ok"] else str(rec.get("reason"))[:2000],
             "collectives": rec.get("collectives")}
 
@@ -156,6 +159,14 @@ def main(argv=None) -> int:
                     p["plan_step_s"] = p["step_s"]
                     p["harness_s"] = w.gas * _harness_s(w, world)
                     p["step_s"] = p["plan_step_s"] + p["harness_s"]
+                    if host and m.get("plan") and system != "ours-z3":
+                        from deepcompile.planner.ours import replay_of
+
+                        r = _predict(w, world, system, host, m["plan_cost"],
+                                     replay=replay_of(m["plan"]))
+                        p["replayed_step_s"] = r["step_s"] + p["harness_s"]
+                        p["replayed_collectives"] = r["collectives"]
+                    m.pop("plan", None)
                 rows.append(rec)
                 with raw_path.open("a") as f:
                     f.write(json.dumps(rec, default=str) + "\n")
@@ -175,9 +186,13 @@ def main(argv=None) -> int:
                 if not m:
                     continue
                 pm, mm = statistics.median(p), statistics.median(m)
+                rp = [r["prediction"]["systems"][s].get("replayed_step_s") for r in cell]
+                rp = [x for x in rp if x is not None]
                 summary.append({"workload": wname, "world": world, "system": s,
                                 "predicted_ms": pm * 1e3, "measured_ms": mm * 1e3,
                                 "error": pm / mm - 1,
+                                "replayed_ms": statistics.median(rp) * 1e3 if rp else None,
+                                "replayed_error": statistics.median(rp) / mm - 1 if rp else None,
                                 "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
                                 "measured_range_ms": [min(m) * 1e3, max(m) * 1e3]})
     meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
@@ -195,14 +210,17 @@ def main(argv=None) -> int:
              f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
              "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
              f"{args.steps} timed steps)", "",
-             "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | error |",
-             "|---|---|---|---|---|---|"]
+             "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | "
+             "error | with the run's decisions | error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
                      f"{r['predicted_ms']:.1f} [{r['predicted_range_ms'][0]:.1f}, "
                      f"{r['predicted_range_ms'][1]:.1f}] | {r['measured_ms']:.1f} "
                      f"[{r['measured_range_ms'][0]:.1f}, {r['measured_range_ms'][1]:.1f}] | "
-                     f"{r['error'] * 100:+.0f}% |")
+                     f"{r['error'] * 100:+.0f}% | "
+                     + (f"{r['replayed_ms']:.1f} | {r['replayed_error'] * 100:+.0f}% |"
+                        if r["replayed_ms"] is not None else "- | - |"))
     (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

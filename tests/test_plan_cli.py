@@ -101,3 +101,26 @@ def test_help_imports_nothing_heavy():
             "print('deepcompile.planner.plan' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_planning_for_this_machine_measures_it(capsys):
+    """--gpu cpu: the pieces, the runtime's ops, the optimizer and the framework's overhead
+    timed at that many gloo ranks (one here: a spawned process), then the same schedules."""
+    code, out, _ = _plan(capsys, ["plan", "--model", "tiny-llama", "--gpu", "cpu", "--nodes", "1",
+                                  "--gpus-per-node", "1", "--seq", "16", "--batch", "1",
+                                  "--repeats", "2", "--peers", "", "--passes", "", "--json"])
+    assert code == 0
+    d = json.loads(out)
+    host = d["assumed"]["host"]
+    assert host["world"] == 1 and host["optimizer_s"] > 0 and host["overhead_s"] >= 0
+    assert set(host["graph_s"]) == {f"{p}.{ph}" for p in ("embed", "layer", "head")
+                                    for ph in ("fw", "bw")}
+    assert all(t > 0 for t in host["graph_s"].values())
+    assert host["plan_cost"]["coeffs"]["all_gather"]   # the runtime's calibration, for the passes
+    (r,) = d["systems"]
+    graphs = sum(host["graph_s"][f"{p}.{ph}"] * (2 if p == "layer" else 1)
+                 for p in ("embed", "layer", "head") for ph in ("fw", "bw"))
+    # the step: both layers' graphs, the embedding's and the head's, 41 + 21 collectives
+    # and the optimizer, one after the other on one thread
+    assert r["step_s"] > graphs + host["optimizer_s"]
+    assert r["collectives"]["all_gather"]["count"] == 41

@@ -197,3 +197,32 @@ def test_zero1_and_zero2():
             assert rs <= len(m.params)
         else:            # every micro-step
             assert rs >= 4 and rs % 4 == 0
+
+
+def test_replaying_a_runs_decisions_reproduces_them():
+    """Validation replays a run's groups and buckets (by parameter name) through the planners'
+    own placement: a plan replayed from itself is the same plan."""
+    import dataclasses
+
+    m = synthetic(node_s=0.02 * MS)
+    s = setting(m, gas=2)
+    passes = ("prefetch", "bucket_reduce", "selective_unshard")
+    pl = ours.plan(s, passes)
+    name = {p.pid: p.name for p in m.params}
+    replay = {"prefetch": {k: [[name[p] for p in g.pids] for g in pl.groups[k]]
+                           for k in ("fw", "bw")},
+              "bucket_reduce": [[name[p] for p in b.pids] for b in pl.buckets],
+              "selective_unshard": {"keep": [name[p] for p in pl.kept],
+                                    "accumulate": [name[p] for p in pl.accumulated]}}
+    again = ours.plan(dataclasses.replace(s, replay=replay), passes)
+    for k in ("fw", "bw"):
+        assert [g.pids for g in again.groups[k]] == [g.pids for g in pl.groups[k]]
+    assert [b.pids for b in again.buckets] == [b.pids for b in pl.buckets]
+    assert again.kept == pl.kept and again.accumulated == pl.accumulated
+    r1 = simulate(ours.schedule(s, passes, "x", "").events)
+    r2 = simulate(ours.schedule(dataclasses.replace(s, replay=replay), passes, "x", "").events)
+    assert r2.step_s == pytest.approx(r1.step_s, rel=0.05)
+    # a replayed grouping the planner would not choose: every gather alone
+    alone = {"prefetch": {k: [[p.name] for p in m.params] for k in ("fw", "bw")}}
+    pl1 = ours.plan(dataclasses.replace(s, replay=alone), ("prefetch",))
+    assert all(len(g.pids) == 1 for k in ("fw", "bw") for g in pl1.groups[k])

@@ -291,12 +291,23 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
     steps: dict[str, list[Step]] = {}
     where: dict[str, dict[str, int]] = {}
+    forced = (s.replay or {}).get("prefetch")
+    members: dict[tuple[str, int], list[int]] = {}
     for key in ("bw", "fw"):     # the pipeline plans graphs in key order: g0.bw, g0.fw
         st, items, where[key] = plan.profile(key)
         steps[key] = st
         gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
                    for i, it in enumerate(items) if it.kind == "all_gather"]
-        decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget)
+        if forced is None:
+            decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget)
+            continue
+        # replay: each of the run's groups as one gather at its first member's place, placed
+        # by the planner, fused with nothing else
+        fused = _prefuse(gathers, forced.get(key, []), s, first=True)
+        decisions[key] = prefetch.plan_graph(st, fused, s.planner_cost, s.budget,
+                                             max_fused_bytes=0)
+        for g in fused:
+            members[key, g.pid] = _MEMBERS[id(g)]
     prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
     ahead = (decisions["fw"].get("for_next") or [None])[0]
     n_fw = len(plan.model.fw.nodes)
@@ -304,7 +315,9 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
         use = {u.pid: u for u in plan.graph(key).uses}
         for g in decisions[key].get("groups", []):
             pids = list(g["pids"])
-            wait = use[pids[0]].first
+            if forced is not None:
+                pids = members[key, pids[0]]
+            wait = min(use[p].first for p in pids)
             if g.get("from_prev"):
                 prev = n_fw if ahead is None or ahead["start_before"] is None \
                     else where["fw"][ahead["start_before"]]
@@ -340,7 +353,14 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
             reduces.append(bucket_reduce.Reduce(
                 it.name, i, it.nbytes, p.pid, str(s.model.dtype),
                 grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize))
-    d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget)
+    forced = (s.replay or {}).get("bucket_reduce")
+    if forced is None:
+        d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget)
+    else:   # replay: each of the run's buckets as one reduce at its last member's place
+        fused = _prefuse(reduces, forced, s, first=False)
+        d = bucket_reduce.plan_graph(st, fused, s.planner_cost, s.budget, max_bucket_bytes=0)
+        for b in d["buckets"]:
+            b["pids"] = _MEMBERS[id(next(r for r in fused if r.pid == b["pids"][0]))]
     n = len(plan.model.bw.nodes)
     grad_at = {g.pid: g.at for g in plan.model.bw.grads}
     for b in d["buckets"]:
@@ -353,6 +373,51 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
             "buckets": len(d["buckets"]), "hidden_s": sum(b["hidden_s"] for b in d["buckets"]),
             "predicted_s": sum(b["predicted_s"] for b in d["buckets"]),
             "peak_before": d.get("peak_before"), "peak_after": d.get("peak_after")}
+
+
+_MEMBERS: dict[int, list[int]] = {}   # id(pre-fused collective) -> its members' pids (replay)
+
+
+def _prefuse(colls: list, groups: list[list[str]], s: Setting, first: bool) -> list:
+    """A run's groups (by parameter names) as one collective each, at the first member's
+    place (gathers) or the last one's (reduces); members the run did not group stay alone."""
+    by_name = {s.model.params[c.pid].name: c for c in colls}
+    out, taken = [], set()
+    for names in groups:
+        cs = sorted((by_name[n] for n in names if n in by_name), key=lambda c: c.index)
+        if not cs:
+            continue
+        at = cs[0] if first else cs[-1]
+        extra = {}
+        if hasattr(at, "grad_bytes"):
+            extra = {"grad_bytes": sum(c.grad_bytes for c in cs),
+                     "shard_bytes": sum(c.shard_bytes for c in cs)}
+        fused = dataclasses.replace(at, nbytes=sum(c.nbytes for c in cs), **extra)
+        _MEMBERS[id(fused)] = [c.pid for c in cs]
+        out.append(fused)
+        taken |= {c.pid for c in cs}
+    for c in colls:
+        if c.pid not in taken:
+            _MEMBERS[id(c)] = [c.pid]
+            out.append(c)
+    return sorted(out, key=lambda c: c.index)
+
+
+def replay_of(cached: dict) -> dict:
+    """The decisions of a run (its plan cache's JSON) in the form `Setting.replay` takes:
+    prefetch groups per graph, bucket_reduce buckets, selective_unshard's choice, by name."""
+    out: dict[str, Any] = {}
+    for entry in cached.get("passes", []):
+        d = entry["decisions"]
+        if entry["pass"] == "prefetch":
+            out["prefetch"] = {key.rsplit(".", 1)[1]: [g["params"] for g in v.get("groups", [])]
+                               for key, v in d.items()}
+        elif entry["pass"] == "bucket_reduce":
+            out["bucket_reduce"] = [b["params"] for v in d.values() for b in v.get("buckets", [])]
+        elif entry["pass"] == "selective_unshard":
+            out["selective_unshard"] = {"keep": [i["param"] for i in d["keep"]],
+                                        "accumulate": list(d["accumulate"])}
+    return out
 
 
 @dataclasses.dataclass
@@ -390,9 +455,14 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     opts = selective_unshard.options_of(cands, colls, s.planner_cost, s.gas, set())
     peak = plan.peak()
     capacity = s.budget - peak
-    choice = selective_unshard.choose(
-        [[o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else []) for o in opts],
-        capacity)
+    forced = (s.replay or {}).get("selective_unshard")
+    if forced is None:
+        choice = selective_unshard.choose(
+            [[o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
+             for o in opts], capacity)
+    else:   # replay the run's choice
+        choice = [(1 if o["name"] in forced["accumulate"] else 0)
+                  if o["name"] in forced["keep"] else None for o in opts]
     chosen = [(o, k) for o, k in zip(opts, choice) if k is not None]
     plan.kept = {o["pid"] for o, _ in chosen}
     plan.accumulated = {o["pid"] for o, k in chosen if k == 1}
@@ -476,6 +546,7 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
     if unknown:
         raise ValueError(f"deepcompile plan: unknown pass(es) {', '.join(unknown)}; "
                          f"known: {', '.join(PASSES)}")
+    _MEMBERS.clear()
     pl = Plan(s)
     if s.stage < 3:
         # ZeRO-1 keeps gradients locally until the last micro-step; after the optimizer step

@@ -65,6 +65,8 @@ class PlanArgs:
     repeats: int = 5             # CPU: profile repeats
     plan_cost: dict | None = None   # CPU: the cost model the passes plan with (a runtime's
                                     # LinearCostModel.to_dict()); None: calibrated here
+    replay: dict | None = None      # a run's decisions to replay instead of planning
+                                    # (ours.replay_of(a plan cache's JSON); validation)
 
     @property
     def world(self) -> int:
@@ -266,7 +268,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        host_is_compute=cpu, optimizer_s=host.optimizer_s if cpu else None,
                        stage=args.stage,
                        framework_s=host.overhead_s if cpu else gpu.framework_host_s,
-                       plan_cost=host.plan_cost if cpu else None)
+                       plan_cost=host.plan_cost if cpu else None, replay=args.replay)
 
     results = []
     for name, ps_ in ladder:

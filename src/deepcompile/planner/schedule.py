@@ -45,6 +45,7 @@ class Setting:
     stage: int = 3
     framework_s: float = 0.0       # host time per micro-step outside the graphs (guards, ...)
     plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
+    replay: dict | None = None     # a run's decisions to replay (ours.py, `replay_of`)
 
     @property
     def planner_cost(self) -> Cost:
