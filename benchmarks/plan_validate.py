@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                                 "measured_range_ms": [min(m) * 1e3, max(m) * 1e3]})
     meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "command": shlex.join(["python", "benchmarks/plan_validate.py", *(argv or sys.argv[1:])]),
+            "command": shlex.join(["python", "benchmarks/plan_validate.py",
+                                   *(argv or sys.argv[1:])]),
             "load_end": list(os.getloadavg())}
     (out_dir / "plan_validation.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "rounds": rows}, indent=1, default=str))

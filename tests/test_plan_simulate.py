@@ -72,8 +72,8 @@ def test_a_host_bound_step():
 
 
 def test_memory_curve_and_peak():
-    ev = [C("a", 1.0, live=10), S("ag", 1.0, 1, live=30), C("b", 1.0, live=25, peak=40), W(1, live=25),
-          C("c", 1.0, live=5)]
+    ev = [C("a", 1.0, live=10), S("ag", 1.0, 1, live=30), C("b", 1.0, live=25, peak=40),
+          W(1, live=25), C("c", 1.0, live=5)]
     r = simulate(ev)
     assert r.peak_bytes == 40
     assert [m for _, m in r.memory] == [10, 30, 40, 25, 5]

@@ -200,7 +200,8 @@ def compose(graphs: dict[str, PieceGraphs], layers: int, times: Times, *, name: 
         return (("param", params[name].pid),)
 
     def param_roots(pg: PieceGraphs, block: int, i: int | None) -> list:
-        return [pid_of(n, p.numel(), block, i) for n, p in zip(pg.piece.param_names, pg.piece.params)]
+        return [pid_of(n, p.numel(), block, i)
+                for n, p in zip(pg.piece.param_names, pg.piece.params)]
 
     glob = {}
     for role, piece in (("ids", emb.piece), ("cos", lay.piece), ("sin", lay.piece),
@@ -215,7 +216,8 @@ def compose(graphs: dict[str, PieceGraphs], layers: int, times: Times, *, name: 
     fw_nodes: list = []
     bw_nodes: list = []
     # forward
-    blocks = [(emb, 0, None)] + [(lay, 1 + i, i) for i in range(layers)] + [(head, layers + 1, None)]
+    blocks = [(emb, 0, None)] + [(lay, 1 + i, i) for i in range(layers)] + \
+        [(head, layers + 1, None)]
     saved: dict[int, list] = {}
     layer_input: dict[int, tuple] = {}
     hidden = ()

@@ -105,9 +105,11 @@ class Fabric:
         return self.launch_host_s
 
     def describe(self) -> str:
-        return (f"{self.nodes} x {self.gpus_per_node} ranks; NVLink {self.nvlink_bw / 1e9:.0f} GB/s "
+        return (f"{self.nodes} x {self.gpus_per_node} ranks; NVLink "
+                f"{self.nvlink_bw / 1e9:.0f} GB/s "
                 f"x {self.nvlink_eff:.2f}, NIC {self.nic_bw / 1e9:.1f} GB/s x {self.nic_eff:.2f} "
-                f"per GPU -> ring busbw {self.busbw() / 1e9:.0f} GB/s; hops {self.nvlink_hop_s * 1e6:.1f} "
+                f"per GPU -> ring busbw {self.busbw() / 1e9:.0f} GB/s; hops "
+                f"{self.nvlink_hop_s * 1e6:.1f} "
                 f"/ {self.net_hop_s * 1e6:.1f} us, base {self.base_s * 1e6:.1f} us -> ring latency "
                 f"{(self.base_s + self.ring_latency()) * 1e6:.1f} us; all-reduce {self.algorithm}; "
                 f"host {self.launch_host_s * 1e6:.0f} us per launch; PCIe {self.pcie_bw / 1e9:.0f} "

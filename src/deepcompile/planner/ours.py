@@ -32,7 +32,7 @@ import dataclasses
 from typing import Any
 
 from ..passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
-from ..passes._common import Collective, Step
+from ..passes._common import Step
 from ..runtime import regather, unshard
 from .compose import Graph, Model
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
@@ -233,7 +233,8 @@ class Plan:
                          nbytes=nb)
                 elif what == "accumulate":
                     held.pop(("grad", k), None)
-                    emit("accumulate", f"acc.{params[k].name}", 1.5 * s.copy_on_device_s(obj.nbytes),
+                    emit("accumulate", f"acc.{params[k].name}",
+                         1.5 * s.copy_on_device_s(obj.nbytes),
                          node_host(s, 1, False), None, i + 1, lab[i])
                 elif what == "bstart":
                     for p in obj.pids:

@@ -156,7 +156,7 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
     the device, or with Adam's moments offloaded (offload_optimizer's most)."""
     world = args.world
     numel = model.numel
-    act = max([n.live for n in model.fw.nodes] + [n.live for n in model.bw.nodes]) + model.base_bytes
+    act = max(n.live for n in model.fw.nodes + model.bw.nodes) + model.base_bytes
     biggest = max(p.numel for p in model.params) * csize
     fixed = act + 2 * biggest
     state = MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES
@@ -316,7 +316,8 @@ def _does_not_fit(shape, args: PlanArgs, memory: dict[str, Any]) -> str:
     if memory["min_gpus_with_offload"] is None:
         return (f"deepcompile plan: {shape.name} cannot train at batch {args.batch} x seq "
                 f"{args.seq} on {args.gpu} at any number of GPUs: its activations and largest "
-                f"gathered parameters alone take {gb(memory['activation_peak_bytes'] + 2 * memory['largest_param_bytes'])} "
+                f"gathered parameters alone take "
+                f"{gb(memory['activation_peak_bytes'] + 2 * memory['largest_param_bytes'])} "
                 f"of {gb(memory['device_bytes'])}; reduce --batch or --seq, or use "
                 f"--activation-checkpointing")
     return (f"deepcompile plan: {shape.name} does not fit on {args.world} x {args.gpu}: ZeRO-3 "

@@ -99,7 +99,8 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
         if not d.get("offloaded_bytes"):
             return "nothing offloaded (fits)"
         return (f"offloaded {gb(d['offloaded_bytes'])} of {gb(d['state_bytes'])}; copy back "
-                f"{d['predicted_copy_s'] * 1e3:.1f} ms, exposed {d['predicted_exposed_s'] * 1e3:.1f} ms")
+                f"{d['predicted_copy_s'] * 1e3:.1f} ms, exposed "
+                f"{d['predicted_exposed_s'] * 1e3:.1f} ms")
     return json.dumps(d)[:200]
 
 

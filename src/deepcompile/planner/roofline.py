@@ -202,9 +202,8 @@ def _eff(gpu: GPU, kind: str) -> float:
 def _compute_time(node: fx.Node, kind: str, gpu: GPU) -> float:
     hw, _ = flops(node)
     val = _val(node)
-    dtype = (val[0] if isinstance(val, (list, tuple)) else val).dtype \
-        if isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and val
-                                             and isinstance(val[0], torch.Tensor)) else torch.bfloat16
+    first = val[0] if isinstance(val, (list, tuple)) and val else val
+    dtype = first.dtype if isinstance(first, torch.Tensor) else torch.bfloat16
     t_flops = hw / (_peak(gpu, dtype) * _eff(gpu, kind))
     t_mem = node_bytes(node) / (gpu.hbm_bw * gpu.mem_eff)
     return max(t_flops, t_mem, gpu.kernel_min_s)
@@ -228,13 +227,14 @@ def unfused_times(gm: fx.GraphModule, gpu: GPU) -> dict[str, NodeCost]:
     return out
 
 
-def fused_times(gm: fx.GraphModule, gpu: GPU, live_out: set[str] = frozenset()) -> dict[str, NodeCost]:
+def fused_times(gm: fx.GraphModule, gpu: GPU,
+                live_out: set[str] = frozenset()) -> dict[str, NodeCost]:
     """Memory-bound runs fused into one kernel region each (Inductor); a region's time is put on
     its last node. `live_out`: names of nodes read after this graph (its outputs are too)."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    leaves = {a for a in torch.utils._pytree.tree_leaves(out_node.args[0]) if isinstance(a, fx.Node)}
+    leaves = set(out_node.all_input_nodes)
     costs: dict[str, NodeCost] = {}
     i = 0
     while i < len(nodes):

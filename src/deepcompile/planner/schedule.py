@@ -21,7 +21,11 @@ from .simulate import Event
 MASTER_BYTES = 4          # fp32 master shard
 ADAM_BYTES = 8            # exp_avg + exp_avg_sq (fp32)
 GRAD_SHARD_BYTES = 4      # shard.grad (fp32)
-ADAMW_TRAFFIC = 28        # bytes moved per shard element by AdamW (read p g m v, write p m v)
+# Bytes moved per shard element by torch's AdamW (foreach, the default on CUDA; fp32): lerp_ of
+# exp_avg (12), mul_ + addcmul_ of exp_avg_sq (20), weight decay mul_ of the param (8), sqrt,
+# div and add_ for the denominator (24), addcdiv_ into the param (16). A fused AdamW would
+# move 28 (read p g m v, write p m v).
+ADAMW_TRAFFIC = 80
 
 
 class Cost(Protocol):

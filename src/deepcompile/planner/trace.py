@@ -79,7 +79,8 @@ def trace_piece(piece: Piece, mode=None) -> PieceGraphs:
                     for i, t in enumerate(flat)]
             outs = compiled(*args)
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            diff = [i for i, o in enumerate(outs)
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
             torch.autograd.backward([outs[i] for i in diff],
                                     [torch.ones_like(outs[i]) for i in diff])
     if "bw" not in graphs:
