@@ -9,6 +9,7 @@ Models:
   mlp          Linear(13, 37) -> GELU -> Linear(37, 29) -> Linear(29, 7); sizes are divisible by
                neither 2, 3 nor 4, so every shard is padded.  `mlp_nobias` is the same without biases.
   llama        tiny HF LlamaForCausalLM (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads).
+  llama8       the same with 8 decoder layers (host work against depth).
   llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
   mixtral      tiny HF MixtralForCausalLM (4 experts, top-2, hidden 32, 2 layers), with
                transformers' default experts implementation ("grouped_mm": one graph, a custom
@@ -139,11 +140,11 @@ class NestedBreakModel(nn.Module):
         return F.mse_loss(out, y)
 
 
-def _llama(tie: bool) -> nn.Module:
+def _llama(tie: bool, layers: int = 2) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
         tie_word_embeddings=tie, attn_implementation="eager",
     )
@@ -171,6 +172,7 @@ _BUILDERS = {
     "mlp": lambda: MLP(bias=True),
     "mlp_nobias": lambda: MLP(bias=False),
     "llama": lambda: _llama(tie=False),
+    "llama8": lambda: _llama(tie=False, layers=8),
     "llama_tied": lambda: _llama(tie=True),
     "mixtral": lambda: _mixtral("grouped_mm"),       # transformers' default; one graph
     "mixtral_eager": lambda: _mixtral("eager"),      # loop over hit experts: graph breaks
@@ -181,7 +183,7 @@ _BUILDERS = {
 }
 
 MODEL_NAMES = tuple(_BUILDERS)
-LM_MODELS = ("llama", "llama_tied", "mixtral", "mixtral_eager")
+LM_MODELS = ("llama", "llama8", "llama_tied", "mixtral", "mixtral_eager")
 
 
 def build_model(name: str, seed: int = SEED) -> nn.Module:

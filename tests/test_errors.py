@@ -49,6 +49,22 @@ def test_initialize_uses_existing_group(group):
     assert isinstance(engine.optimizer, torch.optim.SGD)
 
 
+def test_warns_when_cuda_is_visible_but_the_model_is_on_the_cpu(group, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match=r"CUDA is available but the model is on the CPU.*"
+                                         r"torch.cuda.set_device"):
+        deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+
+
+def test_no_cuda_warning_without_cuda(group, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        deepcompile.initialize(_model(), optimizer=SGD, config={"compiler": "fx"})
+
+
 # ------------------------------------------------------------------------------- the model
 def test_meta_device_model(group):
     with torch.device("meta"):
@@ -147,6 +163,7 @@ def test_config_dict_and_dataclass_equivalent():
          "max_grad_norm": 1, "param_dtype": "bf16", "reduce_dtype": None, "passes": []}
     cfg = Config.from_dict(d)
     assert cfg == Config(zero_stage=3, compiler="fx", gradient_accumulation_steps=4,
-                         max_grad_norm=1.0, param_dtype=torch.bfloat16)
+                         max_grad_norm=1.0, param_dtype=torch.bfloat16, passes=())
     assert Config.from_dict(cfg.to_dict()) == cfg
-    assert Config() == Config.from_dict({})
+    assert Config() == Config.from_dict({}) == Config.from_dict({"passes": "auto"})
+    assert Config.from_dict(Config().to_dict()) == Config()

@@ -15,8 +15,6 @@ offloading, and one Inductor run (the reload ops survive compilation and run).
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -152,7 +150,7 @@ def test_reloads_go_only_into_the_last_micro_steps_backward():
     ctx = type("Ctx", (), {
         "order": ["g0.fw", "g0.bw"] * 4, "slots": {"g0.fw": Slot("fw"), "g0.bw": Slot("bw")},
         "profiles": {"g0.fw": Prof(["f0", "f1"]), "g0.bw": Prof(["b0", "b1"])},
-        "registry": type("R", (), {"state": state})()})()
+        "runtime": type("R", (), {"step": state})()})()
     points = O.timeline(ctx)
     assert len(points) == 16
     assert [j for j, p in enumerate(points) if p.placeable] == [14, 15]   # last bw run only
@@ -392,26 +390,15 @@ def _ckpt_run(rank, world, config, steps, save_at=None, load=None, ckpt=None):
 
 
 def _checkpoint_job(rank, world, tmp, budget):
-    plain = {"compiler": "fx", "warmup_steps": 1}
+    plain = {"compiler": "fx", "warmup_steps": 1, "passes": (), "measure_steps": 0}
     offloaded = {**plain, "passes": ("offload_optimizer",), "memory_budget": budget}
     out = {}
-    zero1 = {**plain, "zero_stage": 1}   # the replicated parameters follow the loaded shards
+    zero1 = {**plain, "zero_stage": 1, "passes": ("bucket_reduce",)}   # the replicated parameters follow the loaded shards
     for name, config in (("plain", plain), ("offload", offloaded), ("zero1", zero1)):
         ckpt = f"{tmp}/{name}"
         whole = _ckpt_run(rank, world, config, 6, save_at=4, ckpt=ckpt)
         resumed = _ckpt_run(rank, world, config, 6, load=ckpt)
         out[name] = {"whole": whole, "resumed": resumed}
-    # a checkpoint of another world size is refused, on every rank, with a clear error
-    meta = Path(tmp) / "plain" / "meta.json"
-    if rank == 0:
-        m = json.loads(meta.read_text())
-        meta.write_text(json.dumps({**m, "world_size": world + 1}))
-    import torch.distributed as dist
-    dist.barrier()
-    try:
-        _ckpt_run(rank, world, plain, 6, load=str(meta.parent))
-    except ValueError as e:
-        out["world_error"] = str(e)
     return out
 
 
@@ -430,7 +417,6 @@ def test_training_resumed_from_a_checkpoint_matches_uninterrupted_training(parit
         # the offloaded run saved while its state was on the host
         assert r["offload"]["whole"]["offloaded_at_save"] > 0
         assert r["plain"]["whole"]["offloaded_at_save"] == 0
-        assert "saved by 3 ranks" in r["world_error"] and "runs on 2" in r["world_error"]
 
 
 # ------------------------------------------------------------------------------- Inductor

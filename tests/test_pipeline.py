@@ -21,6 +21,8 @@ import statistics
 import pytest
 import torch
 
+from deepcompile.compiler.profiler import collectives_launched
+
 import _models
 from _dist import run_distributed
 
@@ -103,7 +105,7 @@ def _profile_job(rank, world):
     from deepcompile.compiler.liveness import static_live_bytes
 
     engine, per_step = _train(rank, world, "llama", {"compiler": "fx", "warmup_steps": 2,
-                                                     "profile_steps": 3}, steps=12)
+                                                     "profile_steps": 3, "passes": ()}, steps=12)
     pipe = engine._pipeline
     out = {"per_step": per_step, "timings": pipe.timings, "slots": {},
            "runs_per_step": {k: pipe.order.count(k) for k in pipe.slots}}
@@ -177,7 +179,7 @@ def _pass_job(rank, world, perturb_rank):
                 n.time_s *= 50.0
 
     engine, _ = _train(rank, world, "llama", {
-        "compiler": "fx", "warmup_steps": 1, "profile_steps": 1,
+        "compiler": "fx", "warmup_steps": 1, "profile_steps": 1, "measure_steps": 0,
         "passes": ("test_slowest", "test_hoist")}, steps=5,
         perturb=perturb if rank == perturb_rank else None)
     report = engine.report()
@@ -225,7 +227,7 @@ def test_reprofile_after_a_pass_is_visible(with_passes):
 def _cache_job(rank, world, cache_dir, config_extra):
     engine, per_step = _train(rank, world, "mlp", {
         "compiler": "fx", "warmup_steps": 1, "profile_steps": 1, "cache_dir": cache_dir,
-        "passes": ("test_hoist",), **config_extra}, steps=4)
+        "measure_steps": 0, "passes": ("test_hoist",), **config_extra}, steps=4)
     rep = engine.report().to_dict()
     return {"phases": [s["phase"] for s in per_step], "cache": rep["cache"],
             "versions": {s["slot"]: s["version"] for g in rep["graphs"] for s in g["slots"]},
@@ -251,7 +253,7 @@ def test_plan_cache_skips_profiling_and_rejects_stale_plans(tmp_path):
 # --------------------------------------------------------------------------------- trace
 def _trace_job(rank, world, path):
     engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1}, steps=3)
+                                            "profile_steps": 1, "passes": ()}, steps=3)
     engine.export_trace(path)
     collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
                       if n.kind != "compute")
@@ -275,25 +277,33 @@ def test_export_trace(tmp_path):
         assert params == {n for n, _ in _models.build_model("mlp").named_parameters()}
 
 
-# ------------------------------------------------------------ torch.profiler labels
-def _labels_job(rank, world):
+# ------------------------------------------------------------ what torch.profiler sees
+def _profiler_job(rank, world):
     engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1, "passes": ("prefetch",)}, steps=3)
+                                            "profile_steps": 1, "measure_steps": 0,
+                                            "passes": ("prefetch", "bucket_reduce")}, steps=4)
     batch = _models.local_batch("mlp", 99, rank, world)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.backward(_models.loss_of(engine(**batch)))
         engine.step()
-    return sorted({e.name for e in prof.events() if e.name.startswith("deepcompile.")})
+    names = [e.name for e in prof.events()]
+    planned = {"all_gather": 0, "reduce_scatter": 0}
+    for slot in engine._pipeline.slots.values():
+        for k, v in collectives_launched(slot.gm).items():
+            planned[k] += v
+    return {"custom": sorted({n for n in names if n.startswith("deepcompile::")}),
+            "all_gather": names.count("_c10d_functional::all_gather_into_tensor"),
+            "reduce_scatter": names.count("_c10d_functional::reduce_scatter_tensor"),
+            "planned": planned}
 
 
-def test_profiler_labels_name_the_parameters():
-    names = run_distributed(_labels_job, WORLD, timeout=300)[0]
-    params = [n for n, _ in _models.build_model("mlp").named_parameters()]
-    starts = [n for n in names if n.startswith("deepcompile.allgather_start[")]
-    reduces = [n for n in names if n.startswith("deepcompile.reduce_scatter[")]
-    assert starts and any("deepcompile.allgather_wait[" in n for n in names)
-    assert {p for n in starts for p in n[len("deepcompile.allgather_start["):-1].split(",")} == set(params)
-    assert {n[len("deepcompile.reduce_scatter["):-1] for n in reduces} == set(params)
+def test_steady_step_runs_functional_collectives_only():
+    """A steady step runs no deepcompile op: every collective is a functional collective
+    (C++), one per planned group, as torch.profiler records them."""
+    for r in run_distributed(_profiler_job, WORLD, timeout=300):
+        assert r["custom"] == []
+        assert r["all_gather"] == r["planned"]["all_gather"] > 0
+        assert r["reduce_scatter"] == r["planned"]["reduce_scatter"] > 0
 
 
 def test_cost_model_fit_keeps_latency():

@@ -120,7 +120,8 @@ def test_planning_for_this_machine_measures_it(capsys):
     (r,) = d["systems"]
     graphs = sum(host["graph_s"][f"{p}.{ph}"] * (2 if p == "layer" else 1)
                  for p in ("embed", "layer", "head") for ph in ("fw", "bw"))
-    # the step: both layers' graphs, the embedding's and the head's, 41 + 21 collectives
-    # and the optimizer, one after the other on one thread
+    # the step: both layers' graphs, the embedding's and the head's, and the optimizer, one
+    # after the other on one thread; at world size 1 the lowered graphs communicate nothing
+    # (a gather is the fp32 shard itself, a reduction the gradient)
     assert r["step_s"] > graphs + host["optimizer_s"]
-    assert r["collectives"]["all_gather"]["count"] == 41
+    assert r["collectives"] == {}

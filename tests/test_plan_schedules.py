@@ -125,7 +125,9 @@ def test_selective_unshard_keeps_within_capacity_and_saves_with_accumulation():
         assert ag == d["per_step"]["all_gather"]["after"]["count"]
         if gas == 4:   # gathers saved on every micro-step, refreshed once
             assert r.step_s < base.step_s
-            assert ag < run(s, passes)[0].collectives["all_gather"]["count"]
+            # bytes: kept parameters leave fused groups (the group count may stay)
+            before = run(s, passes)[0].collectives["all_gather"]["bytes"]
+            assert sch.collectives["all_gather"]["bytes"] < before
 
 
 def test_offload_when_the_state_does_not_fit():

@@ -255,7 +255,7 @@ def _budget_job(rank, world, budget):
     model = _models.build_model("llama")
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
-                                            "passes": ("prefetch", "bucket_reduce"),
+                                            "passes": ("prefetch", "bucket_reduce"), "measure_steps": 0,
                                             "memory_budget": budget})
     for step in range(4):
         engine.backward(_models.loss_of(engine(**_models.local_batch("llama", step, rank, world))))
@@ -307,13 +307,13 @@ def test_budget_below_insertion_peak_is_reported(unbounded):
 
 def _cross_graph_job(rank, world):
     import deepcompile
-    from deepcompile.runtime import inflight
+    from deepcompile.compiler.lower import _fallback_gather
 
     model = _models.build_model("graph_break")
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("prefetch",)})
+                                            "passes": ("prefetch",), "measure_steps": 0})
     for step in range(4):
         before = engine.comm_stats()
         for micro in range(2):
@@ -326,23 +326,28 @@ def _cross_graph_job(rank, world):
     (decisions,) = [p["decisions"] for p in report["passes"]]
     order = engine._pipeline.order
     per_graph = {s["slot"]: s for g in report["graphs"] for s in g["slots"]}
-    out = {"misses": dict(inflight.MISSES), "order": order, "last_step": last_step,
+    parked = engine._runtime.parked
+    out = {"misses": dict(parked.misses), "order": order, "last_step": last_step,
            "report_counts": {k: sum(per_graph[key][k + "s"] for key in order)
                              for k in ("all_gather", "reduce_scatter")},
            "for_next": {k: [a["for"] for a in d.get("for_next", [])] for k, d in decisions.items()},
            "from_prev": {k: [g["from_prev"] for g in d["groups"] if g.get("from_prev")]
                          for k, d in decisions.items()}}
-    # the run-time fallbacks, driven directly
+    # the run-time fallbacks, driven directly: nothing parked; parked for other shards (a
+    # reused graph); parked and never taken
     e = next(iter(engine._registry))
+    gather = _fallback_gather([e], e.compute_dtype)
     expect = e.gather()
-    got = inflight.wait_from_prev([e.shard], [e.pid], e.compute_dtype)[0]   # nothing parked
-    inflight.start_for_next([e.pid], e.compute_dtype)                        # parked for e.shard
-    other = e.shard.clone()
-    got_other = inflight.wait_from_prev([other], [e.pid], e.compute_dtype)[0]
-    inflight.start_for_next([e.pid], e.compute_dtype)
-    out["dropped"] = inflight.drop_unused()
-    out["fallback_ok"] = bool(torch.equal(got, expect) and torch.equal(got_other, expect))
-    out["misses_after"] = dict(inflight.MISSES)
+    key = (e.pid,)
+    got = parked.take(key, (e.shard,), (e.shard,), gather)
+    other = e.shard.detach().clone()
+    parked.park(key, gather((e.shard,)))
+    got_other = parked.take(key, (other,), (e.shard,), gather)
+    parked.park(key, gather((e.shard,)))
+    out["dropped"] = parked.drop_unused()
+    out["fallback_ok"] = bool(torch.equal(got[: e.numel].view(e.shape), expect)
+                              and torch.equal(got_other[: e.numel].view(e.shape), expect))
+    out["misses_after"] = dict(parked.misses)
     return out
 
 
@@ -393,7 +398,7 @@ def _inductor_code_job(rank, world):
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
-                                            "passes": ("test_prefetch_nofuse",
+                                            "measure_steps": 0, "passes": ("test_prefetch_nofuse",
                                                        "test_bucket_nofuse")})
     x = torch.randn(4, 16)
 
@@ -416,26 +421,40 @@ def test_inductor_code_keeps_starts_before_the_compute_they_overlap():
         overlapped = 0
         for code in codes:
             seq = []   # "start" / "wait" / "compute", in program order
+            collective = {"allgather": "all_gather_into_tensor",
+                          "reduce": "reduce_scatter_tensor"}[kind]
+            pending = {}   # buffer -> index of its start
+            pairs = []     # (start index, wait index) of collectives waited in this graph
             for ln in (ln.strip() for ln in code.splitlines()):
-                if f"= torch.ops.deepcompile.{kind}_start.default(" in ln:
+                m = re.match(rf"(\w+) = torch\.ops\._c10d_functional\.{collective}\.default\(", ln)
+                w = re.match(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)", ln)
+                if m:
+                    pending[m.group(1)] = len(seq)
                     seq.append("start")
-                elif f"= torch.ops.deepcompile.{kind}_wait.default(" in ln:
+                elif w and w.group(1) in pending:
+                    pairs.append((pending.pop(w.group(1)), len(seq)))
                     seq.append("wait")
                 elif compute.match(ln):
                     seq.append("compute")
-            starts = [i for i, x in enumerate(seq) if x == "start"]
-            waits = [i for i, x in enumerate(seq) if x == "wait"]
-            assert len(starts) == len(waits)
-            graphs -= bool(starts)
-            for s, w in zip(starts, waits):
+            # a start left unwaited is the one handed to the next graph (at most one here)
+            assert len(pending) <= (1 if kind == "allgather" else 0), pending
+            graphs -= bool(pairs)
+            for s, w in pairs:
                 assert s < w
                 overlapped += "compute" in seq[s + 1:w]
         assert graphs == 0, f"{kind}: not in every graph it belongs to"
         assert overlapped > 0, f"{kind}: no compute between a start and its wait"
-    # the backward's first group is started at the forward's tail (and Inductor kept that
-    # output-less op): the forward starts it, the backward takes it
-    assert "torch.ops.deepcompile.allgather_for_next.default(" in codes[0]
-    assert "torch.ops.deepcompile.allgather_from_prev.default(" in codes[1]
+    # no Python op is left in the compiled graphs: every collective is a functional collective
+    for code in codes:
+        assert "torch.ops.deepcompile." not in code
+    # the backward's first group is started at the forward's tail and returned unwaited: the
+    # forward launches one more all-gather than it waits for, the backward one less
+    def count(code, what):
+        return len(re.findall(rf"torch\.ops\._c10d_functional\.{what}\.default\(", code))
+    fw, bw = codes
+    assert count(fw, "all_gather_into_tensor") == count(fw, "wait_tensor") + 1
+    assert count(bw, "all_gather_into_tensor") + count(bw, "reduce_scatter_tensor") == \
+        count(bw, "wait_tensor") - 1
 
 
 def test_fused_groups_keep_the_budget_on_random_graphs():
@@ -466,7 +485,6 @@ def _two_engines_one_cache(rank: int, world: int, cache_dir: str) -> list[dict]:
     pids its graphs' communication ops name, its own pids, the cache hit and the cross-graph
     prefetches that missed."""
     import deepcompile
-    from deepcompile.runtime import inflight
 
     out = []
     for _ in range(2):
@@ -475,8 +493,8 @@ def _two_engines_one_cache(rank: int, world: int, cache_dir: str) -> list[dict]:
         engine = deepcompile.initialize(
             model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
             config={"compiler": "fx", "warmup_steps": 1, "cache_dir": cache_dir,
-                    "passes": ("prefetch", "bucket_reduce")})
-        misses = sum(inflight.MISSES.values())
+                    "passes": ("prefetch", "bucket_reduce"), "measure_steps": 0})
+        misses = 0
         for step in range(4):
             batch = _models.local_batch("graph_break", step, rank, world)
             engine.backward(_models.loss_of(engine(**batch)))
@@ -489,7 +507,8 @@ def _two_engines_one_cache(rank: int, world: int, cache_dir: str) -> list[dict]:
                     named |= set(pids) if isinstance(pids, (list, tuple)) else {pids}
         rep = engine.report().to_dict()
         out.append({"named": sorted(named), "own": sorted(e.pid for e in engine._registry),
-                    "hit": rep["cache"]["hit"], "misses": sum(inflight.MISSES.values()) - misses,
+                    "hit": rep["cache"]["hit"],
+                    "misses": sum(engine._runtime.parked.misses.values()) - misses,
                     "changed": [e["changed"] for e in rep["passes"]],
                     "cross": sum(len(d.get("for_next", [])) for e in rep["passes"]
                                  if e["pass"] == "prefetch" for d in e["decisions"].values())})

@@ -30,7 +30,7 @@ from _dist import run_distributed
 from _train import Jobs, compare_to_reference, run_training, scenario
 from deepcompile.compiler.cost import LinearCostModel
 from deepcompile.passes import selective_unshard as S
-from deepcompile.runtime import ops, unshard
+from deepcompile.runtime import ops
 
 INF = float("inf")
 
@@ -189,8 +189,8 @@ def test_rewrite_retargets_synchronous_ops(entries):
     rb = g.call_function(ops.REDUCE_GRAD, (x, 2, 3, torch.float32))
     g.output((a, b, ra, rb))
     assert S.rewrite(g, keep={1, 2}, accumulate={1})
-    assert [n.target for n in _calls(g)] == [unshard.KEPT_PARAM, unshard.KEPT_PARAM,
-                                             unshard.ACCUMULATE_GRAD, ops.REDUCE_GRAD]
+    assert [n.target for n in _calls(g)] == [ops.KEPT_PARAM, ops.KEPT_PARAM,
+                                             ops.ACCUMULATE_GRAD, ops.REDUCE_GRAD]
     assert a.args == (s1, 1, [6], torch.float32) and ra.args == (x, 1, 3, torch.float32)
     assert not S.rewrite(g, keep={5}, accumulate=set())   # absent: a no-op
 
@@ -218,7 +218,7 @@ def test_rewrite_pulls_kept_members_out_of_a_fused_group(entries):
     calls = _calls(g)
     start = next(n for n in calls if n.target is ops.ALLGATHER_START)
     wait = next(n for n in calls if n.target is ops.ALLGATHER_WAIT)
-    kept = next(n for n in calls if n.target is unshard.KEPT_PARAM)
+    kept = next(n for n in calls if n.target is ops.KEPT_PARAM)
     assert start.args == ([shards[0], shards[2]], [1, 3], torch.float32)
     assert wait.args == (start, [1, 3]) and len(wait.meta["val"]) == 2
     assert start.meta["val"].numel() == 12     # the in-flight buffer of the two left
@@ -257,10 +257,10 @@ def test_rewrite_pulls_kept_members_out_of_cross_graph_groups(entries):
     # both sides of the group keep the same members (the parked gather's key)
     assert nxt.args == (ya, [2], torch.float32)
     assert prev.args == ([s2], [2], torch.float32) and p1.args == (prev, 0)
-    assert out.args[0].target is unshard.KEPT_PARAM and out.args[0].args[:2] == (s1, 1)
+    assert out.args[0].target is ops.KEPT_PARAM and out.args[0].args[:2] == (s1, 1)
     assert S.rewrite(a, keep={2}, accumulate=set()) and S.rewrite(b, keep={2}, accumulate=set())
     assert ops.ALLGATHER_FOR_NEXT not in [n.target for n in _calls(a)]
-    assert [n.target for n in _calls(b)] == [unshard.KEPT_PARAM, unshard.KEPT_PARAM,
+    assert [n.target for n in _calls(b)] == [ops.KEPT_PARAM, ops.KEPT_PARAM,
                                              torch.ops.aten.add.default]
 
 
@@ -279,13 +279,13 @@ def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
     assert not S.rewrite(g, keep={1}, accumulate=set())
     assert S.rewrite(g, keep={1, 2}, accumulate={1})
     out = next(n for n in g.nodes if n.op == "output").args[0]
-    assert out[0].target is unshard.ACCUMULATE_GRAD and out[0].args == (ga, 1, 3, torch.float32)
+    assert out[0].target is ops.ACCUMULATE_GRAD and out[0].args == (ga, 1, 3, torch.float32)
     assert out[1].args == (w, 0) and tok.args == ([gb], [2]) and w.args == (tok, [2])
     assert tok.meta["val"].numel() == 6 + 3
     assert S.rewrite(g, keep={2}, accumulate={2})
     assert [n.target for n in _calls(g)] == [torch.ops.aten.relu.default,
                                              torch.ops.aten.sin.default,
-                                             unshard.ACCUMULATE_GRAD, unshard.ACCUMULATE_GRAD]
+                                             ops.ACCUMULATE_GRAD, ops.ACCUMULATE_GRAD]
 
 
 # ------------------------------------------------------------------------- multi-rank
@@ -486,13 +486,12 @@ def test_budget_with_no_spare_memory_changes_nothing(budget_runs):
 # --------------------------------------------------- a stale kept copy would be caught
 def _stale_job(rank, world):
     import deepcompile
-    from deepcompile.runtime import unshard as U
 
     model = _models.build_model("mlp")
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("selective_unshard",)})
+                                            "passes": ("selective_unshard",), "measure_steps": 0})
     micro, checks = 0, []
 
     def step():
@@ -502,14 +501,13 @@ def _stale_job(rank, world):
             engine.backward(_models.loss_of(engine(**batch)))
             micro += 1
         engine.step()
-        store = U.store_of(engine._registry)
-        return [] if store is None else store.stale()
+        return engine._runtime.kept.stale()
 
     for _ in range(5):
         checks.append(step())
-    store = U.store_of(engine._registry)
-    kept = [k.entry.name for k in store.kept.values()]
-    store.refresh = lambda: None   # this engine's refresh skipped: the copies go stale
+    store = engine._runtime.kept
+    kept = [e.name for e in store.entries]
+    store.refresh = lambda: 0   # this engine's refresh skipped: the copies go stale
     skipped = step()
     return {"checks": checks, "kept": kept, "skipped": skipped}
 
@@ -560,14 +558,13 @@ def _batches(step, rank, world, gas=2, per_rank=4):
 
 def _inductor_ownership_job(rank, world, steps):
     import deepcompile
-    from deepcompile.runtime import unshard as U
 
     torch.manual_seed(0)
     engine = deepcompile.initialize(_PointwiseOnWeights(),
                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("selective_unshard",)})
+                                            "passes": ("selective_unshard",), "measure_steps": 0})
     losses, stale = [], []
     for step in range(steps):
         _, local = _batches(step, rank, world)
@@ -575,11 +572,10 @@ def _inductor_ownership_job(rank, world, steps):
             loss = engine(local[micro])
             engine.backward(loss)
             losses.append(loss.item())
-        store = U.store_of(engine._registry)
-        stale.append(store.stale() if store else [])   # before the refresh: nothing overwritten
+        stale.append(engine._runtime.kept.stale())   # before the refresh: nothing overwritten
         engine.step()
     return {"losses": losses, "stale": stale, "state": engine.full_state_dict(),
-            "kept": [k.entry.name for k in U.store_of(engine._registry).kept.values()]}
+            "kept": [e.name for e in engine._runtime.kept.entries]}
 
 
 def _eager_reference(steps, world):

@@ -2,48 +2,43 @@
 
 Public API: `initialize`, `Config`, the `Engine` it returns, and `register_pass` (with the
 `PassContext` a pass receives) for user-defined optimization passes.
+
+Nothing heavy is imported with the package: torch and the compiler load on first use of one of
+these names (PEP 562), so that `deepcompile --help` answers at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import torch
-from torch import nn
-
-from .config import Config
-from .engine import Engine, OptimizerFactory
-from .passes import PassContext, register_pass
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["initialize", "Config", "Engine", "register_pass", "PassContext"]
 __version__ = "0.1.0"
 
+_LAZY = {
+    "initialize": "._api",
+    "Config": ".config",
+    "Engine": ".engine",
+    "register_pass": ".passes",
+    "PassContext": ".passes",
+}
 
-def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
-               config: Config | Mapping[str, Any] | None = None) -> Engine:
-    """Shard `model` over the default process group and return a training engine.
+if TYPE_CHECKING:  # pragma: no cover
+    from ._api import initialize
+    from .config import Config
+    from .engine import Engine
+    from .passes import PassContext, register_pass
 
-    optimizer: a callable taking an iterable of parameters and returning a
-        torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)); default AdamW.
-    config: a `Config` or an equivalent dict.
-    The default process group is used; if there is none, it is initialized from torchrun's
-    environment (nccl for CUDA models, gloo otherwise).
-    """
-    from .engine import _ensure_process_group, _model_device
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
-    cfg = Config.coerce(config)
-    if optimizer is None:
-        optimizer = torch.optim.AdamW
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("deepcompile.initialize: pass a callable that builds the optimizer "
-                        "(e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), not an optimizer "
-                        "instance: deepcompile builds it over the parameter shards")
-    if not callable(optimizer):
-        raise TypeError("deepcompile.initialize: optimizer must be a callable taking an iterable of "
-                        "parameters and returning a torch.optim.Optimizer (e.g. "
-                        f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer).__name__}")
-    device = _model_device(model)
-    _ensure_process_group(device)
-    return Engine(model, optimizer, cfg)
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deepcompile' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

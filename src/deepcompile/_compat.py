@@ -29,6 +29,29 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, as
     return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
+def group_name(group) -> str:
+    """The name functional collectives resolve a process group by (a `str` in 2.11; 2.13's
+    schemas take `Any` and accept the same string)."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+# Functional collectives: C++ ops that Inductor lowers and calls from its generated code with
+# no Python in between (`_c10d_functional`, same schemas from 2.11 on). The graphs call the raw
+# ops; the Python wrappers were renamed between versions (all_gather_tensor -> _single).
+def funcol_ops():
+    """(all_gather_into_tensor, reduce_scatter_tensor, wait_tensor) overloads."""
+    c = torch.ops._c10d_functional
+    return (c.all_gather_into_tensor.default, c.reduce_scatter_tensor.default,
+            c.wait_tensor.default)
+
+
+def below_autograd():
+    """Run below the autograd dispatch key: the functional collectives have Python autograd
+    kernels, which cost host time even under no_grad; the compiled graphs run without grad."""
+    guard = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+    return guard() if guard is not None else torch.no_grad()
+
+
 # --- Dynamo / AOTAutograd / Inductor -----------------------------------------------------------
 
 def detect_fake_mode(example_inputs: Sequence[Any]):
@@ -125,8 +148,33 @@ def inductor_compile_graph(gm, example_inputs: list) -> Callable:
             tracing(TracingContext(fake_mode)):
         compiled = compile_fx(gm, examples)
     # compile_fx returns AOTAutograd's unboxed `forward(*args)` (which copies the inner boxed
-    # function's attributes, `_boxed_call` included: do not trust it).
+    # function's attributes, `_boxed_call` included: do not trust it). Its arguments stay
+    # referenced until it returns; the boxed function under it (AOT's runtime wrapper around
+    # Inductor's code) takes a list and clears it, so inputs are freed after their last use.
+    # Taken only where the unboxed wrapper adds nothing (a graph without parameters/buffers).
+    inner = compiled
+    while getattr(inner, "__qualname__", "").endswith("aot_module_simplified.<locals>.forward"):
+        inner = getattr(inner, "__wrapped__", None)
+    if inner is not None and inner is not compiled and getattr(inner, "_boxed_call", False) \
+            and not any(True for _ in gm.parameters()) and not any(True for _ in gm.buffers()):
+        return inner
     return lambda args: compiled(*args)
+
+
+def boxed_fx(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
+    """A callable running `gm` on one list of inputs that it clears (FX's boxed calling
+    convention): an input is freed after its last use instead of at the end of the call.
+    The graph module itself is left as it is (a copy is generated)."""
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+    except ImportError:   # older torch: inputs live to the end of the call
+        return lambda args: gm.forward(*args)
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph.set_codegen(_BoxedCodeGen())
+    boxed = torch.fx.GraphModule(gm, graph)
+    return boxed.forward
 
 
 @contextlib.contextmanager
@@ -166,6 +214,33 @@ def profiler_events(prof):
     with `name()`, `device_type()`, `start_ns()`, `nbytes()`, `shapes()`, `dtypes()`); the
     public `events()` drops the memory events' sizes and the collectives' tensor shapes."""
     return prof.profiler.kineto_results.events()
+
+
+def is_op_overload(target) -> bool:
+    """Whether an FX node's target is an aten/custom op overload (`torch._ops.OpOverload`)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording in this process (a second one cannot start)."""
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+# --- tensor subclasses ---------------------------------------------------------------------------
+
+def disable_torch_function_subclass():
+    """Context manager: `__torch_function__` of tensor subclasses is not called inside (what a
+    subclass's own `__torch_function__` runs the real op under)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+# --- distributed checkpoint ------------------------------------------------------------------------
+
+def dcp_storage_info(relative_path: str, offset: int, length: int, transforms=None):
+    """DCP's per-item file location (`_StorageInfo`, private; its fields are stable 2.11-2.15)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length, transform_descriptors=transforms)
 
 
 # --- the planner (deepcompile plan) ------------------------------------------------------------

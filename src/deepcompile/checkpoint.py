@@ -1,121 +1,553 @@
-"""Checkpoints: every rank's shards and optimizer state, and the step counters.
+"""Checkpoints on torch.distributed.checkpoint (DCP): any world size, any ZeRO stage, async, with
+the user's client state, published atomically.
 
-A checkpoint is a directory:
+[Note: checkpoint layout] `engine.save_checkpoint(path)` makes `path` a directory holding one
+complete checkpoint version and a pointer to it:
 
-    meta.json        format, world size, optimizer steps, parameter names and shapes
-    rank00000.pt     rank 0's shards (by parameter name, master dtype) and optimizer state_dict
-    rank00001.pt     ...
+    path/deepcompile-checkpoint.json   {"format": 2, "current": "v00000012-1a2b3c4d"}
+    path/v00000012-1a2b3c4d/
+        __0_0.distcp, __1_0.distcp     DCP data: every rank's slice of every tensor
+        dcp_metadata.json              DCP metadata, as JSON (_dcp.py: nothing loads with pickle)
+        state.json                     format, world size, ZeRO stage, step counters, parameter
+                                       names and shapes, optimizer hyperparameters (JSON)
+        client_state.pt                rank 0's `client_state` (torch.save; read back with
+                                       torch.load(weights_only=True)), when given
+        hf_config.json, ...            a Hugging Face model's config (for `consolidate`)
+        commit.json                    every file above with its size, written last
 
-Collective: every rank calls `save` / `load` with the same path (a filesystem every rank sees).
-Each rank writes its own file atomically (temporary file in the same directory, fsync, rename);
-rank 0 writes `meta.json` last, once every rank's file is in place, so a directory with a
-`meta.json` is a complete checkpoint and an interrupted save never replaces one. The optimizer
-state is read through `optimizer.state_dict()`, which sees offloaded state where it lives
-([Note: optimizer state access] in runtime/offload.py). Loading needs the same world size and
-parameters (no resharding); every rank checks, and all ranks raise the same error.
+Each parameter is stored as one flat tensor of `numel` elements, and every rank writes the part
+its shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / world): a DTensor
+with a Shard(0) placement over the checkpoint's process group, which chunks exactly like the
+registry's shards). The optimizer state follows the same rule: a state tensor shaped like the
+shard is stored flat per parameter (Adam's moments), any other tensor once (Adam's `step`),
+any other value in state.json. Loading builds this rank's slices for the *current* world size,
+and DCP reads whatever saved chunks overlap them: a checkpoint of N ranks loads on M, and the
+ZeRO stage (which does not change the shards' layout) may differ too.
+
+[Note: atomic checkpoints] A save writes a new version directory `.tmp-<version>` beside the
+published one. Once every rank's data is written (inside DCP's final collective, on rank 0:
+`_publish`), rank 0 writes `commit.json`, renames the directory to `<version>`, fsyncs, and only
+then replaces the pointer file (a temporary file renamed over it): that rename is the commit.
+Older versions are deleted after it. A save killed on any rank at any point therefore leaves
+the pointer on the previous complete version (or on the new, complete one), and never anything
+mixed; an unpublished `.tmp-*` directory is removed by the next successful save. Loading checks,
+on every rank, that the pointed-to version has every file of its `commit.json` with the recorded
+size, and the ranks agree on the first error found, so a damaged checkpoint fails on every rank
+with the same message, before anything in the engine is changed (the data is read into new
+tensors and copied into the shards and the optimizer only when every rank has read it).
+
+Checkpoint collectives run on a gloo process group of their own (created at the first save or
+load), so that an asynchronous save's background thread never interleaves with training's
+collectives.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
-import tempfile
+import shutil
+import uuid
+import weakref
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-FORMAT = 1
-META = "meta.json"
+from . import _dcp
+
+log = logging.getLogger("deepcompile")
+
+FORMAT = 2
+POINTER = "deepcompile-checkpoint.json"
+STATE = "state.json"
+CLIENT = "client_state.pt"
+COMMIT = "commit.json"
+HF_CONFIG = "hf_config.json"
+HF_GENERATION = "hf_generation_config.json"
+TMP_PREFIX = ".tmp-"
 
 
-def _rank_file(path: Path, rank: int) -> Path:
-    return path / f"rank{rank:05d}.pt"
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or loaded; the same message on every rank."""
 
 
-def _atomic_write(target: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a failed DCP call raises (its CheckpointException is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+# ---- per-engine checkpoint state (the gloo group, a pending asynchronous save) --------------------
+class _EngineCheckpointState:
+    def __init__(self) -> None:
+        self.group = None
+        self.mesh = None
+        self.pending: Future | None = None
+
+
+_STATES: "weakref.WeakKeyDictionary[Any, _EngineCheckpointState]" = weakref.WeakKeyDictionary()
+
+
+def _state(engine) -> _EngineCheckpointState:
+    st = _STATES.get(engine)
+    if st is None:
+        st = _STATES[engine] = _EngineCheckpointState()
+    if st.group is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = engine._comm.group
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        st.group = dist.new_group(ranks=ranks, backend="gloo")
+        st.mesh = DeviceMesh.from_group(st.group, "cpu")
+    return st
+
+
+def wait(engine) -> None:
+    """Wait for this engine's asynchronous save, if one is running; re-raises its error."""
+    st = _STATES.get(engine)
+    if st is None or st.pending is None:
+        return
+    pending, st.pending = st.pending, None
+    pending.result()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _describe(e: BaseException) -> str:
+    """One line: the first underlying error of a DCP CheckpointException (per-rank failures)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]   # DCP wraps each exception with its traceback summary
+        return f"rank {rank}: {_describe(inner)}"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def _agree(comm, error: str | None) -> None:
-    """All ranks raise if any rank failed (no rank is left waiting in a collective)."""
-    errors = [e for e in comm.all_gather_object(error) if e is not None]
-    if errors:
-        raise ValueError(error or errors[0])
+    """Every rank raises the same error if any rank found one (the lowest rank's)."""
+    errors = comm.all_gather_object(error)
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if first is not None:
+        rank, text = first
+        raise CheckpointError(text if comm.world == 1 else f"{text} [found by rank {rank}]")
+
+
+def _valid(entry, rank: int) -> int:
+    """Elements of the flattened parameter that this rank's shard covers (no padding)."""
+    s = entry.shard.numel()
+    return max(0, min(s, entry.numel - rank * s))
+
+
+def _dtensor(local: torch.Tensor, numel: int, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size([numel]), stride=(1,))
 
 
 def _params(engine) -> list[list]:
-    return [[e.name, list(e.shape)] for e in engine._registry]
+    return [[list(e.names), list(e.shape)] for e in engine._registry]
 
 
-def save(engine, path: str | os.PathLike) -> Path:
-    path = Path(path)
+def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def _optimizer_index(engine) -> list:
+    """Registry entry of every parameter of `optimizer.state_dict()`, in its index order."""
+    by_shard = {id(e.shard): e for e in engine._registry}
+    return [by_shard.get(id(p)) for g in engine.optimizer.param_groups for p in g["params"]]
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
+    """(the DCP state dict of this rank, the JSON description of the optimizer)."""
+    rank = engine._comm.rank
+    sd: dict[str, Any] = {}
+    for e in engine._registry:
+        local = e.shard.detach()[: _valid(e, rank)].to("cpu")
+        sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
+    if rank == 0:
+        for name, b in _persistent_buffers(engine.module).items():
+            sd[f"buffer/{name}"] = b.detach().to("cpu")
+    osd = engine.optimizer.state_dict()
+    index = _optimizer_index(engine)
+    groups = []
+    for g in osd["param_groups"]:
+        hyper, tuples = {}, []
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, tuple):
+                tuples.append(k)
+                v = list(v)
+            if not _jsonable(v):
+                raise CheckpointError(f"save_checkpoint: the optimizer's param_groups[{k!r}] holds "
+                                      f"a {type(v).__name__}; a checkpoint keeps numbers, strings, "
+                                      "booleans, None and lists there")
+            hyper[k] = v
+        names = [index[i].name if index[i] is not None else None for i in g["params"]]
+        if None in names:
+            raise CheckpointError("save_checkpoint: the optimizer holds a tensor that is not one "
+                                  "of the engine's parameter shards")
+        groups.append({"hyper": hyper, "tuples": tuples, "params": names})
+    state_spec: dict[str, dict] = {}
+    for i, st in osd["state"].items():
+        e = index[i]
+        spec = state_spec.setdefault(e.name, {})
+        for k, v in st.items():
+            key = f"optim/{e.name}/{k}"
+            if isinstance(v, torch.Tensor) and v.shape == e.shard.shape:
+                sd[key] = _dtensor(v.detach()[: _valid(e, rank)].to("cpu"), e.numel, mesh)
+                spec[k] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
+            elif isinstance(v, torch.Tensor):
+                sd[key] = v.detach().to("cpu")
+                spec[k] = {"kind": "replicated", "dtype": str(v.dtype).removeprefix("torch."),
+                           "shape": list(v.shape)}
+            elif _jsonable(v):
+                spec[k] = {"kind": "value", "value": v}
+            else:
+                raise CheckpointError(f"save_checkpoint: optimizer state {k!r} of {e.name} is a "
+                                      f"{type(v).__name__}, which a checkpoint cannot hold")
+    return sd, {"param_groups": groups, "state": state_spec}
+
+
+def _client_bytes(client_state: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    data = buf.getvalue()
+    try:   # what cannot be read back safely is refused now, not at resume time
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            "save_checkpoint: client_state must load with torch.load(weights_only=True) "
+            "(tensors, numbers, strings, lists, tuples, dicts...); it does not: "
+            f"{str(e).splitlines()[0]}") from None
+    return data
+
+
+def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module) -> None:
+    from .export import hf_config_dicts
+
+    tmp.mkdir(parents=True, exist_ok=False)
+    _dcp.write_json_atomic(tmp / STATE, state)
+    if client is not None:
+        with open(tmp / CLIENT, "wb") as f:
+            f.write(client)
+            f.flush()
+            os.fsync(f.fileno())
+    config, generation = hf_config_dicts(module)
+    if config is not None:
+        _dcp.write_json_atomic(tmp / HF_CONFIG, config)
+    if generation is not None:
+        _dcp.write_json_atomic(tmp / HF_GENERATION, generation)
+
+
+def _publish(root: Path, version: str) -> None:
+    """Rank 0, once every rank's data is on disk: commit marker, rename, pointer (the commit),
+    then the older versions go ([Note: atomic checkpoints])."""
+    tmp = root / f"{TMP_PREFIX}{version}"
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    _dcp.write_json_atomic(tmp / COMMIT, {"format": FORMAT, "version": version, "files": files})
+    _fsync_dir(tmp)
+    os.rename(tmp, root / version)
+    _fsync_dir(root)
+    _dcp.write_json_atomic(root / POINTER, {"format": FORMAT, "current": version})
+    _fsync_dir(root)
+    _cleanup(root, keep=version)
+
+
+def _cleanup(root: Path, keep: str) -> None:
+    for p in root.iterdir():
+        if p.name != keep and p.is_dir() and (p.name.startswith("v") or
+                                              p.name.startswith(TMP_PREFIX)) \
+                and ((p / COMMIT).exists() or (p / STATE).exists() or p.name.startswith(TMP_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save(engine, path: str | os.PathLike, client_state: Any = None,
+         async_save: bool = False) -> str | Future:
+    import torch.distributed.checkpoint as dcp
+
     comm = engine._comm
-    error = None
+    wait(engine)
+    st = _state(engine)
+    root = Path(path)
+    error, client = None, None
     if engine._micro_steps:
         error = (f"save_checkpoint: {engine._micro_steps} micro-steps are accumulated; save at an "
                  "optimizer-step boundary (after engine.step() returned True)")
+    elif comm.rank == 0 and client_state is not None:
+        try:
+            client = _client_bytes(client_state)
+        except CheckpointError as e:
+            error = str(e)
     _agree(comm, error)
-    path.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": FORMAT, "rank": comm.rank, "world_size": comm.world,
-        "shards": {e.name: e.shard.detach().to("cpu", copy=True) for e in engine._registry},
-        "optimizer": engine.optimizer.state_dict(),
-    }
-    _atomic_write(_rank_file(path, comm.rank), lambda f: torch.save(payload, f))
-    comm.all_gather_object(None)   # every rank's file is in place
-    if comm.rank == 0:
-        meta = {"format": FORMAT, "world_size": comm.world,
-                "optimizer_steps": engine._optimizer_steps, "params": _params(engine)}
-        _atomic_write(path / META, lambda f: json.dump(meta, f, indent=1), mode="w")
-    comm.all_gather_object(None)
-    return path
-
-
-def load(engine, path: str | os.PathLike) -> None:
-    path = Path(path)
-    comm = engine._comm
-    error, meta = None, None
+    version = comm.broadcast_object(f"v{engine._optimizer_steps:08d}-{uuid.uuid4().hex[:8]}"
+                                    if comm.rank == 0 else None)
+    tmp = root / f"{TMP_PREFIX}{version}"
+    error, sd, optim = None, None, None
     try:
-        with open(path / META) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        error = (f"load_checkpoint: {path} is not a complete checkpoint (no {META}; an "
-                 "interrupted save leaves none)")
-    if meta is not None:
-        if meta.get("format") != FORMAT:
-            error = f"load_checkpoint: {path} has format {meta.get('format')!r}; expected {FORMAT}"
-        elif meta["world_size"] != comm.world:
-            error = (f"load_checkpoint: {path} was saved by {meta['world_size']} ranks; this "
-                     f"engine runs on {comm.world} (resharding is not supported: load with the "
-                     "same world size)")
-        elif meta["params"] != _params(engine):
-            saved, mine = meta["params"], _params(engine)
-            diff = next(((a, b) for a, b in zip(saved, mine) if a != b),
-                        (f"{len(saved)} parameters", f"{len(mine)}"))
-            error = (f"load_checkpoint: {path} holds other parameters than this model "
-                     f"(saved {diff[0]}, model {diff[1]})")
-        elif engine._micro_steps:
-            error = (f"load_checkpoint: {engine._micro_steps} micro-steps are accumulated; load "
-                     "at an optimizer-step boundary")
+        sd, optim = _collect(engine, st.mesh)
+        if comm.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if root.exists() and not root.is_dir():
+                raise CheckpointError(f"save_checkpoint: {root} exists and is not a directory")
+            state = {"format": FORMAT, "world_size": comm.world,
+                     "zero_stage": engine.config.zero_stage,
+                     "optimizer_steps": engine._optimizer_steps, "params": _params(engine),
+                     "dtypes": {e.name: str(e.shard.dtype).removeprefix("torch.")
+                                for e in engine._registry},
+                     "buffers": sorted(_persistent_buffers(engine.module)),
+                     "optimizer": optim, "client_state": client is not None,
+                     "loss_scaler": engine._scaler.state_dict() if engine._scaler else None,
+                     "config": engine.config.to_dict()}
+            _write_rank0_files(tmp, state, client, engine.module)
+    except (CheckpointError, OSError) as e:
+        error = str(e) if isinstance(e, CheckpointError) else f"save_checkpoint: {root}: {e}"
     _agree(comm, error)
-    payload = torch.load(_rank_file(path, comm.rank), map_location="cpu", weights_only=True)
+    writer = _dcp.JsonWriter(tmp, on_finish=lambda: _publish(root, version))
+    if not async_save:
+        try:
+            dcp.save(sd, storage_writer=writer, process_group=st.group)
+        except _dcp_errors() as e:  # DCP raises the same on every rank
+            raise CheckpointError(f"save_checkpoint: writing {root} failed (the previous "
+                                  f"checkpoint there, if any, is intact): {e}") from e
+        return str(root)
+    inner = dcp.async_save(sd, storage_writer=writer, process_group=st.group)
+    inner = getattr(inner, "upload_completion", inner)
+    done: Future = Future()
+
+    def finished(f: Future) -> None:
+        try:
+            f.result()
+        except _dcp_errors() as e:
+            done.set_exception(CheckpointError(
+                f"save_checkpoint(async_save=True): writing {root} failed (the previous "
+                f"checkpoint there, if any, is intact): {e}"))
+        else:
+            done.set_result(str(root))
+    inner.add_done_callback(finished)
+    st.pending = done
+    return done
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def resolve(root: Path) -> Path:
+    """The complete version directory a checkpoint path names (its pointer, or itself)."""
+    pointer = root / POINTER
+    if pointer.exists():
+        try:
+            data = json.loads(pointer.read_text())
+            current = data["current"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"load_checkpoint: {root} is damaged: {POINTER} is unreadable "
+                                  f"({type(e).__name__})") from None
+        if data.get("format") != FORMAT:
+            raise CheckpointError(f"load_checkpoint: {root} has format {data.get('format')!r}; "
+                                  f"this deepcompile reads format {FORMAT}")
+        version = root / current
+        if not version.is_dir():
+            raise CheckpointError(f"load_checkpoint: {root} is damaged: its pointer names "
+                                  f"{current}, which is missing")
+        return version
+    if (root / COMMIT).exists():
+        return root
+    if (root / "meta.json").exists():
+        raise CheckpointError(f"load_checkpoint: {root} is a checkpoint of the older format 1 "
+                              "(one file per rank), which this deepcompile does not read; load it "
+                              "with the deepcompile that wrote it and save again")
+    if not root.exists():
+        raise CheckpointError(f"load_checkpoint: no checkpoint at {root} (it does not exist)")
+    raise CheckpointError(f"load_checkpoint: {root} holds no complete checkpoint (no {POINTER}: "
+                          "a save interrupted before its first commit leaves none)")
+
+
+def validate(version: Path) -> dict:
+    """Every file of the version's commit marker, with its size; returns its state.json."""
+    try:
+        commit = json.loads((version / COMMIT).read_text())
+        files = commit["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"load_checkpoint: {version} is not a complete checkpoint (no "
+                              f"{COMMIT})") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"load_checkpoint: {version} is damaged: {COMMIT} is unreadable "
+                              f"({type(e).__name__})") from None
+    for name, size in sorted(files.items()):
+        p = version / name
+        if not p.is_file():
+            raise CheckpointError(f"load_checkpoint: {version} is damaged: {name} is missing")
+        actual = p.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"load_checkpoint: {version} is damaged: {name} has {actual} "
+                                  f"bytes, the save wrote {size} (truncated or overwritten)")
+    try:
+        state = json.loads((version / STATE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"load_checkpoint: {version} is damaged: {STATE} is unreadable "
+                              f"({type(e).__name__})") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"load_checkpoint: {version} has format {state.get('format')!r}; "
+                              f"expected {FORMAT}")
+    return state
+
+
+def _check_matches(engine, state: dict, version: Path) -> None:
+    saved, mine = state["params"], _params(engine)
+    if saved != mine:
+        diff = next(((a, b) for a, b in zip(saved, mine) if a != b),
+                    (f"{len(saved)} parameters", f"{len(mine)}"))
+        raise CheckpointError(f"load_checkpoint: {version} holds other parameters than this "
+                              f"model (saved {diff[0]}, model {diff[1]})")
+    groups = state["optimizer"]["param_groups"]
+    index = _optimizer_index(engine)
+    mine_groups, i = [], 0
+    for g in engine.optimizer.param_groups:
+        mine_groups.append([index[i + j].name for j in range(len(g["params"]))])
+        i += len(g["params"])
+    if [g["params"] for g in groups] != mine_groups:
+        raise CheckpointError(f"load_checkpoint: {version} was saved with other optimizer "
+                              "parameter groups than this engine's optimizer")
+    if engine._micro_steps:
+        raise CheckpointError(f"load_checkpoint: {engine._micro_steps} micro-steps are "
+                              "accumulated; load at an optimizer-step boundary")
+
+
+def _targets(engine, state: dict, mesh) -> dict[str, Any]:
+    rank = engine._comm.rank
+    targets: dict[str, Any] = {}
+    for e in engine._registry:
+        targets[f"model/{e.name}"] = _dtensor(
+            torch.empty(_valid(e, rank), dtype=e.shard.dtype), e.numel, mesh)
+    for name in state.get("buffers", []):
+        targets[f"buffer/{name}"] = None   # filled below from the module's buffer
+    buffers = _persistent_buffers(engine.module)
+    for name in state.get("buffers", []):
+        if name not in buffers:
+            raise CheckpointError(f"load_checkpoint: the checkpoint has buffer {name}, which this "
+                                  "model does not")
+        targets[f"buffer/{name}"] = torch.empty_like(buffers[name], device="cpu")
+    entries = {e.name: e for e in engine._registry}
+    for name, spec in state["optimizer"]["state"].items():
+        e = entries[name]
+        for k, s in spec.items():
+            dtype = _dcp._dtype(s.get("dtype", "float32"))
+            if s["kind"] == "sharded":
+                targets[f"optim/{name}/{k}"] = _dtensor(torch.empty(_valid(e, rank), dtype=dtype),
+                                                        e.numel, mesh)
+            elif s["kind"] == "replicated":
+                targets[f"optim/{name}/{k}"] = torch.empty(s["shape"], dtype=dtype)
+    return targets
+
+
+def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
+    rank = engine._comm.rank
     engine._drop_unused_prefetches()   # a parked gather read the shards about to be replaced
     with torch.no_grad():
         for e in engine._registry:
-            e.shard.copy_(payload["shards"][e.name])
+            valid = _valid(e, rank)
+            e.shard[:valid].copy_(targets[f"model/{e.name}"].to_local())
+            e.shard[valid:].zero_()
+        buffers = _persistent_buffers(engine.module)
+        for name in state.get("buffers", []):
+            buffers[name].copy_(targets[f"buffer/{name}"])
     engine._shards_changed(frozen_too=True)
-    engine.optimizer.load_state_dict(payload["optimizer"])
-    engine._optimizer_steps = meta["optimizer_steps"]
-    engine._state.optimizer_steps = meta["optimizer_steps"]
+    entries = {e.name: e for e in engine._registry}
+    positions = {e.name: i for i, e in enumerate(_optimizer_index(engine)) if e is not None}
+    opt_state = {}
+    for name, spec in state["optimizer"]["state"].items():
+        e = entries[name]
+        st = {}
+        for k, s in spec.items():
+            if s["kind"] == "sharded":
+                local = targets[f"optim/{name}/{k}"].to_local()
+                full = torch.zeros(e.shard.numel(), dtype=local.dtype)
+                full[: local.numel()] = local
+                st[k] = full
+            elif s["kind"] == "replicated":
+                st[k] = targets[f"optim/{name}/{k}"]
+            else:
+                st[k] = s["value"]
+        opt_state[positions[name]] = st
+    current = engine.optimizer.state_dict()["param_groups"]
+    groups = []
+    for g, saved in zip(current, state["optimizer"]["param_groups"]):
+        new = {k: tuple(v) if k in saved["tuples"] else v for k, v in saved["hyper"].items()}
+        new["params"] = g["params"]
+        groups.append(new)
+    engine.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    engine._optimizer_steps = state["optimizer_steps"]
+    engine._state.optimizer_steps = state["optimizer_steps"]
+    if engine._scaler is not None and state.get("loss_scaler"):
+        engine._scaler.load_state_dict(state["loss_scaler"])
+
+
+def load(engine, path: str | os.PathLike) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    comm = engine._comm
+    wait(engine)
+    st = _state(engine)
+    root = Path(path)
+    found = None
+    if comm.rank == 0:   # one rank picks the version: every rank reads the same one
+        try:
+            resolved = resolve(root)
+            found = ("ok", "" if resolved == root else resolved.name)
+        except CheckpointError as e:
+            found = ("error", str(e))
+    found = comm.broadcast_object(found)
+    if found[0] == "error":
+        raise CheckpointError(found[1])
+    version = root / found[1] if found[1] else root
+    error, state, targets, client = None, None, None, None
+    try:   # every rank checks the files it sees
+        state = validate(version)
+        _check_matches(engine, state, version)
+        targets = _targets(engine, state, st.mesh)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(comm, error)
+    try:
+        dcp.load(targets, storage_reader=_dcp.JsonReader(version), process_group=st.group)
+        if state.get("client_state"):
+            client = torch.load(version / CLIENT, map_location="cpu", weights_only=True)
+    except _dcp_errors() as e:  # reported the same on every rank below
+        error = f"load_checkpoint: {version} is damaged: reading it failed ({_describe(e)})"
+    _agree(comm, error)
+    _apply(engine, state, targets)   # nothing was changed before every rank had read everything
     comm.all_gather_object(None)
+    return client

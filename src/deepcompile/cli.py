@@ -2,6 +2,9 @@
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
                      [--passes P1,P2]
+    deepcompile report FILE [--plot DIR] [--json]
+    deepcompile bench --replot JSON [JSON ...] [--out PNG]
+    deepcompile consolidate CKPT OUT [--dtype float32|bfloat16|float16] [--max-shard-size SIZE]
     deepcompile bench [--workloads W ...] [--systems S ...] [--launches N] [--steps N]
                       [--warmup N] [--nproc N] [--device cpu|cuda] [--compiler inductor|fx]
                       [--out DIR] [--timeout S] [--list]
@@ -68,8 +71,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="micro-steps per optimizer step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's random weights (default: %(default)s)")
-    p.add_argument("--passes", default="prefetch,bucket_reduce", metavar="P1,P2",
-                   help="optimization passes, comma-separated, in order; '' for insertion only "
+    p.add_argument("--passes", default="auto", metavar="P1,P2",
+                   help="'auto' (chosen from the profile, as Config's default) or optimization "
+                        "passes, comma-separated, in order; '' for insertion only "
                         "(default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="'auto' (default) uses CUDA GPUs with NCCL when available, else CPU with "
@@ -90,10 +94,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if nproc is None:
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     compiler = args.compiler or ("inductor" if device == "cuda" else "fx")
-    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    passes = "auto" if args.passes.strip() == "auto" else \
+        tuple(p.strip() for p in args.passes.split(",") if p.strip())
     from .passes import known_passes
 
-    unknown = [p for p in passes if p not in known_passes()]
+    unknown = [p for p in passes if p not in known_passes()] if passes != "auto" else []
     if unknown:
         raise SystemExit(f"deepcompile demo: unknown pass(es) {', '.join(unknown)}; "
                          f"known: {', '.join(known_passes())}")
@@ -144,12 +149,30 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="seconds one launch may take before it is stopped and reported as "
                         "failed (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="list workloads and systems, and exit")
+    p.add_argument("--replot", nargs="+", metavar="JSON", default=None,
+                   help="redraw the chart of saved results (bench.json) and exit; with several "
+                        "files a later run's (workload, system) supersedes an earlier one's "
+                        "(drawn hatched); written next to the last file as <stem>.png, or to "
+                        "--out")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import output, systems, workloads
 
+    if args.replot:
+        import json
+        from pathlib import Path
+
+        results = [json.loads(Path(f).read_text()) for f in args.replot]
+        last = Path(args.replot[-1])
+        png = Path(args.out) if args.out else last.with_suffix(".png")
+        reason = output.chart(output.supersede(results) if len(results) > 1 else results[0], png)
+        if reason is not None:
+            print(f"deepcompile bench --replot: {reason}", file=sys.stderr)
+            return 1
+        print(f"[bench] wrote {png}")
+        return 0
     if args.list:
         print("workloads:")
         for name, w in workloads.WORKLOADS.items():
@@ -331,16 +354,135 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- report -------------------------------------------------------------------------------------
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="print a saved report (engine.save_report) and draw its pictures",
+        description=(
+            "Read a report saved by engine.save_report(path) (or engine.plot(dir)'s "
+            "report.json), print its tables (the passes chosen and why, each pass kept or "
+            "reverted, every collective of a step where it runs, asynchronous time explained), "
+            "and with --plot DIR draw its pictures (memory over the step per rank with the "
+            "budget, the traced step's compute/communication timeline, each pass before and "
+            "after, step time through warm-up, profiling and the final compile). Drawing "
+            "needs matplotlib: pip install -c constraints.txt -e '.[plot]'"),
+    )
+    p.add_argument("file", metavar="FILE", help="the report JSON")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write the PNGs into DIR")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from .report import Report
+
+    with open(args.file) as f:
+        data = json.load(f)
+    report = Report.from_dict(data)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
+    if args.plot:
+        from .report.figures import MissingPlotting, plot_report
+
+        try:
+            paths = plot_report(report, args.plot)
+        except MissingPlotting as e:
+            print(str(e), file=sys.stderr)
+            return 1
+        for path in paths:
+            print(f"[report] wrote {path}")
+    return 0
+
+
+# ---- consolidate -------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10,
+               "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def _size(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+
+
+def _add_consolidate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "consolidate",
+        help="write a checkpoint's full model as a Hugging Face model directory (safetensors)",
+        description=(
+            "Read a checkpoint written by engine.save_checkpoint (any number of ranks, any ZeRO "
+            "stage) in this one process and write its full model to OUT as a Hugging Face model "
+            "directory: model.safetensors (or shards with an index) and, when the model was a "
+            "transformers PreTrainedModel, config.json and generation_config.json, loadable with "
+            "from_pretrained(OUT). Optimizer state is not written. Needs safetensors: "
+            "pip install -c constraints.txt -e '.[hf]'"),
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="the checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="the model directory to write (created)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast floating-point weights (default: as saved, the fp32 masters)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="largest safetensors file (default: %(default)s)")
+    p.set_defaults(func=_cmd_consolidate)
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .export import consolidate
+
+    try:
+        files = consolidate(args.checkpoint, args.out,
+                            dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            max_shard_bytes=args.max_shard_size)
+    except (CheckpointError, ImportError) as e:
+        print(f"deepcompile consolidate: {e}", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f"[consolidate] wrote {f}")
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench,
-                                                                          _add_plan)
+_DESCRIPTION = """\
+deepcompile: data-parallel training of an unmodified PyTorch model by compiling it
+(a torch.compile backend rewrites the training graph for ZeRO sharding).
+
+ZeRO stages (deepcompile.Config(zero_stage=...)):
+  1  optimizer state sharded over the ranks; parameters and gradients replicated,
+     gradients reduce-scattered once per optimizer step (after the last micro-step)
+  2  optimizer state and gradients sharded (gradients reduce-scattered every micro-step);
+     parameters replicated
+  3  parameters, gradients and optimizer state sharded (default): each parameter is
+     all-gathered inside the compiled graph just before use and freed after
+"""
+
+_EPILOG = """\
+In a training script:
+  engine = deepcompile.initialize(model, optimizer=..., config=deepcompile.Config(zero_stage=3))
+  loss = engine(**batch).loss; engine.backward(loss); engine.step()
+launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
+"""
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_demo, _add_bench, _add_report, _add_consolidate, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepcompile",
-        description="deepcompile: compiler-driven ZeRO-3 data-parallel training on torch.compile.",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -53,15 +53,29 @@ class Config:
     max_grad_norm: global-norm clipping over all shards when set (> 0).
     param_dtype: compute dtype of gathered parameters (masters stay fp32); None = as loaded.
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
-    passes: optimization passes by name, applied in order; () = insertion only; None (the
-        default) = ("bucket_reduce",) at stages 1 and 2 (bucketed, overlapped reduce-scatters
-        are part of what these stages promise; () when profile_steps is 0), () at stage 3.
+    passes: "auto" (the default; None means the same): the pipeline chooses the passes and
+        their order from the first profile and the memory budget, and says why in the report
+        (compiler/autoplan.py); or optimization passes by name, applied in the order given;
+        () = insertion only. Either way, a pass whose measured steps are slower than before
+        (or whose re-profiled peak exceeds the budget) is reverted.
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
+    measure_steps: after each pass that changed a graph, optimizer steps timed with the new
+        graphs and as many with the graphs from before it, interleaved (after one step of each
+        that settles freshly made code); a pass whose steps are all slower than before is
+        reverted (compiler/autoplan.py). 0: passes are judged on memory only.
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
         None: 90% of device memory on CUDA, unbounded on CPU.
     cache_dir: directory of the plan cache (profiles and decisions); None: no cache.
+    loss_scale: None (the default: dynamic loss scaling when param_dtype is float16, none
+        otherwise), "dynamic", or a static scale (> 0). Dynamic scaling multiplies the loss by
+        the scale before the backward, divides the gradients by it before clipping and the
+        optimizer step, and when any rank finds an inf/NaN gradient skips that optimizer step
+        on every rank and halves the scale; after `loss_scale_window` steps without overflow it
+        doubles the scale (as torch.amp.GradScaler).
+    initial_loss_scale: the first dynamic scale (2**16).
+    loss_scale_window: optimizer steps without overflow before the dynamic scale doubles (2000).
     """
 
     zero_stage: int = 3
@@ -70,11 +84,15 @@ class Config:
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    passes: tuple[str, ...] | None = None
+    passes: tuple[str, ...] | str | None = "auto"
     warmup_steps: int = 2
     profile_steps: int = 1
+    measure_steps: int = 3
     memory_budget: int | float | None = None
     cache_dir: str | None = None
+    loss_scale: float | str | None = None
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 2000
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -97,18 +115,22 @@ class Config:
             set_(self, "max_grad_norm", float(norm))
         set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
-        passes = self.passes
-        if passes is None:
-            passes = ("bucket_reduce",) if self.zero_stage < 3 and self.profile_steps != 0 else ()
-        if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+        passes = "auto" if self.passes is None else self.passes
+        if isinstance(passes, str):
+            if passes != "auto":
+                raise ValueError(f"Config.passes: {passes!r} is not allowed; allowed: 'auto', "
+                                 "None (the same) or a sequence of pass names")
+        elif not all(isinstance(p, str) for p in passes):
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
-                             "allowed: a sequence of pass names")
-        set_(self, "passes", tuple(passes))
-        for key in ("warmup_steps", "profile_steps"):
+                             "allowed: 'auto' or a sequence of pass names")
+        else:
+            passes = tuple(passes)
+        set_(self, "passes", passes)
+        for key in ("warmup_steps", "profile_steps", "measure_steps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Config.{key}: {v!r} is not allowed; allowed: an integer >= 0")
-        if self.passes and self.profile_steps == 0:
+        if self.passes and not self.auto_passes and self.profile_steps == 0:
             raise ValueError("Config.profile_steps: 0 is not allowed with passes; the passes plan "
                              "from profiles (allowed: an integer >= 1, or passes=())")
         budget = self.memory_budget
@@ -123,15 +145,49 @@ class Config:
                 raise ValueError(f"Config.cache_dir: {self.cache_dir!r} is not allowed; allowed: "
                                  "None or a directory path")
             set_(self, "cache_dir", os.fspath(self.cache_dir))
+        scale = self.loss_scale
+        if scale is not None and scale != "dynamic":
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+                raise ValueError(f"Config.loss_scale: {scale!r} is not allowed; allowed: None "
+                                 "(dynamic when param_dtype is float16, else no scaling), "
+                                 "'dynamic', or a static scale > 0")
+            set_(self, "loss_scale", float(scale))
+        init = self.initial_loss_scale
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not init >= 1:
+            raise ValueError(f"Config.initial_loss_scale: {init!r} is not allowed; allowed: a "
+                             "number >= 1")
+        set_(self, "initial_loss_scale", float(init))
+        window = self.loss_scale_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"Config.loss_scale_window: {window!r} is not allowed; allowed: an "
+                             "integer >= 1")
         from .passes import known_passes  # late: passes may import config
-        unknown = [p for p in self.passes if p not in known_passes()]
+        unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:
             raise ValueError(f"Config.passes: unknown pass {unknown[0]!r}; "
                              f"known: {', '.join(known_passes()) or '(none registered)'}")
-        if "offload_optimizer" in self.passes and self.warmup_steps == 0:
+        if "offload_optimizer" in self.pass_list and self.warmup_steps == 0:
             raise ValueError("Config.warmup_steps: 0 is not allowed with offload_optimizer; the "
                              "optimizer state it plans for exists after the first optimizer "
                              "step (allowed: an integer >= 1)")
+
+    @property
+    def auto_passes(self) -> bool:
+        """The pipeline chooses the passes (`passes="auto"`)."""
+        return self.passes == "auto"
+
+    @property
+    def pass_list(self) -> tuple[str, ...]:
+        """The passes named in the config (none when they are chosen automatically)."""
+        return () if self.auto_passes else self.passes
+
+    @property
+    def loss_scaling(self) -> str | None:
+        """"dynamic", "static" or None (no loss scaling): dynamic by default with float16."""
+        if self.loss_scale == "dynamic" or (self.loss_scale is None
+                                            and self.param_dtype is torch.float16):
+            return "dynamic"
+        return None if self.loss_scale is None else "static"
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":
@@ -140,6 +196,35 @@ class Config:
             if key not in names:
                 raise ValueError(f"Config: unknown key {key!r}; allowed: {', '.join(sorted(names))}")
         return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> "Config":
+        """A Config from a JSON, YAML or TOML file of Config keys (at the top level or under a
+        `deepcompile` table), or of a DeepSpeed config (read by `from_deepspeed`). Keyword
+        arguments override the file."""
+        from ._config_io import is_deepspeed, load_file
+
+        data = load_file(path)
+        if is_deepspeed(data):
+            return cls.from_deepspeed(data, **overrides)
+        if isinstance(data.get("deepcompile"), Mapping):
+            data = data["deepcompile"]
+        return cls.from_dict({**data, **overrides})
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: "Mapping[str, Any] | str | os.PathLike",
+                       **overrides: Any) -> "Config":
+        """A Config from a DeepSpeed config (a dict or a JSON/YAML/TOML file): ZeRO stage,
+        bf16/fp16 (with its loss scaling), gradient accumulation, clipping, optimizer-state
+        offload, communication dtype, `compile.deepcompile`. Keys the compiler decides itself
+        are accepted with a warning; keys that would change training and have no counterpart
+        raise ValueError naming them. Keyword arguments (Config keys) fill DeepSpeed's "auto"
+        values and override the rest."""
+        from ._config_io import from_deepspeed, load_file
+
+        if isinstance(ds_config, (str, os.PathLike)):
+            ds_config = load_file(ds_config)
+        return cls.from_dict(from_deepspeed(ds_config, dict(overrides)))
 
     @classmethod
     def coerce(cls, value: "Config | Mapping[str, Any] | None") -> "Config":
@@ -155,5 +240,5 @@ class Config:
         d = dataclasses.asdict(self)
         for k in ("param_dtype", "reduce_dtype"):
             d[k] = None if d[k] is None else str(d[k]).removeprefix("torch.")
-        d["passes"] = list(self.passes)
+        d["passes"] = "auto" if self.auto_passes else list(self.passes)
         return d

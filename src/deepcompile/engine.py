@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from typing import Any, Callable, Iterable
 
@@ -14,17 +15,20 @@ from torch import nn
 from .compiler.backend import Backend
 from .compiler.pipeline import Pipeline
 from .config import Config
+from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
-from .runtime import inflight, replicas, unshard
 from .runtime.eager import EagerFallback
 from .runtime.offload import OptimizerStateOffload
-from .runtime.registry import ParamRegistry
+from .runtime.registry import ParamEntry, ParamRegistry
+from .runtime.runtime import EngineRuntime
 from .runtime.state import StepState
 
 log = logging.getLogger("deepcompile")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_grad_of = operator.attrgetter("grad")
+_is_not_none = functools.partial(operator.is_not, None)
 
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -85,40 +89,55 @@ class Engine:
         self._comm = Comm(group)
         self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
-                                       reduce_dtype=config.reduce_dtype, state=self._state,
+                                       reduce_dtype=config.reduce_dtype,
                                        zero_stage=config.zero_stage)
-        self.optimizer = optimizer(self._registry.trainable_shards())
+        self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
+        self._registry.reuse_listeners.append(self._check_reuse)
+        self._trainable = self._registry.trainable_shards()
+        self.optimizer = optimizer(self._trainable)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         self._offload = OptimizerStateOffload(self.optimizer, self._registry, self.device)
-        self._fallback = EagerFallback(module, self._registry, gather=config.zero_stage == 3)
-        self._pipeline = Pipeline(registry=self._registry, comm=self._comm, config=config,
-                                  device=self.device, engine_fingerprint=self._fingerprint())
-        if "selective_unshard" in config.passes:   # kept parameters, gradient accumulators
-            self._pipeline.runtime_bytes_sources.append(
-                functools.partial(unshard.held_bytes, self._registry))
-        if config.zero_stage == 1:   # gradients kept locally between micro-steps
-            self._pipeline.runtime_bytes_sources.append(self._registry.local_grad_bytes)
-        if "offload_optimizer" in config.passes:
+        self._runtime.offload = self._offload
+        self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
+        self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
+                                  engine_fingerprint=self._fingerprint())
+        if "offload_optimizer" in config.pass_list:
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
-            self._pipeline.runtime_bytes_sources.append(self._offload.held_bytes)
+            self._runtime.count_offload_bytes = True
             self._offload.provisional = True   # until planned, all movable state leaves
+        elif config.auto_passes and self._pipeline.memory_budget != float("inf"):
+            # auto may choose offload_optimizer from the profile: the state is in the budget
+            # (profiled on the device: name the pass to profile with it offloaded)
+            self._runtime.count_offload_bytes = True
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
+        # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
+        self._guard = ModelGuard(module, self._registry, config.zero_stage)
+        self._compiled = self._guard.wrap(self._compiled)
+        self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
+        from .metrics import StepMetrics
+        from .report.steptrace import StepTracer
+
+        self._metrics = StepMetrics(self)
+        self._tracer = StepTracer(self._pipeline, self.device)
         self._micro_steps = 0
         self._optimizer_steps = 0
-        self._warned_unused = False
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
 
     # -- training loop ---------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
+        if torch.is_grad_enabled():
+            self._metrics.count_tokens(args, kwargs)
         return self._compiled(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         gas = self.config.gradient_accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale_loss(loss)
         (loss / gas if gas > 1 else loss).backward()
         self._micro_steps += 1
 
@@ -127,51 +146,71 @@ class Engine:
         stepped."""
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
-        self._drop_unused_prefetches()
-        if self.config.zero_stage == 1:
-            self._registry.flush_local_grads()
-        if self.config.max_grad_norm is not None:
+        self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
+        finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
+        if finite and self.config.max_grad_norm is not None:
             self._clip_grad_norm(self.config.max_grad_norm)
         self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._shards_changed()
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps
         self._pipeline.end_step()
+        self._metrics.end_step()
+        if self._pipeline.tracing is not None:   # engine.trace_next_step()
+            self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
         self._offload.after_step()    # planned fragments leave the device until the next step
         return True
 
     def _shards_changed(self, frozen_too: bool = False) -> None:
-        """What is derived from the shards follows them (after the optimizer step, after loading
-        a checkpoint): ZeRO-1/2's replicated parameters take the updated shards (the frozen
-        ones only where they changed too: a checkpoint load), and the parameters
-        `selective_unshard` keeps gathered are gathered again."""
-        if self.config.zero_stage < 3:
-            replicas.refresh([e for e in self._registry if frozen_too or e.shard.requires_grad])
-        unshard.refresh(self._registry)
+        """What is derived from the shards follows them (runtime/runtime.py)."""
+        self._runtime.shards_changed(frozen_too)
+
+    def _make_loss_scaler(self):
+        mode = self.config.loss_scaling
+        if mode is None:
+            return None
+        from .runtime.loss_scale import LossScaler
+
+        return LossScaler(self._comm, self.device, dynamic=mode == "dynamic",
+                          scale=self.config.initial_loss_scale if mode == "dynamic"
+                          else self.config.loss_scale, window=self.config.loss_scale_window)
+
+    def _unscale_grads(self) -> bool:
+        """Loss scaling: the shards' gradients divided by the scale; False when a gradient
+        overflowed on any rank (the optimizer step is then skipped everywhere)."""
+        if self._scaler is None:
+            return True
+        return self._scaler.unscale(self._trainable)
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
-        before the optimizer changes the shards they read ([Note: cross-graph prefetch])."""
-        dropped = inflight.drop_unused()
-        if dropped and not self._warned_unused:
-            self._warned_unused = True
-            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
-                        "(the graphs ran in another order than when profiled); they are dropped",
-                        dropped)
+        before the shards change ([Note: cross-graph prefetch])."""
+        self._runtime.parked.drop_unused()
+
+    def _check_reuse(self, compiled_for: ParamEntry, actual: ParamEntry) -> None:
+        """A graph reused for another parameter after planning: a gradient accumulated by the
+        compile-time parameter's id would mix two parameters' gradients."""
+        if self.config.zero_stage == 3 and self._runtime.accum.accumulates(compiled_for):
+            raise RuntimeError(
+                f"deepcompile: the graph that accumulates the gradient of {compiled_for.name!r} "
+                f"locally is also run for {actual.name!r} (graph reuse appeared after planning); "
+                "their gradients cannot be told apart. Leave out the pass `selective_unshard`.")
 
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = [s.grad for s in self._registry.trainable_shards() if s.grad is not None]
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            local += g.float().pow(2).sum()
-        total = self._comm.all_reduce(local).sqrt()  # shards are disjoint; padding grads are 0
+        grads = list(filter(_is_not_none, map(_grad_of, self._trainable)))
+        if grads:   # shards are disjoint; padding gradients are 0
+            norms = torch._foreach_norm(grads, 2.0)
+            local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = self._comm.all_reduce(local).sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        torch._foreach_mul_(grads, coef)
         return total
 
     # -- state -----------------------------------------------------------------------------
@@ -186,18 +225,34 @@ class Engine:
                 out[name] = full
         return out
 
-    def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Write this rank's shards and optimizer state and the step counters under the
-        directory `path` (collective; at an optimizer-step boundary). See checkpoint.py."""
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, *,
+                        async_save: bool = False):
+        """Save the shards, the optimizer state, the step counters and rank 0's `client_state`
+        (anything `torch.load(weights_only=True)` reads back) under the directory `path`, on
+        torch.distributed.checkpoint: loadable on any number of ranks and ZeRO stage, published
+        atomically (collective; at an optimizer-step boundary). Returns `path`; with
+        `async_save=True`, a Future of it (the data is copied first: training may go on).
+        See checkpoint.py."""
         from . import checkpoint
 
-        return str(checkpoint.save(self, path))
+        return checkpoint.save(self, path, client_state, async_save=async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what `save_checkpoint` wrote (collective; same world size and model)."""
+    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+        """Restore what `save_checkpoint` wrote (collective; any world size and ZeRO stage, the
+        same model and optimizer groups); returns the saved `client_state` (or None)."""
         from . import checkpoint
 
-        checkpoint.load(self, path)
+        return checkpoint.load(self, path)
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                        max_shard_bytes: int | None = None) -> str:
+        """Write the full model as a Hugging Face model directory (safetensors weights, and
+        config.json when the model is a `transformers.PreTrainedModel`), in the master dtype
+        unless `dtype` is given. Collective: call on every rank; rank 0 writes."""
+        from . import export
+
+        return export.save_pretrained(self, directory, dtype=dtype,
+                                      max_shard_bytes=max_shard_bytes)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self._comm.stats()
@@ -207,11 +262,58 @@ class Engine:
         return Report.build(self)
 
     def export_trace(self, path: str | os.PathLike) -> str:
-        """Write a Chrome-trace JSON of the latest profiled step (every rank's compute and
-        communication lanes). Collective: call it on every rank; rank 0 writes the file."""
+        """Write a Chrome-trace JSON (Perfetto, chrome://tracing): every rank's lanes of the
+        step traced by `trace_next_step()` (real timestamps, collectives labelled with their
+        modules, exposed waits), or of the latest profiled step when none was traced, with a
+        memory counter track. Collective: call it on every rank; rank 0 writes the file."""
         from .report.trace import export_trace
 
         return export_trace(self, path)
+
+    @property
+    def phase(self) -> str:
+        """Where the engine is: "warmup", "profile", "measure" or "steady" (planning over)."""
+        return self._pipeline.phase.value
+
+    def metrics(self, peak_flops: float | None = None) -> dict[str, Any]:
+        """Figures of the last optimizer step: step time, tokens/s, FLOPs and MFU (where the
+        device's peak is known, or `peak_flops` is given), exposed communication, peak memory,
+        collectives (metrics.py). Cheap: call it every step (e.g. for TensorBoard)."""
+        return self._metrics.metrics(peak_flops)
+
+    def trace_next_step(self) -> bool:
+        """Record the next optimizer step (until `step()` returns) with torch.profiler, for
+        `export_trace`, `plot` and the measured exposed communication in `metrics()`; call it
+        on every rank, between steps. False when another profiler is recording."""
+        return self._tracer.start()
+
+    def save_report(self, path: str | os.PathLike) -> str:
+        """Write `report()` as JSON with every rank's data for the pictures (memory curves,
+        traced step, step times): `deepcompile report FILE --plot DIR` reads it. Collective:
+        call it on every rank; rank 0 writes the file."""
+        from .report.figures import gather_report
+
+        report = gather_report(self)
+        if self._comm.rank == 0:
+            report.save(path)
+        return str(path)
+
+    def plot(self, directory: str | os.PathLike) -> list[str]:
+        """Draw the pictures of this engine into `directory` (PNG, matplotlib: the `plot`
+        extra): memory over the profiled step per rank with the budget, the traced step's
+        compute/communication timeline (`trace_next_step()`), each pass before and after, step
+        time through warm-up, profiling and the final compile; writes report.json and
+        trace.json there too. Collective: call it on every rank; rank 0 writes."""
+        from .report.figures import gather_report, plot_report
+
+        report = gather_report(self)
+        paths: list[str] = []
+        if self._comm.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            paths.append(report.save(os.path.join(directory, "report.json")))
+            paths += plot_report(report, directory)
+        self.export_trace(os.path.join(directory, "trace.json"))
+        return paths
 
     def _fingerprint(self) -> dict:
         """What determines a plan besides the graphs (the plan cache's key)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 from typing import Any, Callable
 
 import torch
@@ -186,22 +187,40 @@ def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
     the parameter actually passed, never from the one seen at compile time. The `pid` baked into
     the graph's ops then names the compile-time parameter: its layout (shape, dtypes, padding) is
     guaranteed identical by Dynamo's guards and checked here; gradients still flow to the right
-    shard through autograd. The graph record notes the reuse, for passes that plan by `pid`.
+    shard through autograd, and the runtime's tables are keyed by the shard the graph is called
+    with ([Note: runtime inputs] in compiler/lower.py). The registry notes the reuse, for passes
+    that plan by `pid`.
+
+    The common case (the parameters seen at compile time) costs a fixed number of Python
+    operations per call, none per parameter: the check and the swap run in C (`map`).
     """
     if not params:
         return compiled
-    expected = [(i, e.param, e) for i, e in params]
+    positions = [i for i, _ in params]
+    expected = tuple(e.param for _, e in params)
+    shards = tuple(e.shard for _, e in params)
+    pick = _picker(positions)
+    index: list[int] = []
 
     def run(*args):
-        args = list(args)
-        for i, param, entry in expected:
-            arg = args[i]
-            if arg is not param:
-                entry = _reused_entry(registry, arg, entry)
-            args[i] = entry.shard
-        return compiled(*args)
+        if not index:   # argument i of the call, or shard k (after the arguments)
+            at = {i: len(args) + k for k, i in enumerate(positions)}
+            index.extend(at.get(i, i) for i in range(len(args)))
+        if all(map(operator.is_, pick(args), expected)):
+            src = args + shards
+        else:
+            src = args + tuple(e.shard if arg is e.param else _reused_entry(registry, arg, e).shard
+                               for (_, e), arg in zip(params, pick(args)))
+        return compiled(*map(src.__getitem__, index))
 
     return run
+
+
+def _picker(indices: list[int]) -> Callable[[tuple], tuple]:
+    """args -> the arguments at `indices`, in C (no Python frame per call)."""
+    if len(indices) == 1:
+        return operator.itemgetter(slice(indices[0], indices[0] + 1))
+    return operator.itemgetter(*indices)
 
 
 def _reused_entry(registry: ParamRegistry, arg: Any, compiled_for: ParamEntry) -> ParamEntry:

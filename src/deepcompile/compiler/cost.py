@@ -1,9 +1,13 @@
 """Cost model: predicted seconds for collectives (and host<->device copies where a GPU exists).
 
-`LinearCostModel` is `latency + bytes / bandwidth` per kind. `calibrate` fits it from a short
-measured sweep at start-up; every rank ends with the same model (the slowest rank's timings,
-agreed with an all-reduce MAX). Pluggable: anything with `collective_s(kind, nbytes)` and
-`copy_s(nbytes)` works. No GPU-only imports.
+`LinearCostModel` is `latency + bytes / bandwidth` per kind, plus the host time it takes to
+launch one collective (`launch_s`: the functional collective's C++ call, measured without
+waiting for it). A step whose host work is on the critical path (many small collectives on a
+fast device) pays the launch cost in full for every collective, so the fusion rule counts it
+(`passes/_common.fuses`). `calibrate` fits the model from a short measured sweep at start-up;
+every rank ends with the same model (the slowest rank's timings, agreed with an all-reduce MAX).
+Pluggable: anything with `collective_s(kind, nbytes)`, `copy_s(nbytes)` and `launch_s(kind)`
+works. No GPU-only imports.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ SWEEP_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 20)
 class CostModel(Protocol):
     def collective_s(self, kind: str, nbytes: int) -> float: ...
     def copy_s(self, nbytes: int) -> float: ...
+    def launch_s(self, kind: str) -> float: ...
 
 
 @dataclasses.dataclass
@@ -29,10 +34,14 @@ class LinearCostModel:
     coeffs: dict[str, tuple[float, float]]
     copy: tuple[float, float] | None = None
     samples: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    launch: dict[str, float] = dataclasses.field(default_factory=dict)   # kind -> host s
 
     def collective_s(self, kind: str, nbytes: int) -> float:
         a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
         return a + b * nbytes
+
+    def launch_s(self, kind: str) -> float:
+        return self.launch.get(kind, self.launch.get("all_gather", 0.0))
 
     def copy_s(self, nbytes: int) -> float:
         if self.copy is None:
@@ -43,13 +52,15 @@ class LinearCostModel:
     def to_dict(self) -> dict:
         return {"coeffs": {k: list(v) for k, v in self.coeffs.items()},
                 "copy": list(self.copy) if self.copy else None,
+                "launch": dict(self.launch),
                 "samples": {k: [list(s) for s in v] for k, v in self.samples.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearCostModel":
         return cls(coeffs={k: tuple(v) for k, v in d["coeffs"].items()},
                    copy=tuple(d["copy"]) if d.get("copy") else None,
-                   samples={k: [tuple(s) for s in v] for k, v in d.get("samples", {}).items()})
+                   samples={k: [tuple(s) for s in v] for k, v in d.get("samples", {}).items()},
+                   launch=dict(d.get("launch", {})))
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -85,13 +96,48 @@ def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
     # host->device copies (offloading plans with them; on the CPU a host copy stands in)
     times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
     kinds = list(times)
-    flat = torch.tensor([t for k in kinds for t in times[k]], dtype=torch.float64, device=device)
+    launch = _launch_sweep(comm, device)
+    flat = torch.tensor([t for k in kinds for t in times[k]] + list(launch.values()),
+                        dtype=torch.float64, device=device)
     comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)  # the slowest rank's
     flat = flat.tolist()
     k = len(SWEEP_BYTES)
     samples = {kind: list(zip(SWEEP_BYTES, flat[i * k:(i + 1) * k])) for i, kind in enumerate(kinds)}
     return LinearCostModel(coeffs={kind: _fit(samples[kind]) for kind in ("all_gather", "reduce_scatter")},
-                           copy=_fit(samples["h2d"]) if "h2d" in samples else None, samples=samples)
+                           copy=_fit(samples["h2d"]) if "h2d" in samples else None, samples=samples,
+                           launch=dict(zip(launch, flat[len(kinds) * k:])))
+
+
+def _launch_sweep(comm, device: torch.device, launches: int = 16,
+                  repeats: int = 3) -> dict[str, float]:
+    """Host seconds to launch one functional collective (as the compiled graphs do, below
+    autograd), measured without waiting for it: the median over `repeats` rounds of
+    `launches` back-to-back launches of a small message. Zero at world size 1 (the lowered
+    graphs launch nothing there)."""
+    if comm.world == 1:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+    from .. import _compat
+
+    ag, rs, wait = _compat.funcol_ops()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    small = torch.zeros(256 * comm.world, dtype=torch.float32, device=device)
+    shard = small[:256].clone()
+    out = {}
+    for kind, launch in (("all_gather", lambda: ag(shard, comm.world, comm.group_name)),
+                         ("reduce_scatter", lambda: rs(small, "sum", comm.world, comm.group_name))):
+        runs = []
+        with _compat.below_autograd():
+            for _ in range(repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                pending = [launch() for _ in range(launches)]
+                elapsed = time.perf_counter() - t0
+                for t in pending:
+                    wait(t)
+                sync()
+                runs.append(elapsed / launches)
+        out[kind] = statistics.median(runs[1:])
+    return out
 
 
 def _copy_sweep(device: torch.device, repeats: int) -> list[tuple[int, float]]:

@@ -89,15 +89,16 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """node -> values whose last use is that node (placeholders excluded: kept to the end)."""
+def last_uses(graph: fx.Graph, keep_inputs: bool = True) -> dict[fx.Node, list[fx.Node]]:
+    """node -> values whose last use is that node (placeholders excluded, kept to the end,
+    unless not `keep_inputs`)."""
     last: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         for inp in node.all_input_nodes:
             last[inp] = node
     out: dict[fx.Node, list[fx.Node]] = {}
     for value, user in last.items():
-        if value.op != "placeholder":
+        if value.op != "placeholder" or not keep_inputs:
             out.setdefault(user, []).append(value)
     return out
 
@@ -158,16 +159,24 @@ def _param_of(node: fx.Node, name_of: Callable[[int], str]) -> str | None:
 
 def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
                 name_of: Callable[[int], str],
-                runtime_bytes: Callable[[], int] = lambda: 0) -> tuple[Any, GraphProfile]:
-    """Run `gm` on `args` once, node by node; return its outputs and its profile."""
+                runtime_bytes: Callable[[], int] = lambda: 0,
+                uncounted: frozenset[int] = frozenset(),
+                transient: frozenset[int] = frozenset()) -> tuple[Any, GraphProfile]:
+    """Run `gm` on `args` once, node by node; return its outputs and its profile. Inputs at
+    the positions in `uncounted` are the runtime's (counted by `runtime_bytes`, not here);
+    inputs at the positions in `transient` are freed after their last use (`args` is
+    consumed: the caller hands them over); the others stay alive to the end, as the caller's
+    arguments do."""
     graph = gm.graph
     cuda = any(t.is_cuda for t in tensors_in(args))
-    free_after = last_uses(graph)
+    free_after = last_uses(graph, keep_inputs=not transient)
     env: dict[fx.Node, Any] = {}
     held: dict[fx.Node, list[int]] = {}   # storage keys each live value holds
     live = RefCountedBytes()
     records: list[tuple[fx.Node, Any, Any, int, int]] = []  # node, start, end, out, live
-    arg_iter = iter(args)
+    inputs: set[fx.Node] = set()          # placeholders alive to the end
+    external: set[int] = set()            # storages of the runtime's inputs
+    arg_iter = iter(enumerate(args))
     clock = time.perf_counter
     if cuda:
         torch.cuda.synchronize()
@@ -175,10 +184,20 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
     result = None
     for node in graph.nodes:
         if node.op == "placeholder":
-            value = next(arg_iter)
+            i, value = next(arg_iter)
             env[node] = value
-            for key, nbytes in _storages(value)[0]:  # inputs stay alive to the end
-                live.add(key, nbytes)
+            if i in transient:
+                args[i] = None
+                held[node] = [key for key, _ in _storages(value)[0]]
+                for key, nbytes in _storages(value)[0]:
+                    live.add(key, nbytes)
+            else:
+                inputs.add(node)
+                if i in uncounted:   # the runtime's: its views and in-place results neither
+                    external.update(key for key, _ in _storages(value)[0])
+                else:
+                    for key, nbytes in _storages(value)[0]:  # inputs stay alive to the end
+                        live.add(key, nbytes)
             continue
         if node.op == "output":
             result = fx.graph.map_arg(node.args[0], env.__getitem__)
@@ -205,10 +224,14 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
             end = clock()
         env[node] = value
         storages, out_bytes = _storages(value)
+        if external:
+            storages = [(key, nbytes) for key, nbytes in storages if key not in external]
         for key, nbytes in storages:
             live.add(key, nbytes)
         held[node] = [key for key, _ in storages]
         for dead in free_after.get(node, ()):
+            if dead in inputs:
+                continue
             del env[dead]
             for key in held.pop(dead):
                 live.remove(key)

@@ -28,6 +28,7 @@ config.py): it finds these `reduce_grad` nodes like ZeRO-3's.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable
 
 import torch
@@ -111,18 +112,33 @@ def _check(value: Any, shape: tuple, dtype: torch.dtype, entry: ParamEntry, what
 
 def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry,
                   resolve: Callable) -> Callable:
-    """At run time the shards of the parameters actually passed follow Dynamo's arguments."""
+    """At run time the shards of the parameters actually passed follow Dynamo's arguments, and
+    each replicated parameter is passed as its detached alias (`ParamEntry.replica`): the
+    graph routes the gradient to the shard, so autograd needs no edge to the replica (no
+    accumulation, no gradient hook run per parameter and micro-step). A fixed number of Python
+    operations per call when the parameters are the compile-time ones."""
     if not links:
         return compiled
-    expected = [(link.param_pos, link.entry.param, link.entry) for link in links]
+    positions = [link.param_pos for link in links]
+    expected = tuple(link.entry.param for link in links)
+    fixed = tuple(link.entry.replica for link in links) + tuple(link.entry.shard for link in links)
+    pick = operator.itemgetter(*positions) if len(positions) > 1 else \
+        operator.itemgetter(slice(positions[0], positions[0] + 1))
+    index: list[int] = []
 
     def run(*args):
-        shards = []
-        for i, param, entry in expected:
-            arg = args[i]
-            if arg is not param:
-                entry = resolve(registry, arg, entry)
-            shards.append(entry.shard)
-        return compiled(*args, *shards)
+        if not index:   # argument i, its replica's alias, then the shards
+            n = len(args)
+            at = {i: n + k for k, i in enumerate(positions)}
+            index.extend(at.get(i, i) for i in range(n))
+            index.extend(range(n + len(links), n + 2 * len(links)))
+        got = pick(args)
+        if all(map(operator.is_, got, expected)):
+            src = args + fixed
+        else:
+            entries = [link.entry if arg is link.entry.param else resolve(registry, arg, link.entry)
+                       for link, arg in zip(links, got)]
+            src = args + tuple(e.replica for e in entries) + tuple(e.shard for e in entries)
+        return compiled(*map(src.__getitem__, index))
 
     return run

@@ -1,9 +1,11 @@
 """A graph slot: one partitioned graph (forward, backward or inference of one Dynamo graph).
 
-AOTAutograd calls the slot in place of a compiled graph. The slot runs whatever the phase
-schedule says: the profiling run, the FX graph as generated Python, or the final compiled code.
-Passes rewrite `slot.gm` (never its inputs or outputs) and bump `slot.version`; the compiled
-code is rebuilt lazily on the next call.
+AOTAutograd calls the slot in place of a compiled graph. `gm` is the planned graph (the
+communication IR of runtime/ops.py): passes rewrite it (never its inputs or outputs) and call
+`changed()`, which bumps `version`. What runs is its lowering (compiler/lower.py), made lazily
+for the current version — two variants when the graph accumulates gradients locally — and run
+by the pipeline's `runner` as the phase schedule says: the profiling run, the FX code, or the
+final compiled code.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import fx
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
+    from .lower import Lowered
     from .profiler import GraphProfile
 
 
@@ -22,18 +24,23 @@ class GraphSlot:
     _boxed_call = True  # AOTAutograd passes the arguments as one list
 
     def __init__(self, key: str, graph_index: int, kind: str, gm: fx.GraphModule,
-                 pipeline: "Pipeline") -> None:
+                 runner: Callable[["GraphSlot", list], Any]) -> None:
         self.key = key
         self.graph_index = graph_index
         self.kind = kind                  # "fw", "bw" or "inference"
         self.gm = gm
         self.version = 0
-        self.pipeline = pipeline
+        self.runner = runner
+        self.training = True              # False: runs under no_grad / eval (never planned for)
         self.history: list[tuple[str, "GraphProfile"]] = []   # (label, agreed profile)
         self.local: "GraphProfile | None" = None              # this rank's latest measured profile
         self.pending: list["GraphProfile"] = []               # runs of the current profile step
-        self.compiled: Callable | None = None
-        self.compiled_for: tuple[int, bool] | None = None  # (version, final) of `compiled`
+        # (variant, version) -> lowered graph (variant `last`: the window's last micro-step),
+        # and (variant, version, final) -> compiled code; two versions live side by side while
+        # a pass is measured against the graphs from before it (compiler/pipeline.py)
+        self.lowered: dict[tuple[bool, int], "Lowered"] = {}
+        self.compiled: dict[tuple[bool, int, bool], Callable] = {}
+        self.variants: bool | None = None  # accumulates gradients locally (None: not known yet)
         self.calls = 0
         # wall time of recent unprofiled runs (compiles excluded), to check profiles against
         self.run_s: collections.deque[float] = collections.deque(maxlen=64)
@@ -42,12 +49,26 @@ class GraphSlot:
     def profile(self) -> "GraphProfile | None":
         return self.history[-1][1] if self.history else None
 
+    def current_lowered(self) -> "Lowered | None":
+        """The lowered graph of the current version (the last micro-step's variant first)."""
+        return self.lowered.get((True, self.version)) or self.lowered.get((False, self.version))
+
+    def swap(self, gm: fx.GraphModule, version: int) -> None:
+        """Run `gm` as version `version` from now on (an A/B measurement's other side)."""
+        self.gm, self.version, self.variants = gm, version, None
+
+    def prune(self) -> None:
+        """Forget the code of other versions than the current one."""
+        self.lowered = {k: v for k, v in self.lowered.items() if k[1] == self.version}
+        self.compiled = {k: v for k, v in self.compiled.items() if k[1] == self.version}
+
     def changed(self) -> None:
         """A pass rewrote `gm`."""
         self.gm.graph.lint()
         self.gm.recompile()
         self.version += 1
+        self.variants = None
 
     def __call__(self, args: list[Any]) -> Any:
         self.calls += 1
-        return self.pipeline.run(self, args)
+        return self.runner(self, args)

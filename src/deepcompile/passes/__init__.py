@@ -27,10 +27,13 @@ class PassContext:
     profiles: dict[str, "GraphProfile"]    # latest agreed profile of every slot
     order: list[str]                       # slot keys in execution order over one step
     registry: "ParamRegistry"
+    runtime: Any                           # the engine's runtime state (runtime/runtime.py)
     cost: "CostModel"
     memory_budget: float                   # bytes; inf when unbounded
     world_size: int
     decisions: dict[str, Any]              # pass name -> decisions already taken
+    fusion: str = "overlap"                # "overlap" or "cap" ([Note: fusion policy] in
+                                           # compiler/autoplan.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..runtime import offload
+from ..runtime import offload, ops
 from . import PassContext, register_pass
 
 log = logging.getLogger("deepcompile")
@@ -192,7 +192,7 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
     each (state the profiled steps kept off the device). Reloads may start in the first run,
     within the last micro-step, of each backward graph (the op acts only in the last
     micro-step, and the first of its runs there brings the state back)."""
-    gas = ctx.registry.state.gradient_accumulation_steps
+    gas = ctx.runtime.step.gradient_accumulation_steps
     order = [k for k in ctx.order if k in ctx.profiles]
     last_from = len(order) - len(order) // gas if len(order) % gas == 0 else len(order)
     points, seen = [], set()
@@ -207,7 +207,7 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
 
 
 def plan(ctx: PassContext) -> dict[str, Any]:
-    store = offload.store_of(ctx.registry)
+    store = ctx.runtime.offload
     names = {e.pid: e.name for e in ctx.registry}
     frags = [Frag(pid, key, nbytes, names[pid]) for pid, key, nbytes in store.movable()]
     # the profiles were measured with every movable fragment off the device ([Note:
@@ -225,8 +225,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
-    pid_of = {e.name: e.pid for e in ctx.registry}   # by name: pids differ between processes
-    store = offload.store_of(ctx.registry)
+    pid_of = ctx.registry.pid_by_name()   # by name: pids differ between processes
+    store = ctx.runtime.offload
     store.set_plan([(pid_of[f["param"]], f["key"]) for f in decisions["fragments"]])
     if not decisions["fragments"]:
         return []
@@ -249,7 +249,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
 def _order_input(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """The op's first input: `node` itself when it is a tensor (the op runs after it), else a
     graph input (alive to the end anyway: using it changes no value's lifetime)."""
-    if isinstance(node.meta.get("val"), torch.Tensor):
+    if isinstance(node.meta.get("val"), torch.Tensor) and node.target not in ops.MARKERS:
         return node
     return next(n for n in graph.nodes if n.op == "placeholder"
                 and isinstance(n.meta.get("val"), torch.Tensor))

@@ -36,8 +36,8 @@ from torch import fx
 from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
-from ._common import (Collective, NodeIndex, Step, compute_times, first_kept, fuses,
-                      profiled_graphs, replace_with_parts, steps_of, unattainable,
+from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
+                      group_summary, profiled_graphs, replace_with_parts, steps_of, unattainable,
                       warn_unattainable)
 
 
@@ -48,7 +48,7 @@ Gather = Collective   # a parameter gather, as the planner sees it
 
 
 def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
-               max_fused_bytes: int = MAX_FUSED_BYTES) -> dict[str, Any]:
+               max_fused_bytes: int = MAX_FUSED_BYTES, policy: str = "overlap") -> dict[str, Any]:
     """The prefetch plan of one graph; pure (unit-tested on synthetic graphs)."""
     live = [s.live_bytes for s in steps]
     if (over := unattainable(live, budget)) is not None:
@@ -62,6 +62,7 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
     for g in gathers:
         reserve[max(g.index - 1, 0)] = max(reserve[max(g.index - 1, 0)], g.nbytes)
     c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
+    host = launch_s(cost, "all_gather")
 
     def point(k: int) -> int:
         k = max(k, 0)
@@ -79,7 +80,8 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
             total = sum(m.nbytes for m in members)
             # the newcomer is held from the group's wait to its use, on top of the members
             # fused before it (each held from the wait to its own use)
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes, host,
+                      policy)
                     and all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:]
                                                         if j < m.index) <= budget
                             for j in range(first.index, nxt.index))
@@ -136,13 +138,15 @@ def _start_points(groups, steps, live, extra) -> list[int]:
 
 def plan(ctx: PassContext) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
+    if ctx.world_size == 1:   # a gather is a view or a cast of the local shard: nothing to hide
+        return decisions
     for key, steps, calls in profiled_graphs(ctx, ops.ALLGATHER):
         gathers = []
         for i, node in calls:
             entry = lookup(int(node.args[1]))
             gathers.append(Gather(node.name, i, entry.padded_numel * entry.compute_dtype.itemsize,
                                   entry.pid, str(entry.compute_dtype)))
-        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget)
+        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget, policy=ctx.fusion)
         if decision["unattainable"]:
             warn_unattainable("prefetch", key, decision, "no prefetching")
         for g in decision["groups"]:
@@ -243,7 +247,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                 with graph.inserting_before(members[0]):
                     wait = graph.call_function(ops.ALLGATHER_WAIT, (start, list(pids)))
             replace_with_parts(graph, wait, members)
-        pid_of = {name: e.pid for e in ctx.registry for name in e.names} if ahead else {}
+        pid_of = ctx.registry.pid_by_name() if ahead else {}
         for a, anchor in zip(ahead, ahead_anchors):
             after = _tensor_before(graph, anchor)
             pids = [pid_of[name] for name in a["params"]]   # by name, as above
@@ -283,4 +287,8 @@ def _check_order(graph: fx.Graph) -> None:
     graph.lint()
 
 
-register_pass("prefetch", plan, apply, __doc__.splitlines()[0])
+def summary(decisions: dict[str, Any]) -> list[str]:
+    return group_summary(decisions, "groups", "gathers")
+
+
+register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary)

@@ -24,9 +24,10 @@ only, so every rank decides the same):
   agreed profiles): a multiple-choice 0/1 knapsack, solved exactly by dynamic programming on a
   grid of at most `GRID_CELLS` byte cells (weights rounded up to whole cells: a choice never
   exceeds the capacity). Unbounded budget: every option that saves something, the most
-  valuable per parameter. A parameter involved in graph reuse is not chosen
-  ([Note: local gradient accumulation and graph reuse]). At ZeRO-1/2 nothing is chosen: the
-  parameters are replicated, and ZeRO-1 already reduces once per optimizer step.
+  valuable per parameter. A parameter involved in graph reuse is not chosen (a reused graph
+  names another parameter's id, and an accumulator is found by the id). At ZeRO-1/2 nothing is chosen: the parameters are
+  replicated, and ZeRO-1 already reduces once per optimizer step; at world size 1 neither: a
+  gather is a view or a cast of the local shard.
 
 Apply (passes only schedule: inputs and outputs of graphs never change): in every graph, a
 kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it is pulled out
@@ -49,7 +50,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..runtime import ops, unshard
+from ..runtime import kept as _kept, ops
+from ..runtime.accumulators import accumulator_bytes
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
 
@@ -208,13 +210,13 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
 def plan(ctx: PassContext) -> dict[str, Any]:
     graphs = {k: s.gm for k, s in ctx.slots.items()}
     colls = collectives_of(graphs, ctx.order)
-    gas = ctx.registry.state.gradient_accumulation_steps
+    gas = ctx.runtime.step.gradient_accumulation_steps
     used = {p for c in colls for p, _ in c.members}
     # ZeRO-1/2: parameters are replicated (nothing to keep gathered) and ZeRO-1 already
     # accumulates gradients locally; the pass is a ZeRO-3 pass and keeps nothing there.
-    cands = [Candidate(e.pid, e.name, unshard.kept_bytes(e), unshard.accumulator_bytes(e),
+    cands = [Candidate(e.pid, e.name, _kept.kept_bytes(e), accumulator_bytes(e),
                        e.padded_numel * e.compute_dtype.itemsize)
-             for e in ctx.registry if e.pid in used and e.zero_stage == 3]
+             for e in ctx.registry if e.pid in used and e.zero_stage == 3 and ctx.world_size > 1]
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
     peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
@@ -235,7 +237,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         keep.append(item)
     by_pid = {e.pid: e for e in ctx.registry}
     refresh = [sum(e.padded_numel * e.compute_dtype.itemsize for e in g)
-               for g in unshard.refresh_groups([by_pid[o["pid"]] for o, _ in chosen])]
+               for g in _kept.refresh_groups([by_pid[o["pid"]] for o, _ in chosen])]
     decisions = {
         "budget_bytes": None if ctx.memory_budget == float("inf") else ctx.memory_budget,
         "peak_bytes": peak,
@@ -266,13 +268,19 @@ def summary(decisions: dict[str, Any]) -> list[str]:
         f"{rs['before']['count']} -> {rs['after']['count']} ({size(rs['before']['bytes'])} -> "
         f"{size(rs['after']['bytes'])}); predicted comm saved {d['saved_s'] * 1e3:.2f} ms",
     ]
-    for i in d["keep"]:
+    ranked = sorted(d["keep"], key=lambda i: (-i["saved_s"], i["param"]))
+    for i in ranked[:5]:
         acc = (f", gradient accumulated ({size(i['accumulator_bytes'])}, "
                f"{i['reduces_per_step']} reduce-scatters/step -> once)") if "accumulator_bytes" in i else ""
-        lines.append(f"{i['param']}: {size(i['bytes'])}, {i['gathers_per_step']} gathers/step -> "
-                     f"refresh{acc}; saves {i['saved_s'] * 1e3:.3f} ms/step")
+        lines.append(f"top: {i['param']}: {size(i['bytes'])}, {i['gathers_per_step']} gathers/step "
+                     f"-> refresh{acc}; saves {i['saved_s'] * 1e3:.3f} ms/step")
+    if len(ranked) > 5:
+        rest = ranked[5:]
+        lines.append(f"and {len(rest)} more parameters ({size(sum(i['bytes'] for i in rest))}, "
+                     f"{sum(i['saved_s'] for i in rest) * 1e3:.3f} ms/step)")
     if d["excluded_reuse"]:
-        lines.append(f"not considered (graph reuse): {', '.join(d['excluded_reuse'])}")
+        lines.append(f"not considered (graph reuse): {len(d['excluded_reuse'])} parameters, e.g. "
+                     f"{', '.join(d['excluded_reuse'][:3])}")
     return lines
 
 
@@ -289,9 +297,8 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         return []
     changed = [key for key, slot in sorted(ctx.slots.items())
                if rewrite(slot.gm.graph, keep, accumulate)]
-    unshard.store_for(ctx.registry).configure(
-        [e.pid for e in ctx.registry if e.pid in keep],
-        [e.pid for e in ctx.registry if e.pid in accumulate])
+    ctx.runtime.kept.configure([e for e in ctx.registry if e.pid in keep])
+    ctx.runtime.accum.enable([e for e in ctx.registry if e.pid in accumulate])
     return changed
 
 
@@ -304,10 +311,10 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
             continue
         t = node.target
         if t is ops.ALLGATHER and node.args[1] in keep:
-            node.target = unshard.KEPT_PARAM          # same arguments
+            node.target = ops.KEPT_PARAM          # same arguments
             changed = True
         elif t is ops.REDUCE_GRAD and node.args[1] in accumulate:
-            node.target = unshard.ACCUMULATE_GRAD     # same arguments
+            node.target = ops.ACCUMULATE_GRAD     # same arguments
             changed = True
         elif t is ops.ALLGATHER_WAIT:
             start = node.args[0]
@@ -334,14 +341,14 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
 def _kept_from(shards: list[fx.Node], dtype) -> Callable[[fx.Graph, int, int], fx.Node]:
     def make(graph: fx.Graph, i: int, pid: int) -> fx.Node:
         e = lookup(pid)
-        return graph.call_function(unshard.KEPT_PARAM, (shards[i], pid, list(e.shape), dtype))
+        return graph.call_function(ops.KEPT_PARAM, (shards[i], pid, list(e.shape), dtype))
     return make
 
 
 def _accumulated_from(grads: list[fx.Node]) -> Callable[[fx.Graph, int, int], fx.Node]:
     def make(graph: fx.Graph, i: int, pid: int) -> fx.Node:
         e = lookup(pid)
-        return graph.call_function(unshard.ACCUMULATE_GRAD,
+        return graph.call_function(ops.ACCUMULATE_GRAD,
                                    (grads[i], pid, e.shard.numel(), e.shard.dtype))
     return make
 

@@ -5,9 +5,11 @@ cores), nothing is scaled: the pieces are built with real random weights, traced
 ones, and each graph is run through deepcompile's own profiler (`compiler.profiler.profile_run`:
 one wall-clock time per node, the FX graph executed node by node, as `compiler="fx"` runs it);
 the optimizer step is AdamW on this rank's shards; the network is the runtime's own
-communication ops (`allgather_param`, `reduce_grad`, and the launch of their asynchronous
-forms) timed over a sweep of sizes and fitted to `latency + bytes x seconds per byte`: on a
-CPU the per-op host cost (Python op, registry, gloo's call) is most of it; the framework's
+communication as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
+launched and waited below autograd, the reduction's divide; synchronous, and asynchronous with
+compute between, and the host time of a launch and of a wait) timed over a sweep of sizes and
+fitted to `latency + bytes x seconds per byte` (at world size 1 nothing is communicated, and
+nothing is measured); the framework's
 time per micro-step outside the graphs (guards, wrappers, autograd) is measured on the pieces'
 one-layer model (`framework_overhead`: a deepcompile run of it, not of the model planned);
 and how much of an
@@ -35,6 +37,9 @@ from .network import Fitted, fit
 from .roofline import NodeCost
 
 SWEEP = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+_NET_KEYS = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async",
+             "launch_all_gather", "launch_reduce_scatter", "wait_all_gather",
+             "wait_reduce_scatter")
 
 
 @dataclasses.dataclass
@@ -98,21 +103,30 @@ def time_optimizer(numels: list[int], world: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
-    """Seconds of the runtime's own communication ops per SWEEP size, one parameter of that
-    many fp32 bytes each: `allgather_param` and `reduce_grad` (synchronous: Python op, registry,
-    gloo) each timed amid compute as a step runs it (`per_op`); their asynchronous forms
-    (`allgather_start` ... `allgather_wait` with compute between, the compute subtracted: on
-    cores busy with ranks an asynchronous collective costs more than a synchronous one, its
-    thread waking up and competing); and the host time of launching one, and of waiting for
-    one that is done (the wait op's own cost)."""
-    from ..runtime import ops
-    from ..runtime.registry import ParamRegistry
+def _funcol(comm):
+    """The lowered graphs' collectives (compiler/lower.py) on this process group: `gather(shard)`
+    and `reduce(flat)` launch one and return its unwaited result, `wait(t)` waits for it."""
+    from .. import _compat
 
-    module = torch.nn.Module()
-    for i, nbytes in enumerate(SWEEP):
-        module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(nbytes // 4)))
-    registry = ParamRegistry(module, comm, param_dtype=None, reduce_dtype=None)
+    ag, rs, wait = _compat.funcol_ops()
+    world, group = comm.world, comm.group_name
+    return (lambda shard: ag(shard, world, group),
+            lambda flat: rs(flat, "sum", world, group), wait)
+
+
+def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
+    """Seconds of the runtime's communication per SWEEP size (a parameter of that many fp32
+    bytes), as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
+    and aten ops, below autograd; no Python op): a gather (`all_gather_into_tensor`,
+    `wait_tensor`) and a reduction (`reduce_scatter_tensor`, `wait_tensor`, the divide by the
+    world size), each timed amid compute as a step runs it (`per_op`); their asynchronous
+    forms (launch ... compute ... wait, the compute subtracted: on cores busy with ranks an
+    asynchronous collective costs more than a synchronous one, gloo's thread waking up and
+    competing); and the host time of launching one, and of waiting for one that is done."""
+    from .. import _compat
+
+    gather, reduce, wait = _funcol(comm)
+    world = comm.world
     out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [],
                                    "all_gather_async": [], "reduce_scatter_async": [],
                                    "launch_all_gather": [], "launch_reduce_scatter": [],
@@ -135,23 +149,23 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
             fn()
         both = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for _ in range(repeats * (1 + works - 1)):
+        for _ in range(repeats * works):
             work()
         return max(both - (time.perf_counter() - t0), 0.0) / repeats
 
     def timed(fn, works: int = 1):
         return statistics.median(per_op(fn, works) for _ in range(3))
 
-    def cycle(start, wait):
-        """An asynchronous collective with compute between its start and its wait."""
+    def cycle(start, wait_):
+        """An asynchronous collective with compute between its launch and its wait."""
         def run():
             token = start()
             work()
-            wait(token)
+            wait_(token)
         return run
 
-    def launch(start, wait):
-        """Host time of the start, and of the wait once the collective is done."""
+    def launch(start, wait_):
+        """Host time of the launch, and of the wait once the collective is done."""
         ts, tw = [], []
         for _ in range(repeats):
             work()
@@ -162,61 +176,60 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
                 work()
             torch.distributed.barrier()   # every rank has launched: the collective is done
             t0 = time.perf_counter()
-            wait(token)
+            wait_(token)
             tw.append(time.perf_counter() - t0)
         return statistics.median(ts), statistics.median(tw)
 
-    for e in registry:
-        shape, pid, dt = list(e.shape), e.pid, e.compute_dtype
-        grad = torch.ones(e.shape)
-        n, sdt = e.shard.numel(), e.shard.dtype
-        out["all_gather"].append(timed(lambda: ops.ALLGATHER(e.shard, pid, shape, dt)))
-        out["reduce_scatter"].append(timed(lambda: ops.REDUCE_GRAD(grad, pid, n, sdt)))
-        ag = (lambda: ops.ALLGATHER_START([e.shard], [pid], dt),
-              lambda t: ops.ALLGATHER_WAIT(t, [pid]))
-        rs = (lambda: ops.REDUCE_START([grad], [pid]), lambda t: ops.REDUCE_WAIT(t, [pid]))
-        out["all_gather_async"].append(timed(cycle(*ag), works=2))
-        out["reduce_scatter_async"].append(timed(cycle(*rs), works=2))
-        for kind, pair in (("all_gather", ag), ("reduce_scatter", rs)):
-            t_start, t_wait = launch(*pair)
-            out[f"launch_{kind}"].append(t_start)
-            out[f"wait_{kind}"].append(t_wait)
+    with _compat.below_autograd():
+        for nbytes in SWEEP:
+            n = max(nbytes // 4 // world, 1)
+            shard = torch.randn(n)
+            flat = torch.randn(n * world)
+            ag = (lambda: gather(shard), wait)
+            rs = (lambda: reduce(flat), lambda t: torch.div(wait(t), world))
+            out["all_gather"].append(timed(lambda: ag[1](ag[0]())))
+            out["reduce_scatter"].append(timed(lambda: rs[1](rs[0]())))
+            out["all_gather_async"].append(timed(cycle(*ag), works=2))
+            out["reduce_scatter_async"].append(timed(cycle(*rs), works=2))
+            for kind, pair in (("all_gather", ag), ("reduce_scatter", rs)):
+                t_start, t_wait = launch(*pair)
+                out[f"launch_{kind}"].append(t_start)
+                out[f"wait_{kind}"].append(t_wait)
     return out
 
 
 def overlap_factor(comm, repeats: int) -> float:
     """How much of an asynchronous collective this rank's compute actually hides, measured:
-    the runtime's async all-gather of 1 MiB alone (T_a), compute sized to take as long (T_c),
+    the lowered graphs' all-gather of 1 MiB alone (T_a), compute sized to take as long (T_c),
     both at once (T_b): (T_c + T_a - T_b) / min(T_c, T_a), clamped to [0, 1]; the median of
     `repeats` trials. On a CPU whose cores are all busy with ranks, gloo's thread takes the
     compute's core and little overlaps."""
-    from ..runtime import ops
-    from ..runtime.registry import ParamRegistry
+    from .. import _compat
 
-    module = torch.nn.Module()
-    module.register_parameter("p", torch.nn.Parameter(torch.zeros(1 << 18)))
-    e = next(iter(ParamRegistry(module, comm, param_dtype=None, reduce_dtype=None)))
+    gather, _, wait = _funcol(comm)
+    shard = torch.zeros(max((1 << 18) // comm.world, 1))
     x = torch.randn(128, 128)
     barrier = torch.distributed.barrier
 
     def run(k: int, a: bool) -> float:
         barrier()
         t0 = time.perf_counter()
-        token = ops.ALLGATHER_START([e.shard], [e.pid], e.compute_dtype) if a else None
+        token = gather(shard) if a else None
         for _ in range(k):
             torch.mm(x, x)
         if a:
-            ops.ALLGATHER_WAIT(token, [e.pid])
+            wait(token)
         return time.perf_counter() - t0
 
-    run(1, True)
-    ta = statistics.median(run(0, True) for _ in range(repeats))
-    one = statistics.median(run(10, False) for _ in range(5)) / 10
-    k = max(1, round(ta / one))
-    trials = []
-    for _ in range(repeats):
-        tc, ta_, tb = run(k, False), run(0, True), run(k, True)
-        trials.append(min(max((tc + ta_ - tb) / min(tc, ta_), 0.0), 1.0))
+    with _compat.below_autograd():
+        run(1, True)
+        ta = statistics.median(run(0, True) for _ in range(repeats))
+        one = statistics.median(run(10, False) for _ in range(5)) / 10
+        k = max(1, round(ta / one))
+        trials = []
+        for _ in range(repeats):
+            tc, ta_, tb = run(k, False), run(0, True), run(k, True)
+            trials.append(min(max((tc + ta_ - tb) / min(tc, ta_), 0.0), 1.0))
     return statistics.median(trials)
 
 
@@ -283,8 +296,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         graphs = trace.trace_all(ps)
         node_s = profile_pieces(graphs, spec["repeats"])
         opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"])
-        net = sweep_ops(comm, spec["net_repeats"])
-        eta = overlap_factor(comm, spec["net_repeats"])
+        if world > 1:
+            net = sweep_ops(comm, spec["net_repeats"])
+            eta = overlap_factor(comm, spec["net_repeats"])
+        else:   # nothing is communicated at world size 1 (compiler/lower.py)
+            net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
+            eta = 1.0
         ids = ps.embed.inputs[0]
         over, step_over = framework_overhead(ps.model, ids, spec["repeats"])  # last: shards it
         # the cost model the runtime's passes plan with (agreed across ranks inside)

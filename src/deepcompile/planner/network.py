@@ -54,7 +54,7 @@ class Fabric:
     net_hop_s: float = 5.0e-6      # one ring hop across nodes (InfiniBand / RoCE, proxy thread)
     base_s: float = 8e-6           # per collective on the device: kernel start, channel sync
     copy_lat_s: float = 10e-6      # per host<->device copy
-    launch_host_s: float = 100e-6  # host seconds to launch one collective (see plan.py)
+    launch_host_s: float = 20e-6   # host seconds to launch one collective (see plan.py)
     tree_bw_factor: float = 0.9    # a tree's bus bandwidth relative to a ring's
     algorithm: str = "auto"        # all-reduce: "ring", "tree" or "auto"
 

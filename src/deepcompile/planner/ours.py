@@ -19,11 +19,19 @@ hands it over) to its last use in the graph, a group's flat buffer from its star
 a gradient from where it is complete to its reduce (or its bucket's start), a bucket's padded
 gradients and reduced shards from its start to its wait.
 
-Time model: a synchronous collective is a start and an immediate wait; a fused group copies its
-members out of the `[world, sum(shard)]` buffer after the wait (a device copy; a group of one is
-a view), a bucket copies its gradients in at its start; a kept parameter is copied out of the
-kept buffer (`kept_param` returns a copy); an accumulated gradient is added to its accumulator
-on the micro-steps that do not reduce. Each launch costs the host `cost.launch_s(kind)`.
+Time model, the lowered runtime's (compiler/lower.py: functional collectives and aten ops, no
+Python op per collective): a synchronous collective is a launch and an immediate wait; a fused
+group copies its members out of the `[world, sum(shard)]` buffer after the wait (a device copy;
+a group of one is a view), a bucket copies its gradients in at its start (the `cat`); a kept
+parameter is a graph input (the runtime's kept tensor: no copy, no bytes beyond the persistent
+kept buffer); an accumulated gradient is added to its accumulator on the micro-steps that do not
+reduce. Each launch costs the host `cost.launch_s(kind)` (the functional collective's C++ call).
+At world size 1 nothing is communicated: a gather is the shard itself (a view) or its cast to the
+compute dtype, a reduction the gradient (or its cast to the master dtype), and the passes that
+schedule collectives plan nothing (`prefetch`, `bucket_reduce` and `selective_unshard` return
+empty decisions there, as the runtime's do). `prefetch` and `bucket_reduce` group with the
+runtime's fusion policy (`Setting.fusion`: "overlap" on a GPU, "cap" on the CPU; [Note: fusion
+policy] in compiler/autoplan.py).
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from typing import Any
 
 from ..passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
 from ..passes._common import Step
-from ..runtime import regather, unshard
+from ..runtime import kept as _kept
+from ..runtime import regather
 from .compose import Graph, Model
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
                        framework_event, node_host, optimizer_events)
@@ -194,6 +203,12 @@ class Plan:
                 if len(obj.pids) > 1:
                     emit("copy", f"ag{key}{k}.copy_out", s.copy_on_device_s(obj.nbytes),
                          node_host(s, 1, False), None, i, lab[min(i, n - 1)])
+            elif what == "gather" and s.world == 1:   # the shard itself, or its cast
+                cast = s.csize != MASTER_BYTES
+                held[("param", k)] = s.full_bytes(params[k]) if cast else 0
+                if cast:
+                    emit("copy", f"cast.{params[k].name}", s.cast_s(params[k].numel),
+                         node_host(s, 1, False), None, i, lab[min(i, n - 1)])
             elif what == "gather":
                 nb = s.gather_bytes(params[k])
                 held[("param", k)] = nb
@@ -201,14 +216,14 @@ class Plan:
                      cost.launch_s("all_gather"), (key, "sync", k), i, lab[min(i, n - 1)],
                      nbytes=nb)
             elif what == "kept":
-                nb = s.full_bytes(params[k])
-                held[("param", k)] = nb
-                emit("copy", f"kept.{params[k].name}", s.copy_on_device_s(nb),
-                     node_host(s, 1, False), None, i, lab[min(i, n - 1)])
+                pass   # a graph input: the runtime's kept tensor (counted in persistent())
             elif what == "bwait":
                 held.pop(("bucket", k), None)
                 emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, wait_s(cost, "reduce_scatter"),
                      ("bw", "bucket", k), i, lab[min(i, n - 1)])
+                if len(obj.pids) > 1:   # one slice copy per member out of the reduced buffer
+                    emit("copy", f"rs{k}.copy_out", s.copy_on_device_s(obj.inflight - obj.nbytes),
+                         node_host(s, len(obj.pids), False), None, i, lab[min(i, n - 1)])
 
         for i, node in enumerate(g.nodes):
             for entry in sorted(before.get(i, []), key=_order):
@@ -224,7 +239,12 @@ class Plan:
             emit("compute", node.name, node.time_s, node_host(s, node.kernels, False), i, i + 1,
                  lab[i], peak=during)
             for what, k, obj in after.get(i, []):
-                if what == "reduce":
+                if what == "reduce" and s.world == 1:   # the gradient, or its cast
+                    held.pop(("grad", k), None)
+                    if s.csize != MASTER_BYTES:
+                        emit("copy", f"cast.grad.{params[k].name}", s.cast_s(params[k].numel),
+                             node_host(s, 1, False), None, i + 1, lab[i])
+                elif what == "reduce":
                     p = params[k]
                     nb = s.padded(p) * s.csize
                     held.pop(("grad", k), None)
@@ -300,13 +320,14 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
         gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
                    for i, it in enumerate(items) if it.kind == "all_gather"]
         if forced is None:
-            decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget)
+            decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget,
+                                                 policy=s.fusion)
             continue
         # replay: each of the run's groups as one gather at its first member's place, placed
         # by the planner, fused with nothing else
         fused = _prefuse(gathers, forced.get(key, []), s, first=True)
         decisions[key] = prefetch.plan_graph(st, fused, s.planner_cost, s.budget,
-                                             max_fused_bytes=0)
+                                             max_fused_bytes=0, policy=s.fusion)
         for g in fused:
             members[key, g.pid] = _MEMBERS[id(g)]
     prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
@@ -356,10 +377,11 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
                 grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize))
     forced = (s.replay or {}).get("bucket_reduce")
     if forced is None:
-        d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget)
+        d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget, policy=s.fusion)
     else:   # replay: each of the run's buckets as one reduce at its last member's place
         fused = _prefuse(reduces, forced, s, first=False)
-        d = bucket_reduce.plan_graph(st, fused, s.planner_cost, s.budget, max_bucket_bytes=0)
+        d = bucket_reduce.plan_graph(st, fused, s.planner_cost, s.budget, max_bucket_bytes=0,
+                                  policy=s.fusion)
         for b in d["buckets"]:
             b["pids"] = _MEMBERS[id(next(r for r in fused if r.pid == b["pids"][0]))]
     n = len(plan.model.bw.nodes)
@@ -422,7 +444,7 @@ def replay_of(cached: dict) -> dict:
 
 
 @dataclasses.dataclass
-class _Entry:   # what `unshard.refresh_groups` reads of a registry entry
+class _Entry:   # what `kept.refresh_groups` reads of a registry entry
     padded_numel: int
     compute_dtype: Any
 
@@ -488,7 +510,7 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     plan.buckets = kept_buckets
     entries = [_Entry(s.padded(params[p]), s.model.dtype) for p in sorted(plan.kept)]
     refresh = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
-               for grp in unshard.refresh_groups(entries)]
+               for grp in _kept.refresh_groups(entries)]
     plan.decisions["refresh"] = refresh
     counts = selective_unshard.predict_counts(colls, plan.kept, plan.accumulated, s.gas, refresh)
     return {"kept": len(plan.kept), "kept_bytes": sum(s.full_bytes(params[p]) for p in plan.kept),
@@ -558,6 +580,14 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         pl.decisions["refresh"] = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
                                    for grp in regather.groups(entries, REPLICA_REFRESH_BYTES)]
         passes = tuple(p for p in passes if p == "bucket_reduce")
+    if s.world == 1:
+        # nothing is communicated: the passes that schedule collectives plan nothing (theirs
+        # return empty decisions at world size 1); ZeRO-1 does not defer a reduction
+        for name in passes:
+            if name != "offload_optimizer":
+                pl.decisions[name] = {"skipped": "world size 1: nothing is communicated"}
+        passes = tuple(p for p in passes if p == "offload_optimizer")
+        pl.accumulated = set()
     if "offload_optimizer" in passes:
         pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
     for name in passes:
@@ -605,6 +635,10 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
         events.append(Event("wait", "reload wait", cid=c, lane="copy", live=live))
     events += optimizer_events(s, live)
     for nb in pl.decisions.get("refresh", []):
+        if s.world == 1:   # the shards cast and copied into the replicas: no collective
+            events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,
+                                live=live, label="refresh"))
+            continue
         cid[0] += 1
         events.append(Event("start", "refresh kept", s.cost.collective_s("all_gather", nb),
                             s.cost.launch_s("all_gather"), cid[0], "comm", live + nb,

@@ -9,9 +9,12 @@ Assumed figures, all printed with a plan and overridable with `--assume key=valu
 
 * `gpu.*` (roofline.py): datasheet peaks of the target GPU and what kernels reach of them.
 * `net.*` (network.py): NVLink and NIC bandwidths, hop latencies, and `net.launch_host_s`,
-  deepcompile's host time per collective launch. Default 100 us: DESIGN §3 measured 100-350 us
-  per Python communication op on an H100 host (today's runtime); the runtime's lowering to
-  functional collectives (issue 12) targets ~10-20 us: `--assume net.launch_host_s=15e-6`.
+  deepcompile's host time per collective launch. Default 20 us: the runtime's graphs launch
+  torch's functional collectives (C++ ops called from Inductor's code: compiler/lower.py), whose
+  launch on an H100 host is NCCL's enqueue plus c10d's work object (an assumption: not measured
+  on a GPU in this project; `compiler.cost.calibrate` measures it at start-up, and
+  `--assume net.launch_host_s=...` sets it). Before the lowering (the Python ops DESIGN §3
+  measured) it was 100-350 us: `--assume net.launch_host_s=1e-4` plans that runtime.
 * `peer.fsdp_hook_s` (150 us per FSDP2 collective: its pre/post hooks, copy-in/out launches;
   an assumption) and `peer.ds_hook_s` per DeepSpeed module fetch: 900 us, from DESIGN §7
   (llama-1b, one H100, world size 1: DeepSpeed ZeRO-3 eager 473.0 ms against FSDP2 eager
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from . import compose, network, ours, peers, pieces, roofline, shapes, simulate, trace
+from ..compiler.autoplan import fusion_policy
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Schedule, Setting)
 
 GiB = 2**30
@@ -268,7 +272,8 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        host_is_compute=cpu, optimizer_s=host.optimizer_s if cpu else None,
                        stage=args.stage,
                        framework_s=host.overhead_s if cpu else gpu.framework_host_s,
-                       plan_cost=host.plan_cost if cpu else None, replay=args.replay)
+                       plan_cost=host.plan_cost if cpu else None, replay=args.replay,
+                       fusion=fusion_policy("cpu" if cpu else "cuda")[0])
 
     results = []
     for name, ps_ in ladder:

@@ -66,6 +66,8 @@ def table(plan) -> str:
 
 def summarize_decision(name: str, d: dict[str, Any]) -> str:
     gb = lambda b: f"{b / GiB:.2f} GiB" if b is not None else "-"  # noqa: E731
+    if isinstance(d, dict) and d.get("skipped"):
+        return d["skipped"]
     if name == "prefetch":
         parts = []
         for key in ("fw", "bw"):

@@ -50,6 +50,7 @@ class Setting:
     framework_s: float = 0.0       # host time per micro-step outside the graphs (guards, ...)
     plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
     replay: dict | None = None     # a run's decisions to replay (ours.py, `replay_of`)
+    fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
 
     @property
     def planner_cost(self) -> Cost:
@@ -85,6 +86,10 @@ class Setting:
     def copy_on_device_s(self, nbytes: int) -> float:
         """A device-memory copy of `nbytes` (read + write)."""
         return 2 * nbytes / self.mem_bw
+
+    def cast_s(self, numel: int) -> float:
+        """A cast between the fp32 master and the compute dtype of `numel` elements."""
+        return numel * (MASTER_BYTES + self.csize) / self.mem_bw
 
     def optimizer_step_s(self) -> float:
         if self.optimizer_s is not None:

@@ -20,12 +20,22 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        # the name functional collectives (and Inductor's generated code) resolve the group by
+        self.group_name = _compat.group_name(group)
         self._stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
 
     def _count(self, kind: str, nbytes: int) -> None:
         entry = self._stats[kind]
         entry[0] += 1
         entry[1] += nbytes
+
+    def add_counts(self, counts: tuple[tuple[str, int, int], ...]) -> None:
+        """Count the collectives a compiled graph launched in one run ((kind, count, bytes) per
+        kind, known when the graph was lowered): graphs count per run, not per collective."""
+        for kind, n, nbytes in counts:
+            entry = self._stats[kind]
+            entry[0] += n
+            entry[1] += nbytes
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Every kind ever used, and always the three training kinds (zero when unused)."""

@@ -13,7 +13,8 @@ The hooks do nothing while Dynamo traces (the compiled graphs gather for themsel
 ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
 reads them directly and no forward hooks are installed; only the gradient hook is, so that a
 gradient eager autograd accumulates into a replica is reduced into its shard at once (ZeRO-1:
-kept local until the last micro-step) and no replicated `.grad` stays behind.
+kept local until the last micro-step, in the same accumulator the compiled graphs use:
+[Note: local gradient accumulation]) and no replicated `.grad` stays behind.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .registry import ParamEntry, ParamRegistry
+from .registry import ParamEntry
 
 
 class _SavedParamRef:
@@ -32,8 +33,9 @@ class _SavedParamRef:
 
 
 class EagerFallback:
-    def __init__(self, module: nn.Module, registry: ParamRegistry, gather: bool = True) -> None:
-        self._registry = registry
+    def __init__(self, module: nn.Module, runtime, gather: bool = True) -> None:
+        self._runtime = runtime
+        registry = runtime.registry
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
         self._by_ptr: dict[int, ParamEntry] = {}  # data_ptr of materialized storage -> entry
         self._handles = []
@@ -106,6 +108,13 @@ class EagerFallback:
             grad, param.grad = param.grad, None
             if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
                 return
+            rt = self._runtime
+            if rt.defers_reduce:
+                rt.accum.enable([entry])
+                if not rt.step.last_micro_step:
+                    rt.accum.add(entry, grad)
+                    return
+                grad = rt.accum.take(entry, grad)
             shard_grad = entry.reduce_grad(grad)
             if entry.shard.grad is None:
                 entry.shard.grad = shard_grad

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Iterable
 
 import torch
@@ -62,18 +61,6 @@ from . import ops
 from .registry import ParamRegistry, lookup
 
 _ALIGN = 64   # bytes; host buffer views start at multiples of this (any dtype can view them)
-
-_BY_PID: "weakref.WeakValueDictionary[int, OptimizerStateOffload]" = weakref.WeakValueDictionary()
-_BY_REGISTRY: "weakref.WeakKeyDictionary[ParamRegistry, OptimizerStateOffload]" = \
-    weakref.WeakKeyDictionary()
-
-
-def store_of(registry: ParamRegistry) -> "OptimizerStateOffload":
-    try:
-        return _BY_REGISTRY[registry]
-    except KeyError:
-        raise RuntimeError("deepcompile: this engine has no optimizer-state offloader") from None
-
 
 @dataclasses.dataclass(eq=False)
 class Fragment:
@@ -183,9 +170,6 @@ class OptimizerStateOffload:
                       "reloaded_at_step": 0}
         self.last_step: dict[str, int] = {}
         self._step_counts = self._zero_counts()
-        for e in registry:
-            _BY_PID[e.pid] = self
-        _BY_REGISTRY[registry] = self
         optimizer.register_state_dict_post_hook(self._state_dict_hook)
         optimizer.register_load_state_dict_post_hook(self._after_load)
 
@@ -264,6 +248,21 @@ class OptimizerStateOffload:
             frag = Fragment(pid, key, lookup(pid).name, n, host)
             self.fragments.append(frag)
             self._by_key[(pid, key)] = frag
+
+    def plan_state(self) -> dict:
+        """The plan as data (`restore_plan_state`): fragments, reload groups, provisional."""
+        return {"fragments": [(f.pid, f.key) for f in self.fragments],
+                "groups": [[(f.pid, f.key) for f in g] for g in self._groups],
+                "provisional": self.provisional}
+
+    def restore_plan_state(self, state: dict) -> None:
+        """Back to a plan taken by `plan_state` (a reverted pass's plan is dropped)."""
+        if state == self.plan_state():
+            return
+        self.set_plan(state["fragments"])
+        for group in state["groups"]:
+            self.add_reload_group(group)
+        self.provisional = state["provisional"]
 
     def add_reload_group(self, fragments: Iterable[tuple[int, str]]) -> int:
         """Register the fragments one reload op brings back; returns the op's group id."""
@@ -388,10 +387,11 @@ def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
     of the accumulation window only (the state is needed at the optimizer step). `after`
     orders the op after the node that produced it; no output, so it is registered as
     side-effecting (FX and Inductor keep it)."""
-    if not lookup(pids[0]).state.last_micro_step:
+    runtime = lookup(pids[0]).runtime()
+    if runtime is None or not runtime.step.last_micro_step:
         return
-    with record_function(ops._label("reload_state", tuple(pids))):
-        _BY_PID[pids[0]].reload_group(group)
+    with record_function("deepcompile.reload_state"):
+        runtime.offload.reload_group(group)
 
 
 @reload_state.register_fake

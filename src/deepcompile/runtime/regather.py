@@ -1,15 +1,17 @@
 """Full parameters gathered again from the updated shards into tensors the runtime owns, after
 the optimizer step: ZeRO-1/2's replicated module parameters (runtime/replicas.py) and the
-parameters `selective_unshard` keeps gathered (runtime/unshard.py).
+parameters `selective_unshard` keeps gathered (runtime/kept.py).
 
 [Note: fused re-gather] Consecutive parameters of one compute dtype are gathered together, at
 most `max_bytes` of gathered buffer per collective (a larger parameter goes alone); the grouping
 is deterministic, the same on every rank. Each rank contributes the concatenation of its shards
 of a group, cast to the compute dtype: the gathered buffer is `[world, sum(shard_numel)]` (the
-layout of a fused gather, runtime/inflight.py), and parameter i is column block i, whose first
-`numel` elements in row-major order are the parameter. Each block is copied straight into its
-destination (no intermediate tensor). At most two collectives are in flight: the next group's
-transfer overlaps the copies out of the current one, and the temporary buffers stay within
+layout of a fused gather, compiler/lower.py), and parameter i is column block i. Every
+destination is the head of a padded buffer of `padded_numel` elements, viewed as
+`[world, shard_numel]`, so the copy out of a group is one `split_with_sizes_copy` into all of
+them: a handful of calls per group, whatever the number of parameters (host cost per step does
+not grow with the model's depth). At most two collectives are in flight: the next group's
+transfer overlaps the copy out of the current one, and the temporary buffers stay within
 2 x max_bytes.
 """
 
@@ -24,7 +26,7 @@ from .registry import ParamEntry
 
 
 def groups(entries: list[ParamEntry], max_bytes: int) -> list[list[ParamEntry]]:
-    """How `regather` fuses `entries`: consecutive entries of one compute dtype, at most
+    """How `RegatherPlan` fuses `entries`: consecutive entries of one compute dtype, at most
     `max_bytes` of gathered (padded, compute dtype) buffer per group."""
     out: list[list[ParamEntry]] = []
     size = 0
@@ -39,45 +41,66 @@ def groups(entries: list[ParamEntry], max_bytes: int) -> list[list[ParamEntry]]:
     return out
 
 
-@torch.no_grad()
-def regather(entries: list[ParamEntry], dests: list[torch.Tensor], max_bytes: int,
-             label: str | None = None) -> int:
-    """Copy every rank's shards of `entries` into `dests` (one contiguous full tensor each, in
-    the compute dtype); returns the number of collectives."""
-    for e, d in zip(entries, dests):
-        if not d.is_contiguous() or d.numel() != e.numel or d.dtype != e.compute_dtype:
-            raise RuntimeError(f"deepcompile: cannot re-gather {e.name!r} into a "
-                               f"{'non-contiguous ' if not d.is_contiguous() else ''}"
-                               f"{d.dtype} tensor of {d.numel()} elements")
-    dest = {e.pid: d for e, d in zip(entries, dests)}
-    plan = groups(entries, max_bytes)
+class _Group:
+    __slots__ = ("shards", "dtype", "sizes", "outs", "comm")
 
-    def launch(group: list[ParamEntry]):
-        src = torch.cat([e.shard.detach().reshape(-1) for e in group]).to(group[0].compute_dtype)
-        return group[0].comm.all_gather_async(src)
+    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor]) -> None:
+        self.shards = [e.shard for e in entries]   # the live leaves: their values change in place
+        self.dtype = entries[0].compute_dtype
+        self.sizes = [e.shard.numel() for e in entries]
+        self.outs = dests
+        self.comm = entries[0].comm
 
-    scope = record_function(label) if label else contextlib.nullcontext()
-    with scope:
-        pending = launch(plan[0]) if plan else None
-        for i, group in enumerate(plan):
-            buffer, work = pending
-            pending = launch(plan[i + 1]) if i + 1 < len(plan) else None
-            work.wait()
-            rows = buffer.view(group[0].comm.world, -1)
-            offset = 0
-            for e in group:
-                n = e.shard.numel()
-                _copy_block(dest[e.pid].view(-1), e.numel, rows[:, offset:offset + n])
-                offset += n
-    return len(plan)
+    def launch(self):
+        src = self.shards[0].detach() if len(self.shards) == 1 else torch.cat(self.shards)
+        if src.dtype != self.dtype:
+            src = src.to(self.dtype)
+        if self.comm.world == 1:
+            return src, None
+        return self.comm.all_gather_async(src)
+
+    def copy_out(self, buffer: torch.Tensor) -> None:
+        rows = buffer.view(self.comm.world, -1)
+        if len(self.outs) == 1:
+            self.outs[0].copy_(rows)
+        else:
+            torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=self.outs)
 
 
-def _copy_block(flat: torch.Tensor, numel: int, block: torch.Tensor) -> None:
-    """`block` is [world, shard_numel]: the padded flat parameter, row-major; its first `numel`
-    elements go to `flat`."""
-    n = block.shape[1]
-    full_rows, rest = divmod(numel, n)
-    if full_rows:
-        flat[: full_rows * n].view(full_rows, n).copy_(block[:full_rows])
-    if rest:
-        flat[full_rows * n:].copy_(block[full_rows, :rest])
+class RegatherPlan:
+    """Gather `entries` from their shards into `dests`, each the [world, shard_numel] view of a
+    padded full buffer in the compute dtype (`registry.padded_view`); prepared once, run after
+    every optimizer step."""
+
+    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], max_bytes: int,
+                 label: str | None = None) -> None:
+        for e, d in zip(entries, dests):
+            want = (e.comm.world, e.shard.numel())
+            if tuple(d.shape) != want or d.dtype != e.compute_dtype or not d.is_contiguous():
+                raise RuntimeError(f"deepcompile: cannot re-gather {e.name!r} into a {d.dtype} "
+                                   f"tensor of shape {tuple(d.shape)} (expected {want})")
+        dest = {e.pid: d for e, d in zip(entries, dests)}
+        self.groups = [_Group(g, [dest[e.pid] for e in g]) for g in groups(entries, max_bytes)]
+        self.label = label
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def nbytes(self) -> int:
+        """Bytes of the gathered buffers of one run (the full, padded tensors)."""
+        return sum(sum(g.sizes) * g.comm.world * g.dtype.itemsize for g in self.groups)
+
+    @torch.no_grad()
+    def run(self) -> int:
+        """Re-gather every group; returns the number of collectives."""
+        plan = self.groups
+        scope = record_function(self.label) if self.label else contextlib.nullcontext()
+        with scope:
+            pending = plan[0].launch() if plan else None
+            for i, group in enumerate(plan):
+                buffer, work = pending
+                pending = plan[i + 1].launch() if i + 1 < len(plan) else None
+                if work is not None:
+                    work.wait()
+                group.copy_out(buffer)
+        return len(plan) if plan and plan[0].comm.world > 1 else 0

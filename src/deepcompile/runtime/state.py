@@ -1,9 +1,9 @@
 """Where the engine is within an optimizer step, for runtime ops whose behaviour depends on it.
 
 A compiled graph is the same for every micro-step of a gradient-accumulation window, but some
-of its ops act differently on the last micro-step (a gradient kept local until the window ends
-is reduced then). The engine updates one `StepState` per engine before each forward; ops reach
-it through their parameter's registry entry (`lookup(pid).state`). Every rank runs the same
+of its work differs on the last micro-step (a gradient kept local until the window ends is
+reduced then: the graph runs its "last" variant). The engine updates one `StepState` per engine
+(held by its runtime, runtime/runtime.py) before each forward. Every rank runs the same
 micro-steps in the same order, so every rank sees the same state: decisions taken from it do not
 diverge.
 """

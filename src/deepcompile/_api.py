@@ -1,0 +1,52 @@
+"""`deepcompile.initialize` (re-exported by the package)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .config import Config
+from .engine import Engine, OptimizerFactory
+
+
+def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
+               config: Config | Mapping[str, Any] | None = None) -> Engine:
+    """Shard `model` over the default process group and return a training engine.
+
+    optimizer: a callable taking an iterable of parameters and returning a
+        torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)); default AdamW.
+    config: a `Config` or an equivalent dict.
+    The default process group is used; if there is none, it is initialized from torchrun's
+    environment (nccl for CUDA models, gloo otherwise).
+    """
+    from .engine import _ensure_process_group, _model_device
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
+    from .guard import check_not_initialized
+
+    check_not_initialized(model)
+    cfg = Config.coerce(config)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("deepcompile.initialize: pass a callable that builds the optimizer "
+                        "(e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), not an optimizer "
+                        "instance: deepcompile builds it over the parameter shards")
+    if not callable(optimizer):
+        raise TypeError("deepcompile.initialize: optimizer must be a callable taking an iterable of "
+                        "parameters and returning a torch.optim.Optimizer (e.g. "
+                        f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(optimizer).__name__}")
+    device = _model_device(model)
+    if device.type == "cpu" and torch.cuda.is_available():
+        warnings.warn(
+            "deepcompile.initialize: CUDA is available but the model is on the CPU: it will train "
+            "on the CPU, over gloo. To train on the GPUs, call "
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) and move the model to "
+            "f'cuda:{LOCAL_RANK}' before initialize (README: Launching).", UserWarning,
+            stacklevel=2)
+    _ensure_process_group(device)
+    return Engine(model, optimizer, cfg)

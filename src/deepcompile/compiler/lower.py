@@ -1,0 +1,556 @@
+"""Lowering: a planned graph's communication nodes become functional collectives and aten ops.
+
+The passes plan over the communication IR (`runtime/ops.py`: the insertion ops and the
+scheduling markers). Before a graph runs — in warm-up, in profiling and in the steady state —
+`lower` rewrites a copy of it so that every collective is a `_c10d_functional` C++ op (which
+Inductor lowers and calls from its generated code, no Python in between) and every copy, cast,
+pad and divide is an aten op Inductor can fuse. The lowered graph computes exactly what the
+planned one describes; nothing in it calls back into Python.
+
+| node | lowered to (world W > 1) | W == 1 |
+| --- | --- | --- |
+| `allgather_param` | cast, `all_gather_into_tensor`, `wait_tensor`, slice, view | cast / view of the shard |
+| `allgather_start` / `_wait` | casts, one `cat`, one all-gather / wait, per member a column-block copy (a view for a group of one) | per member as above |
+| `allgather_for_next` | the next graph's shards as inputs, cast, cat, all-gather, **returned unwaited** | nothing |
+| `allgather_from_prev` | the parked buffer as an input, `wait_tensor`, split | per member as above |
+| `kept_param` | an input: the runtime's kept tensor | same |
+| `reduce_grad` | flatten, cast, pad, `reduce_scatter_tensor("sum")`, wait, divide, cast | flatten, cast |
+| `reduce_start` / `_wait` | per member flatten/cast/pad as [W, n], one `cat` along dim 1, one reduce-scatter; wait, divide, one slice copy per member | per member flatten, cast |
+| accumulated (`accumulate_grad`, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad`, zero the accumulator | ZeRO-1: not deferred |
+| `reload_state` (offload) | unchanged: the one Python op left, once per reload group | |
+
+[Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
+gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of
+the lowered graph; gathers started for the next graph become extra trailing outputs. The slot
+appends the inputs and strips the outputs around every call (`Lowered.extra_inputs`,
+`Lowered.finish`): per call a fixed number of Python operations, none per parameter (tables are
+looked up with `map` over the arguments). Tables keyed by a shard's data pointer make a graph
+that Dynamo reuses for other parameters ([Note: graph reuse]) use the runtime tensors of the
+parameters it is actually called with.
+
+Every node the lowering creates carries `meta["dc_origin"]`: the name of the planned node it
+stands for, so that a profile of the lowered graph folds back onto the planned graph
+(`fold_profile`) and the passes keep planning over the nodes they placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .. import _compat
+from ..runtime import ops
+from ..runtime.registry import ParamEntry, lookup
+from .profiler import GraphProfile, NodeProfile
+
+aten = torch.ops.aten
+_CAST = torch.ops.prims.convert_element_type.default
+_AG, _RS, _WAIT = _compat.funcol_ops()
+
+
+@dataclasses.dataclass
+class Lowered:
+    """A lowered graph and how to call it (see [Note: runtime inputs])."""
+    gm: fx.GraphModule
+    n_in: int                                 # the planned graph's inputs
+    n_out: int                                # the planned graph's outputs
+    extra_inputs: Callable[[list], list]      # args -> the extra inputs, in order
+    uncounted: frozenset[int]                 # input positions held by the runtime (memory model)
+    transient: frozenset[int]                 # input positions freed after their last use
+    park_keys: list[tuple[int, ...]]          # per extra output: the group it gathers
+    counts: tuple[tuple[str, int, int], ...]  # collectives launched per run: (kind, n, bytes)
+    acc_positions: tuple[int, ...]            # positions of accumulators among the extra inputs
+    last: bool                                # the variant of the window's last micro-step
+    runtime: Any
+
+    def __post_init__(self) -> None:
+        self._pick_accs = _picker(list(self.acc_positions))
+
+    def prepare(self, args: list) -> tuple[list, tuple]:
+        """The full argument list of a run (the planned graph's, then the extra inputs), and
+        the accumulators among them."""
+        extra = self.extra_inputs(args)
+        accs = self._pick_accs(extra)
+        return [*args, *extra], accs
+
+    def finish(self, out, accs: tuple):
+        """After a run: count its collectives, record the accumulators it touched, park the
+        gathers it started for the next graph; returns the planned graph's outputs."""
+        rt = self.runtime
+        rt.comm.add_counts(self.counts)
+        if accs:
+            rt.accum.mark(self.last, accs)
+        if self.park_keys:
+            for key, buffer in zip(self.park_keys, out[self.n_out:]):
+                rt.parked.park(key, buffer)
+            out = out[: self.n_out]
+        return out
+
+
+def _picker(indices: list[int]) -> Callable[[list], Any]:
+    """args -> the arguments at `indices` (a sequence), in C: no Python frame per call."""
+    if not indices:
+        return operator.itemgetter(slice(0, 0))
+    if len(indices) == 1:
+        return operator.itemgetter(slice(indices[0], indices[0] + 1))
+    return operator.itemgetter(*indices)
+
+
+def needs_variants(gm: fx.GraphModule, runtime) -> bool:
+    """Whether the graph accumulates gradients locally (two lowered variants: "accum", "last")."""
+    if runtime.step.gradient_accumulation_steps == 1:
+        return False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is ops.ACCUMULATE_GRAD:
+            return True
+        if runtime.defers_reduce and (
+                (node.target is ops.REDUCE_GRAD and ops.reduce_grad_shard(node) is not None)
+                or (node.target is ops.REDUCE_START and len(node.args) > 2 and node.args[2])):
+            return True
+    return False
+
+
+class _Lowering:
+    def __init__(self, gm: fx.GraphModule, runtime, last: bool) -> None:
+        self.src = gm
+        self.rt = runtime
+        self.world = runtime.comm.world
+        self.group = runtime.comm.group_name
+        self.last = last
+        self.g = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.placeholders: list[fx.Node] = []       # the planned graph's, in order
+        self.arg_index: dict[fx.Node, int] = {}      # planned placeholder -> argument position
+        # extra inputs, by kind: (placeholder, payload)
+        self.fixed: list[tuple[fx.Node, torch.Tensor]] = []
+        self.by_kept: list[tuple[fx.Node, int]] = []     # payload: argument position of the shard
+        self.by_acc: list[tuple[fx.Node, int]] = []
+        # (placeholder, key, shard positions, expected shards, entries, dtype)
+        self.parked: list[tuple] = []
+        self.acc_fixed: list[fx.Node] = []           # fixed inputs that are accumulators
+        self.outputs_extra: list[fx.Node] = []
+        self.park_keys: list[tuple[int, ...]] = []
+        self.counts: dict[str, list[int]] = {}
+        self.origin = ""
+        self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
+
+    # -- building blocks ------------------------------------------------------------------------
+    def op(self, target, *args, **kwargs) -> fx.Node:
+        node = self.g.call_function(target, args, kwargs)
+        node.meta["dc_origin"] = self.origin
+        return node
+
+    def cast(self, x: fx.Node, have: torch.dtype, want: torch.dtype) -> fx.Node:
+        return x if have == want else self.op(_CAST, x, want)
+
+    def count(self, kind: str, nbytes: int) -> None:
+        c = self.counts.setdefault(kind, [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+
+    def extra_input(self, name: str) -> fx.Node:
+        node = self.g.placeholder(f"rt_{name}")
+        node.meta["dc_origin"] = ""
+        return node
+
+    def arg(self, node) -> Any:
+        return fx.graph.map_arg(node, self.env.__getitem__)
+
+    # -- gathers --------------------------------------------------------------------------------
+    def shard_full(self, shard: fx.Node, e: ParamEntry, dtype: torch.dtype) -> fx.Node:
+        """W == 1: the parameter from its shard, no collective (a view when the dtypes agree)."""
+        flat = self.cast(shard, e.shard.dtype, dtype)
+        if e.padded_numel != e.numel:
+            flat = self.op(aten.slice.Tensor, flat, 0, 0, e.numel)
+        return self.op(aten.view.default, flat, list(e.shape))
+
+    def gather_launch(self, shards: list[fx.Node], entries: list[ParamEntry],
+                      dtype: torch.dtype) -> fx.Node:
+        flats = [self.cast(s, e.shard.dtype, dtype) for s, e in zip(shards, entries)]
+        src = flats[0] if len(flats) == 1 else self.op(aten.cat.default, flats)
+        total = sum(e.shard.numel() for e in entries)
+        self.count("all_gather", total * self.world * dtype.itemsize)
+        return self.op(_AG, src, self.world, self.group)
+
+    def gather_split(self, buffer: fx.Node, entries: list[ParamEntry]) -> list[fx.Node]:
+        """The members of a completed gather (`buffer`: [world * sum(shard_numel)])."""
+        if len(entries) == 1:
+            e = entries[0]
+            flat = buffer if e.padded_numel == e.numel else \
+                self.op(aten.slice.Tensor, buffer, 0, 0, e.numel)
+            return [self.op(aten.view.default, flat, list(e.shape))]
+        total = sum(e.shard.numel() for e in entries)
+        rows = self.op(aten.view.default, buffer, [self.world, total])
+        out, off = [], 0
+        for e in entries:
+            n = e.shard.numel()
+            block = self.op(aten.slice.Tensor, rows, 1, off, off + n)
+            flat = self.op(aten.reshape.default, block, [-1])   # the column block's copy
+            if e.padded_numel != e.numel:
+                flat = self.op(aten.slice.Tensor, flat, 0, 0, e.numel)
+            out.append(self.op(aten.view.default, flat, list(e.shape)))
+            off += n
+        return out
+
+    def gather_sync(self, node: fx.Node) -> fx.Node:
+        shard, pid, _shape, dtype = node.args
+        e = lookup(int(pid))
+        s = self.env[shard]
+        if self.world == 1:
+            return self.shard_full(s, e, dtype)
+        return self.gather_split(self.op(_WAIT, self.gather_launch([s], [e], dtype)), [e])[0]
+
+    def gather_start(self, node: fx.Node) -> None:
+        shards, pids, dtype = node.args
+        entries = [lookup(int(p)) for p in pids]
+        vals = [self.env[s] for s in shards]
+        if self.world == 1:
+            self.pending[node] = {"local": vals, "entries": entries, "dtype": dtype}
+        else:
+            self.pending[node] = {"buffer": self.gather_launch(vals, entries, dtype),
+                                  "entries": entries}
+
+    def gather_wait(self, node: fx.Node) -> list[fx.Node]:
+        started = self.pending.pop(node.args[0])
+        entries = started["entries"]
+        if "local" in started:
+            return [self.shard_full(s, e, started["dtype"])
+                    for s, e in zip(started["local"], entries)]
+        return self.gather_split(self.op(_WAIT, started["buffer"]), entries)
+
+    def gather_for_next(self, node: fx.Node) -> None:
+        _after, pids, dtype = node.args
+        if self.world == 1:
+            return
+        entries = [lookup(int(p)) for p in pids]
+        shards = []
+        for e in entries:
+            ph = self.extra_input(f"next_{e.pid}")
+            self.fixed.append((ph, e.shard))
+            shards.append(ph)
+        self.outputs_extra.append(self.gather_launch(shards, entries, dtype))
+        self.park_keys.append(tuple(int(p) for p in pids))
+
+    def gather_from_prev(self, node: fx.Node) -> list[fx.Node]:
+        shards, pids, dtype = node.args
+        entries = [lookup(int(p)) for p in pids]
+        vals = [self.env[s] for s in shards]
+        if self.world == 1:
+            return [self.shard_full(s, e, dtype) for s, e in zip(vals, entries)]
+        positions = [self.arg_index[s] for s in shards]   # the shards B is called with
+        ph = self.extra_input(f"prev_{entries[0].pid}")
+        self.parked.append((ph, tuple(int(p) for p in pids), positions,
+                            [e.shard for e in entries], entries, dtype))
+        return self.gather_split(self.op(_WAIT, ph), entries)
+
+    def kept(self, node: fx.Node) -> fx.Node:
+        shard, pid, _shape, _dtype = node.args
+        e = lookup(int(pid))
+        ph = self.extra_input(f"kept_{e.pid}")
+        if shard in self.arg_index:
+            self.by_kept.append((ph, self.arg_index[shard]))
+        else:
+            self.fixed.append((ph, self.rt.kept.full[e.pid]))
+        return ph
+
+    # -- reductions -----------------------------------------------------------------------------
+    def accumulator(self, e: ParamEntry, shard: fx.Node | None) -> fx.Node:
+        self.rt.accum.enable([e])
+        ph = self.extra_input(f"acc_{e.pid}")
+        if shard is not None and shard in self.arg_index:
+            self.by_acc.append((ph, self.arg_index[shard]))
+        else:
+            self.fixed.append((ph, self.rt.accum.of(e)))
+            self.acc_fixed.append(ph)
+        return ph
+
+    def reduce_flat(self, grad: fx.Node, e: ParamEntry) -> fx.Node:
+        """The gradient as the [W, shard_numel] rows of a reduce-scatter input."""
+        val = grad.meta.get("val")
+        flat = self.op(aten.reshape.default, grad, [-1])
+        have = val.dtype if isinstance(val, torch.Tensor) else None
+        if have != e.reduce_dtype:
+            flat = self.op(_CAST, flat, e.reduce_dtype)
+        if e.padded_numel != e.numel:
+            flat = self.op(aten.constant_pad_nd.default, flat, [0, e.padded_numel - e.numel], 0.0)
+        return self.op(aten.view.default, flat, [self.world, e.shard.numel()])
+
+    def reduce_launch(self, grads: list[fx.Node], entries: list[ParamEntry]) -> fx.Node:
+        rows = [self.reduce_flat(g, e) for g, e in zip(grads, entries)]
+        bucket = rows[0] if len(rows) == 1 else self.op(aten.cat.default, rows, 1)
+        bucket = self.op(aten.view.default, bucket, [-1])
+        self.count("reduce_scatter",
+                   sum(e.padded_numel for e in entries) * entries[0].reduce_dtype.itemsize)
+        return self.op(_RS, bucket, "sum", self.world, self.group)
+
+    def reduce_split(self, reduced: fx.Node, entries: list[ParamEntry],
+                     zero: list[fx.Node] = ()) -> list[fx.Node]:
+        done = self.op(_WAIT, reduced)
+        self.zero_after(zero)   # accumulators the reduction read
+        mean = self.op(aten.div.Tensor, done, self.world)
+        if len(entries) == 1:
+            e = entries[0]
+            return [self.cast(mean, e.reduce_dtype, e.shard.dtype)]
+        out, off = [], 0
+        for e in entries:   # one new tensor per member: outputs never alias each other
+            n = e.shard.numel()
+            part = self.op(aten.slice.Tensor, mean, 0, off, off + n)
+            out.append(self.op(aten._to_copy.default, part, dtype=e.shard.dtype))
+            off += n
+        return out
+
+    def local_grad(self, grad: fx.Node, e: ParamEntry) -> fx.Node:
+        """W == 1: the shard gradient is the gradient (flat, master dtype)."""
+        val = grad.meta.get("val")
+        have = val.dtype if isinstance(val, torch.Tensor) else None
+        flat = self.op(aten.reshape.default, grad, [-1])
+        return flat if have == e.shard.dtype else self.op(_CAST, flat, e.shard.dtype)
+
+    def accumulate(self, grad: fx.Node, e: ParamEntry, acc: fx.Node) -> fx.Node | None:
+        """Add the gradient into its accumulator, in place. Variant "accum": returns None (the
+        shard gradient is zeros). Variant "last": returns the accumulator, to be reduced and
+        then zeroed (`zero_after`) once the reduction no longer reads it."""
+        self.op(aten.add_.Tensor, acc, self.op(aten.reshape.default, grad, [-1]))
+        if not self.last:
+            return None
+        acc.meta["val"] = torch.empty(0, dtype=e.shard.dtype, device="meta")
+        return acc
+
+    def zero_after(self, accs: list[fx.Node]) -> None:
+        for acc in accs:
+            self.op(aten.zero_.default, acc)
+
+    def zeros(self, e: ParamEntry) -> fx.Node:
+        return self.op(aten.zeros.default, [e.shard.numel()], dtype=e.shard.dtype,
+                       device=e.shard.device)
+
+    def reduce_sync(self, node: fx.Node, accumulated: bool) -> fx.Node:
+        grad, pid = node.args[0], int(node.args[1])
+        e = lookup(pid)
+        g = self.env[grad]
+        g.meta.setdefault("val", grad.meta.get("val"))
+        shard = ops.reduce_grad_shard(node) if node.target is ops.REDUCE_GRAD else None
+        zero = []
+        if accumulated:
+            total = self.accumulate(g, e, self.accumulator(e, shard))
+            if total is None:
+                return self.zeros(e)
+            g, zero = total, [total]
+        if self.world == 1:
+            out = self.local_grad(g, e)
+            if zero:   # the accumulator is zeroed next: hand out a copy of it
+                out = self.op(aten.clone.default, out)
+            self.zero_after(zero)
+            return out
+        return self.reduce_split(self.reduce_launch([g], [e]), [e], zero)[0]
+
+    def reduce_start(self, node: fx.Node, accumulated: bool) -> None:
+        grads, pids = node.args[0], node.args[1]
+        shards = node.args[2] if len(node.args) > 2 and node.args[2] else [None] * len(pids)
+        entries = [lookup(int(p)) for p in pids]
+        vals = []
+        for g, e, sh in zip(grads, entries, shards):
+            v = self.env[g]
+            v.meta.setdefault("val", g.meta.get("val"))
+            if accumulated:
+                v = self.accumulate(v, e, self.accumulator(e, sh))
+            vals.append(v)
+        zero = vals if accumulated else []
+        if accumulated and not self.last:
+            self.pending[node] = {"zeros": entries}
+        elif self.world == 1:
+            self.pending[node] = {"local": vals, "entries": entries, "zero": zero}
+        else:
+            self.pending[node] = {"reduced": self.reduce_launch(vals, entries),
+                                  "entries": entries, "zero": zero}
+
+    def reduce_wait(self, node: fx.Node) -> list[fx.Node]:
+        started = self.pending.pop(node.args[0])
+        if "zeros" in started:
+            return [self.zeros(e) for e in started["zeros"]]
+        if "local" in started:
+            out = [self.local_grad(v, e) for v, e in zip(started["local"], started["entries"])]
+            if started["zero"]:
+                out = [self.op(aten.clone.default, o) for o in out]
+            self.zero_after(started["zero"])
+            return out
+        return self.reduce_split(started["reduced"], started["entries"], started["zero"])
+
+    # -- the whole graph ------------------------------------------------------------------------
+    def run(self) -> fx.Graph:
+        defer = self.rt.defers_reduce
+        gas1 = self.rt.step.gradient_accumulation_steps == 1
+        for node in self.src.graph.nodes:
+            self.origin = node.name
+            if node.op == "placeholder":
+                new = self.g.placeholder(node.name)
+                new.meta = dict(node.meta)
+                new.meta["dc_origin"] = node.name
+                self.arg_index[node] = len(self.placeholders)
+                self.placeholders.append(node)
+                self.env[node] = new
+                continue
+            if node.op == "output":
+                outs = self.arg(node.args[0])
+                if self.outputs_extra:
+                    outs = tuple(outs) + tuple(self.outputs_extra)
+                self.g.output(outs)
+                continue
+            t = node.target if node.op == "call_function" else None
+            if t is ops.ALLGATHER:
+                self.env[node] = self.gather_sync(node)
+            elif t is ops.ALLGATHER_START:
+                self.gather_start(node)
+                self.env[node] = None
+            elif t is ops.ALLGATHER_WAIT:
+                self.env[node] = self.gather_wait(node)
+            elif t is ops.ALLGATHER_FOR_NEXT:
+                self.gather_for_next(node)
+                self.env[node] = None
+            elif t is ops.ALLGATHER_FROM_PREV:
+                self.env[node] = self.gather_from_prev(node)
+            elif t is ops.KEPT_PARAM:
+                self.env[node] = self.kept(node)
+            elif t is ops.REDUCE_GRAD:
+                self.env[node] = self.reduce_sync(
+                    node, defer and ops.reduce_grad_shard(node) is not None)
+            elif t is ops.ACCUMULATE_GRAD:
+                self.env[node] = self.reduce_sync(node, not gas1)
+            elif t is ops.REDUCE_START:
+                self.reduce_start(node, defer and len(node.args) > 2 and bool(node.args[2]))
+                self.env[node] = None
+            elif t is ops.REDUCE_WAIT:
+                self.env[node] = self.reduce_wait(node)
+            elif t is operator.getitem and isinstance(self.env.get(node.args[0]), list):
+                self.env[node] = self.env[node.args[0]][node.args[1]]
+            else:
+                new = self.g.node_copy(node, self.env.__getitem__)
+                new.meta["dc_origin"] = node.name
+                self.env[node] = new
+        if self.pending:
+            raise RuntimeError("deepcompile lower: a start without its wait in "
+                               f"{sorted(n.name for n in self.pending)}")
+        self._order_placeholders()
+        return self.g
+
+    def _order_placeholders(self) -> None:
+        """Extra inputs after the planned graph's, in the order `extra_inputs` builds them."""
+        extra = [ph for ph, _ in self.fixed] + [ph for ph, _ in self.by_kept] + \
+            [ph for ph, _ in self.by_acc] + [p[0] for p in self.parked]
+        last = self.env[self.placeholders[-1]] if self.placeholders else None
+        for ph in extra:
+            if last is None:
+                first = next(iter(self.g.nodes))
+                if first is not ph:
+                    first.prepend(ph)
+            else:
+                last.append(ph)
+            last = ph
+
+
+def lower(gm: fx.GraphModule, runtime, *, last: bool = True) -> Lowered:
+    """The lowered graph of the planned graph `gm`, for the window's last micro-step (`last`)
+    or an earlier one (graphs that accumulate gradients locally differ; others do not)."""
+    lw = _Lowering(gm, runtime, last)
+    graph = lw.run()
+    graph.lint()
+    lowered_gm = fx.GraphModule(gm, graph)
+    n_in = len(lw.placeholders)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    n_out = len(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else 1
+
+    fixed = [t for _, t in lw.fixed]
+    kept_get = runtime.kept.table.__getitem__
+    acc_get = runtime.accum.table.__getitem__
+    ptr = torch.Tensor.data_ptr
+    pick_kept = _picker([i for _, i in lw.by_kept])
+    pick_acc = _picker([i for _, i in lw.by_acc])
+    has_kept, has_acc = bool(lw.by_kept), bool(lw.by_acc)
+    parked = [(key, _picker(positions), expected, _fallback_gather(entries, dtype))
+              for _ph, key, positions, expected, entries, dtype in lw.parked]
+    take = runtime.parked.take
+
+    def extra_inputs(args: list) -> list:
+        out = list(fixed)
+        if has_kept:
+            out += map(kept_get, map(ptr, pick_kept(args)))
+        if has_acc:
+            out += map(acc_get, map(ptr, pick_acc(args)))
+        for key, pick, expected, gather in parked:
+            out.append(take(key, pick(args), expected, gather))
+        return out
+
+    # positions among the extra inputs; which of them the memory model leaves to the runtime
+    order = [ph for ph, _ in lw.fixed] + [ph for ph, _ in lw.by_kept] + \
+        [ph for ph, _ in lw.by_acc] + [p[0] for p in lw.parked]
+    accs = {id(ph) for ph in lw.acc_fixed} | {id(ph) for ph, _ in lw.by_acc}
+    held = accs | {id(ph) for ph, _ in lw.by_kept} | \
+        {id(ph) for ph, t in lw.fixed if ph.name.startswith("rt_kept")}
+    acc_positions = tuple(i for i, ph in enumerate(order) if id(ph) in accs)
+    uncounted = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in held)
+    parked_ids = {id(p[0]) for p in lw.parked}
+    transient = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in parked_ids)
+    return Lowered(gm=lowered_gm, n_in=n_in, n_out=n_out, extra_inputs=extra_inputs,
+                   uncounted=uncounted, transient=transient, park_keys=lw.park_keys,
+                   counts=tuple((k, n, b) for k, (n, b) in sorted(lw.counts.items())),
+                   acc_positions=acc_positions, last=last, runtime=runtime)
+
+
+def _fallback_gather(entries: list[ParamEntry], dtype: torch.dtype):
+    """A gather of `shards` (B's own) in the layout of the parked buffer, done now."""
+    def gather(shards) -> torch.Tensor:
+        flat = [s.detach().to(dtype) for s in shards]
+        src = flat[0] if len(flat) == 1 else torch.cat(flat)
+        return entries[0].comm.all_gather(src)
+    return gather
+
+
+# -- profiles of the lowered graph, folded onto the planned one ----------------------------------
+def fold_profile(prof: GraphProfile, lowered: fx.GraphModule, planned: fx.GraphModule,
+                 name_of: Callable[[int], str]) -> GraphProfile:
+    """The profile of a lowered graph as a profile of the planned graph: per planned node, the
+    time of every lowered node made from it, and the live bytes after the last of them (a
+    planned node that lowered to nothing costs nothing, and leaves memory as it was)."""
+    origin = {n.name: n.meta.get("dc_origin", n.name) for n in lowered.graph.nodes}
+    acc: dict[str, list] = {}
+    for rec in prof.nodes:
+        key = origin.get(rec.name, rec.name)
+        a = acc.get(key)
+        if a is None:
+            acc[key] = [rec.time_s, rec.start_s, rec.out_bytes, rec.live_bytes]
+        else:
+            a[0] += rec.time_s
+            a[2] = rec.out_bytes
+            a[3] = rec.live_bytes
+    nodes, live, clock = [], 0, 0.0
+    for node in planned.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        a = acc.get(node.name)
+        if a is not None:
+            live, clock = a[3], a[1]
+        kind = ops.COMM_KINDS.get(node.target, "compute") if node.op == "call_function" else "compute"
+        nodes.append(NodeProfile(
+            name=node.name, op=_target_name(node), kind=kind,
+            param=_param_of(node, name_of) if kind != "compute" else None,
+            time_s=a[0] if a else 0.0, start_s=clock, out_bytes=a[2] if a else 0,
+            live_bytes=live))
+    return GraphProfile(slot=prof.slot, version=prof.version, nodes=nodes, total_s=prof.total_s)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
+
+
+def _param_of(node: fx.Node, name_of: Callable[[int], str]) -> str | None:
+    pids = node.args[1] if len(node.args) > 1 else None
+    if isinstance(pids, (list, tuple)):
+        return ",".join(name_of(int(p)) for p in pids)
+    return name_of(int(pids)) if isinstance(pids, int) else None

@@ -1,0 +1,172 @@
+"""One engine's run-time state: what the compiled graphs read and write besides their own values.
+
+`EngineRuntime` owns, for one engine:
+
+* `registry`: the parameters, their layouts and shards (runtime/registry.py);
+* `step`: where the engine is within the accumulation window (runtime/state.py);
+* `kept`: the parameters `selective_unshard` keeps gathered (runtime/kept.py);
+* `accum`: the gradients accumulated locally over the micro-steps, ZeRO-1's and
+  `selective_unshard`'s alike (runtime/accumulators.py);
+* `parked`: gathers a graph started for the next graph, until that graph takes them;
+* `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
+* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on.
+
+The lowered graphs take what they need from here as extra inputs, looked up once per graph call
+([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
+`shards_changed` around the optimizer step. Nothing here is global: two engines in one process
+have two runtimes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .. import _compat
+from .accumulators import GradAccumulators
+from .comm import Comm
+from .kept import KeptParams
+from .registry import ParamEntry, ParamRegistry
+from .replicas import Replicas
+from .state import StepState
+
+log = logging.getLogger("deepcompile")
+
+
+class ParkedGathers:
+    """[Note: cross-graph prefetch] A gather started at the tail of graph A for graph B is an
+    extra output of A, parked here under B's group (the pids), and an extra input of B, which
+    waits for it. B takes it only if it was started for exactly the shards B is called with
+    (Dynamo may reuse one graph for several layers); otherwise, or if A did not run, B's group
+    is gathered synchronously here. Every rank runs the same graphs in the same order, so every
+    rank takes the same path. Whatever is parked and not taken is waited for and dropped before
+    the optimizer changes the shards (`drop_unused`)."""
+
+    def __init__(self) -> None:
+        self.parked: dict[tuple[int, ...], torch.Tensor] = {}
+        self.misses = {"missing": 0, "other_tensors": 0, "unused": 0}
+
+    def park(self, key: tuple[int, ...], buffer: torch.Tensor) -> None:
+        stale = self.parked.pop(key, None)
+        if stale is not None:   # started twice before a use: the older one was wasted
+            _wait(stale)
+            self.misses["unused"] += 1
+        self.parked[key] = buffer
+
+    def take(self, key: tuple[int, ...], shards, expected, gather) -> torch.Tensor:
+        buffer = self.parked.pop(key, None)
+        if buffer is not None:
+            if all(map(_same, shards, expected)):
+                return buffer
+            _wait(buffer)
+            self.misses["other_tensors"] += 1
+        else:
+            self.misses["missing"] += 1
+        return gather(shards)
+
+    def drop_unused(self) -> int:
+        n = len(self.parked)
+        for buffer in self.parked.values():
+            _wait(buffer)
+        self.parked.clear()
+        self.misses["unused"] += n
+        return n
+
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.parked.values())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or a.data_ptr() == b.data_ptr()
+
+
+def _wait(t: torch.Tensor) -> None:
+    _compat.funcol_ops()[2](t)
+
+
+class EngineRuntime:
+    def __init__(self, registry: ParamRegistry, comm: Comm, step: StepState,
+                 device: torch.device) -> None:
+        self.registry = registry
+        self.comm = comm
+        self.step = step
+        self.device = device
+        self.entry_by_ptr: dict[int, ParamEntry] = {e.shard.data_ptr(): e for e in registry}
+        self.kept = KeptParams(self.entry_by_ptr)
+        self.accum = GradAccumulators(registry.entries, step, self.entry_by_ptr)
+        self.parked = ParkedGathers()
+        self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
+        self.offload: Any = None          # runtime/offload.py, set by the engine
+        self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
+        self._warned_unused = False
+        registry.bind(self)
+
+    @property
+    def defers_reduce(self) -> bool:
+        """ZeRO-1 keeps gradients local until the last micro-step (only where there is more
+        than one micro-step and more than one rank)."""
+        return (self.registry.zero_stage == 1 and self.step.gradient_accumulation_steps > 1
+                and self.comm.world > 1)
+
+    def held_bytes(self) -> int:
+        """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
+        allocator counts them)."""
+        total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes()
+        if self.count_offload_bytes and self.offload is not None:
+            total += self.offload.held_bytes()
+        return total
+
+    # -- what passes configure ------------------------------------------------------------------
+    def plan_state(self) -> dict[str, Any]:
+        """What passes configure here (kept parameters, accumulators, the offload plan), taken
+        before a pass applies so that a reverted pass leaves nothing behind
+        (`restore_plan_state`)."""
+        return {"kept": list(self.kept.entries), "accum": set(self.accum.by_pid),
+                "offload": self.offload.plan_state() if self.offload is not None else None,
+                "count_offload_bytes": self.count_offload_bytes}
+
+    def restore_plan_state(self, state: dict[str, Any]) -> None:
+        """Back to `state` (at an optimizer-step boundary, on every rank: a changed kept set is
+        gathered again, which is collective)."""
+        if [e.pid for e in self.kept.entries] != [e.pid for e in state["kept"]]:
+            self.kept.configure(state["kept"])
+        self.accum.disable([pid for pid in list(self.accum.by_pid) if pid not in state["accum"]])
+        if self.offload is not None and state["offload"] is not None:
+            self.offload.restore_plan_state(state["offload"])
+        self.count_offload_bytes = state["count_offload_bytes"]
+
+    def after_step_collectives(self) -> list[dict[str, Any]]:
+        """The collectives the runtime runs after every optimizer step, outside the graphs:
+        ZeRO-1/2's replica refresh and the kept parameters' refresh (one all-gather per fused
+        group, nothing at world size 1)."""
+        if self.comm.world == 1:
+            return []
+        out = []
+        for what, plan in (("replica refresh", getattr(self.replicas, "plan", None)),
+                           ("kept-parameter refresh", self.kept.plan)):
+            if plan is not None and len(plan):
+                out.append({"where": "after the optimizer step", "what": what,
+                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes()})
+        return out
+
+    # -- around the optimizer step -------------------------------------------------------------
+    def before_optimizer_step(self) -> None:
+        """Gathers started for a graph that did not run are dropped before the shards change;
+        gradients still held locally are reduced into the shard gradients."""
+        dropped = self.parked.drop_unused()
+        if dropped and not self._warned_unused:
+            self._warned_unused = True
+            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
+                        "(the graphs ran in another order than when profiled); they are dropped",
+                        dropped)
+        self.accum.flush()
+
+    def shards_changed(self, frozen_too: bool = False) -> None:
+        """What is derived from the shards follows them (after the optimizer step, after loading
+        a checkpoint): ZeRO-1/2's replicated parameters (the frozen ones only where they changed
+        too: a checkpoint load) and the parameters kept gathered."""
+        if self.replicas is not None:
+            self.replicas.refresh(frozen_too)
+        self.kept.refresh()

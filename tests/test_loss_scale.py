@@ -1,0 +1,79 @@
+"""float16 with dynamic loss scaling (src/deepcompile/runtime/loss_scale.py), on 2 ranks at
+ZeRO-3 and ZeRO-1: an overflowing step is skipped on every rank and leaves no trace (the run
+that skipped steps is bitwise the run that started at the scale they settled on), the scale
+halves on overflow and doubles after `loss_scale_window` good steps, the same on every rank."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _models
+from _dist import run_distributed
+
+MODEL = "mlp"
+
+
+def _run(rank, world, stage, first_batch, steps, **config):
+    import deepcompile
+
+    torch._dynamo.reset()
+    model = _models.build_model(MODEL)
+    engine = deepcompile.initialize(
+        model, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+        deepcompile.Config(compiler="fx", zero_stage=stage, param_dtype=torch.float16,
+                           passes=(), profile_steps=0, **config))
+    initial = engine.full_state_dict()
+    out = {"scales": [], "skipped": [], "losses": [], "unchanged": []}
+    for i in range(steps):
+        batch = _models.local_batch(MODEL, first_batch + i, rank, world)
+        batch = {k: v.half() for k, v in batch.items()}
+        out["scales"].append(engine._scaler.scale)
+        skipped = engine._scaler.skipped_steps
+        loss = engine(**batch)
+        engine.backward(loss)
+        assert engine.step()
+        out["skipped"].append(engine._scaler.skipped_steps > skipped)
+        out["losses"].append(loss.float().item())
+        state = engine.full_state_dict()
+        out["unchanged"].append(all(torch.equal(state[k], initial[k]) for k in state))
+        out["opt_state"] = len(engine.optimizer.state)
+    out["final"] = engine.full_state_dict()
+    out["final_scale"] = engine._scaler.scale
+    out["dtype"] = str(engine._registry.entries[0].shard.dtype)
+    return out
+
+
+def _job(rank, world, stage):
+    skipping = _run(rank, world, stage, 0, 10, initial_loss_scale=2.0 ** 22)
+    first_good = skipping["skipped"].index(False)
+    settled = skipping["scales"][first_good]
+    static = _run(rank, world, stage, first_good, 10 - first_good, loss_scale=settled)
+    growing = _run(rank, world, stage, 0, 5, initial_loss_scale=256.0, loss_scale_window=2)
+    return {"skipping": skipping, "static": static, "growing": growing, "first_good": first_good}
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_dynamic_loss_scaling(stage):
+    per_rank = run_distributed(_job, 2, stage, timeout=600)
+    r0 = per_rank[0]
+    for r in per_rank[1:]:   # every rank took the same decisions
+        for key in ("skipping", "growing"):
+            assert r[key]["scales"] == r0[key]["scales"] and r[key]["skipped"] == r0[key]["skipped"]
+    sk, st, first = r0["skipping"], r0["static"], r0["first_good"]
+    print(f"\n[loss scale zero{stage}] scales {sk['scales']} skipped {sk['skipped']}")
+    assert r0["skipping"]["dtype"] == "torch.float32"   # fp32 masters
+    assert first >= 3                              # 2**22 overflows float16
+    assert sk["skipped"] == [True] * first + [False] * (10 - first)
+    assert sk["unchanged"][:first] == [True] * first and not sk["unchanged"][first]
+    assert sk["scales"][:first + 1] == [2.0 ** (22 - i) for i in range(first + 1)]
+    assert all(torch.isfinite(torch.tensor(sk["losses"][first:])))
+    # the skipped steps left nothing behind: bitwise the run that started at the settled scale
+    assert sk["losses"][first:] == st["losses"]
+    assert all(torch.equal(sk["final"][k], st["final"][k]) for k in st["final"])
+    assert not any(st["skipped"]) and st["final_scale"] == sk["scales"][first]
+    gr = r0["growing"]
+    assert gr["skipped"] == [False] * 5
+    assert gr["scales"] == [256.0, 256.0, 512.0, 512.0, 1024.0] and gr["final_scale"] == 1024.0
