@@ -70,6 +70,8 @@ def main(argv=None) -> int:
                        "tflops": {k: v["tflops_per_gpu"] for k, v in res.items()},
                        "best_ours": best,
                        "pu_vs_ds": ds / res["ours-z3+overlap+unshard"]["step_s"],
+                       "auto_vs_ds": ds / res["ours-z3-auto"]["step_s"],
+                       "auto_passes": res["ours-z3-auto"]["decisions"]["auto"]["passes"],
                        "best_vs_ds": ds / ours[best]["step_s"],
                        "best_vs_z3": z3 / ours[best]["step_s"],
                        "fsdp2_vs_ds": ds / min(res["fsdp2"]["step_s"],
@@ -105,17 +107,20 @@ def main(argv=None) -> int:
              "from github.com/tohtana/bench_deep_compile results/acc_step_1_16/results.txt", ""]
     for net in args.networks:
         lines += [f"## network: {net}", "",
-                  "| model | GAS | ours-z3 | ours+overlap | ours+overlap+unshard | fsdp2 | ds-z3 | "
-                  "P+S vs ds-z3 | best ours vs ours-z3 | fsdp2 vs ds-z3 | paper | authors' logs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | GAS | ours-z3 | ours+overlap | ours+overlap+unshard | ours auto | "
+                  "fsdp2 | ds-z3 | P+S vs ds-z3 | auto vs ds-z3 | best ours vs ours-z3 | "
+                  "fsdp2 vs ds-z3 | paper | authors' logs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["network"] != net:
                 continue
             s = r["steps"]
             lines.append(
                 f"| {r['model']} | {r['gas']} | {s['ours-z3']:.2f} | {s['ours-z3+overlap']:.2f} | "
-                f"{s['ours-z3+overlap+unshard']:.2f} | {min(s['fsdp2'], s['fsdp2-compile']):.2f} | "
-                f"{s['ds-z3']:.2f} | {r['pu_vs_ds']:.2f}x | {r['best_vs_z3']:.2f}x | "
+                f"{s['ours-z3+overlap+unshard']:.2f} | {s['ours-z3-auto']:.2f} | "
+                f"{min(s['fsdp2'], s['fsdp2-compile']):.2f} | "
+                f"{s['ds-z3']:.2f} | {r['pu_vs_ds']:.2f}x | {r['auto_vs_ds']:.2f}x | "
+                f"{r['best_vs_z3']:.2f}x | "
                 f"{r['fsdp2_vs_ds']:.2f}x | up to {PAPER_HEADLINE[r['model']]:.2f}x | "
                 + (f"{r['authors_logs_speedup']:.2f}x" if r["authors_logs_speedup"] else "-")
                 + " |")

@@ -30,7 +30,12 @@ def test_json_has_every_system_and_consistent_figures(capsys):
     d = json.loads(out)
     names = [r["system"] for r in d["systems"]]
     assert names == ["ours-z3", "ours-z3+prefetch", "ours-z3+overlap", "ours-z3+overlap+unshard",
-                     "ours-z3-all", "fsdp2", "fsdp2-compile", "ds-z3"]
+                     "ours-z3-all", "ours-z3-auto", "fsdp2", "fsdp2-compile", "ds-z3"]
+    auto = next(r for r in d["systems"] if r["system"] == "ours-z3-auto")["decisions"]["auto"]
+    # the runtime's order, each pass with its verdict on the prediction
+    assert auto["chosen"] == ["selective_unshard", "prefetch", "bucket_reduce"]
+    assert set(auto["verdicts"]) == set(auto["chosen"])
+    assert set(auto["passes"]) <= set(auto["chosen"])
     assert d["tokens_per_step"] == 2 * 64 * 2
     for r in d["systems"]:
         assert r["step_s"] > 0 and r["fits"]

@@ -228,3 +228,35 @@ def test_replaying_a_runs_decisions_reproduces_them():
     alone = {"prefetch": {k: [[p.name] for p in m.params] for k in ("fw", "bw")}}
     pl1 = ours.plan(dataclasses.replace(s, replay=alone), ("prefetch",))
     assert all(len(g.pids) == 1 for k in ("fw", "bw") for g in pl1.groups[k])
+
+
+def test_world_size_one_communicates_nothing_and_casts():
+    """The lowered runtime at one rank: a gather is the shard or its cast (bf16 here), a
+    reduction the gradient's cast; the collective passes plan nothing."""
+    m = synthetic()
+    s = setting(m, world=1)
+    sch, r = run(s, ("prefetch", "bucket_reduce", "selective_unshard"))
+    assert sch.collectives == {}
+    assert r.comm_s == 0 and r.exposed_comm_s == 0
+    assert all(d == {"skipped": "world size 1: nothing is communicated"}
+               for d in sch.decisions.values())
+    casts = [e for e in sch.events if e.name.startswith("cast.")]
+    assert len(casts) == 2 * len(m.params) + len(m.params)   # fw + bw gathers, reductions
+    compute = m.fw.compute_s() + m.bw.compute_s()
+    assert r.step_s == pytest.approx(compute + sum(e.dur for e in casts) + 1 * MS, rel=1e-9)
+
+
+def test_auto_chooses_as_the_runtime_does():
+    from deepcompile.planner.plan import resolve_auto
+
+    m = synthetic()
+    chosen, out = ours.auto_choice(setting(m))
+    assert chosen == ["selective_unshard", "prefetch", "bucket_reduce"]
+    assert "offload_optimizer" in out
+    assert ours.auto_choice(setting(m, world=1))[0] == []
+    base = simulate(ours.schedule(setting(m), (), "x", "").events)
+    tight = setting(m, budget=base.peak_bytes - 1)   # the step over the budget: offload first
+    assert ours.auto_choice(tight)[0][0] == "offload_optimizer"
+    kept, d = resolve_auto(setting(m, gas=4), float("inf"), False)
+    assert set(d["verdicts"]) == set(d["chosen"]) and list(kept) == d["passes"]
+    assert all(v.startswith(("kept", "reverted")) for v in d["verdicts"].values())

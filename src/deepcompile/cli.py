@@ -284,9 +284,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
     p.add_argument("--passes", action="append", default=None, metavar="P1,P2",
-                   help="a pass set of ours, comma-separated ('' for insertion only); repeat "
-                        "for several (default: the ladder '', prefetch, prefetch,bucket_reduce, "
-                        "+selective_unshard, +offload_optimizer)")
+                   help="a pass set of ours, comma-separated ('' for insertion only, 'auto' for "
+                        "the runtime's own choice); repeat for several (default: the ladder '', "
+                        "prefetch, prefetch,bucket_reduce, +selective_unshard, "
+                        "+offload_optimizer, auto)")
     p.add_argument("--peers", default="fsdp2,fsdp2-compile,ds-z3", metavar="S1,S2",
                    help="peer schedules to compare ('' for none) (default: %(default)s)")
     p.add_argument("--memory-budget", type=_memory, default=None, metavar="X",

@@ -51,6 +51,7 @@ from .schedule import async_s, wait_s
 from .simulate import Event
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
+AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
 REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
 
 
@@ -428,9 +429,13 @@ def _prefuse(colls: list, groups: list[list[str]], s: Setting, first: bool) -> l
 
 def replay_of(cached: dict) -> dict:
     """The decisions of a run (its plan cache's JSON) in the form `Setting.replay` takes:
-    prefetch groups per graph, bucket_reduce buckets, selective_unshard's choice, by name."""
-    out: dict[str, Any] = {}
+    the passes the run kept, in its order (`passes`), prefetch groups per graph, bucket_reduce
+    buckets, selective_unshard's choice, by name."""
+    out: dict[str, Any] = {"passes": [e["pass"] for e in cached.get("passes", [])
+                                      if e.get("kept", True) is not False]}
     for entry in cached.get("passes", []):
+        if entry.get("kept", True) is False:   # reverted by the run: not in its graphs
+            continue
         d = entry["decisions"]
         if entry["pass"] == "prefetch":
             out["prefetch"] = {key.rsplit(".", 1)[1]: [g["params"] for g in v.get("groups", [])]
@@ -593,6 +598,47 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
     for name in passes:
         pl.decisions[name] = _RUN[name](pl)
     return pl
+
+
+def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
+    """The passes `compiler.autoplan.choose` runs, in its order (offload_optimizer,
+    selective_unshard, prefetch, bucket_reduce), from the facts it reads, here the planner's:
+    the world size, the ZeRO stage, the peak of the insertion-only plan (its first profile)
+    and the optimizer step's bytes with all state on the device (`OffloadStore.step_bytes`:
+    shards, gradient shards, Adam's moments, and one state tensor per parameter of foreach
+    temporaries on a GPU, the largest one on the CPU), against the budget. Returns (chosen,
+    left out with the reason)."""
+    from ..compiler.autoplan import ORDER
+
+    base = plan(s, ())
+    peak = base.peak()
+    elems = s.shard_elems()
+    largest = max((s.shard_numel(p) for p in s.model.params), default=0) * 4
+    work = 4 * elems if s.fusion == "overlap" else largest   # GPU foreach / CPU loop
+    step = (MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work
+    budget = s.budget
+    chosen, out = [], {}
+    one = "world size 1: a gather is a view of the local shard, a reduction a cast"
+    if budget == float("inf"):
+        out["offload_optimizer"] = "memory budget unbounded"
+    elif max(peak, step) > budget:
+        chosen.append("offload_optimizer")
+    else:
+        out["offload_optimizer"] = "the step fits the budget with all optimizer state"
+    if s.world == 1:
+        out.update({p: one for p in ("selective_unshard", "prefetch", "bucket_reduce")})
+    else:
+        if s.stage < 3:
+            out["selective_unshard"] = out["prefetch"] = \
+                f"ZeRO-{s.stage}: parameters are replicated"
+        elif budget - peak <= 0:
+            out["selective_unshard"] = "no memory left under the budget"
+            chosen.append("prefetch")
+        else:
+            chosen += ["selective_unshard", "prefetch"]
+        chosen.append("bucket_reduce")
+    order = {name: i for i, name in enumerate(ORDER)}
+    return sorted(chosen, key=lambda p: order.get(p, len(order))), out
 
 
 # ------------------------------------------------------------------------------ events

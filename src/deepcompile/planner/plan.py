@@ -43,7 +43,8 @@ OURS = (("ours-z3", ()),
         ("ours-z3+prefetch", ("prefetch",)),
         ("ours-z3+overlap", ("prefetch", "bucket_reduce")),
         ("ours-z3+overlap+unshard", ("prefetch", "bucket_reduce", "selective_unshard")),
-        ("ours-z3-all", ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")))
+        ("ours-z3-all", ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")),
+        ("ours-z3-auto", ours.AUTO))
 PEERS = ("fsdp2", "fsdp2-compile", "ds-z3")
 
 
@@ -61,7 +62,8 @@ class PlanArgs:
     batch: int = 1
     gas: int = 1
     stage: int = 3
-    passes: list[tuple[str, ...]] | None = None   # None: the OURS ladder
+    passes: list[tuple[str, ...] | str] | None = None   # None: the OURS ladder; "auto": the
+                                                        # runtime's choice (ours.auto_choice)
     peers: tuple[str, ...] = PEERS
     memory_budget: float | None = None   # bytes, a fraction (<= 1) of GPU memory, or None (0.9)
     ac: bool = False             # activation checkpointing of every decoder layer
@@ -195,15 +197,17 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
     shape = shapes.load(args.model)
     cpu = args.gpu == "cpu"
     ladder = list(OURS) if args.passes is None else [
+        ("ours-z3-auto", ours.AUTO) if _is_auto(ps) else
         ("ours-z3" + "".join(f"+{p}" for p in ps) if ps else "ours-z3", tuple(ps))
         for ps in args.passes]
     if args.stage < 3:
-        ladder = [(f"ours-z{args.stage}" + ("+bucket_reduce" if "bucket_reduce" in ps else ""),
+        ladder = [(f"ours-z{args.stage}-auto", ours.AUTO) if ps == ours.AUTO else
+                  (f"ours-z{args.stage}" + ("+bucket_reduce" if "bucket_reduce" in ps else ""),
                    tuple(p for p in ps if p == "bucket_reduce"))
                   for _, ps in ladder]
         ladder = list(dict(ladder).items())
     for _, ps in ladder:
-        unknown = [p for p in ps if p not in ours.PASSES]
+        unknown = [p for p in ps if p not in ours.PASSES] if ps != ours.AUTO else []
         if unknown:
             raise PlanError(f"deepcompile plan: unknown pass(es) {', '.join(unknown)}; known: "
                             f"{', '.join(ours.PASSES)}")
@@ -277,9 +281,17 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
 
     results = []
     for name, ps_ in ladder:
-        desc = f"deepcompile ZeRO-{args.stage}" + (f" + {' + '.join(ps_)}" if ps_ else
-                                                   ", insertion only")
+        auto = None
+        if ps_ == ours.AUTO:
+            ps_, auto = resolve_auto(setting(model_f), device_memory, cpu)
+            desc = (f"deepcompile ZeRO-{args.stage}, passes='auto' (the runtime's choice and "
+                    f"verdicts, on predictions): " + (" + ".join(ps_) or "insertion only"))
+        else:
+            desc = f"deepcompile ZeRO-{args.stage}" + (f" + {' + '.join(ps_)}" if ps_ else
+                                                       ", insertion only")
         sch = ours.schedule(setting(model_f), ps_, name, desc)
+        if auto is not None:
+            sch.decisions = {"auto": auto, **sch.decisions}
         results.append(_run(sch, device_memory, cpu))
     if args.stage == 3:
         for peer in args.peers:
@@ -297,6 +309,32 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                                 f"{', '.join(PEERS)}")
             results.append(_run(sch, device_memory, cpu))
     return Plan(args, shape, model_f.numel, setting_info, results, model_f, memory, _machine())
+
+
+def _is_auto(ps) -> bool:
+    return ps == ours.AUTO or tuple(ps) == (ours.AUTO,)
+
+
+def resolve_auto(s: Setting, device_memory: float, cpu: bool) -> tuple[tuple[str, ...], dict]:
+    """`passes="auto"` as the runtime runs it ([Note: choosing passes] and [Note: keeping a
+    pass] in compiler/autoplan.py): the passes `ours.auto_choice` chooses, in order, each kept
+    or reverted by the runtime's own rule (`autoplan.verdict`), with the simulated step and
+    peak in place of the measured steps and the re-profile."""
+    from ..compiler.autoplan import verdict
+
+    chosen, left_out = ours.auto_choice(s)
+    kept: tuple[str, ...] = ()
+    prev = _run(ours.schedule(s, kept, "auto", ""), device_memory, cpu).result
+    verdicts = {}
+    for name in chosen:
+        r = _run(ours.schedule(s, kept + (name,), "auto", ""), device_memory, cpu).result
+        ok, why = verdict({"peak_bytes": prev.peak_bytes, "measured_s": [prev.step_s]},
+                          {"peak_bytes": r.peak_bytes, "measured_s": [r.step_s]}, s.budget)
+        verdicts[name] = ("kept: " if ok else "reverted: ") + why.replace("measured", "predicted")
+        if ok:
+            kept, prev = kept + (name,), r
+    return kept, {"chosen": chosen, "left_out": left_out, "verdicts": verdicts,
+                  "passes": list(kept)}
 
 
 def _check_measured(graphs, host) -> None:

@@ -68,6 +68,9 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
     gb = lambda b: f"{b / GiB:.2f} GiB" if b is not None else "-"  # noqa: E731
     if isinstance(d, dict) and d.get("skipped"):
         return d["skipped"]
+    if name == "auto":
+        return ("; ".join(f"{p} {v}" for p, v in d["verdicts"].items()) or "no pass chosen") + \
+            (f"; left out: {', '.join(d['left_out'])}" if d["left_out"] else "")
     if name == "prefetch":
         parts = []
         for key in ("fw", "bw"):
