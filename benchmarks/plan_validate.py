@@ -129,8 +129,23 @@ def main(argv=None) -> int:
                     help="cuda: predictions from the roofline of --gpu and the network model, "
                          "measured by the bench on this machine's GPUs (bf16, Inductor)")
     ap.add_argument("--gpu", default="h100", help="with --device cuda: the GPU to predict for")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the planner's compute profiles in CPU time (measure_host), to "
+                         "compare with the launches' CPU time per step on a loaded machine")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only write the summary of the rounds already in --out's "
+                         "plan_validation.jsonl (a run stopped early)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.summarize:
+        out_dir = Path(args.out)
+        rows = [json.loads(x) for x in (out_dir / "plan_validation.jsonl").read_text().splitlines()
+                if x.strip()]
+        done = sorted({(r["round"], r["world"], r["workload"]) for r in rows})
+        write_summary(rows, args, out_dir, datetime.date.today().isoformat(), argv,
+                      note=f"summarized from the rounds that finished ({len(done)} cells: "
+                           + ", ".join(f"round {a + 1} world {b} {c}" for a, b, c in done) + ")")
+        return 0
     import torch
 
     from deepcompile._bench import workloads as W
@@ -149,7 +164,8 @@ def main(argv=None) -> int:
                 w = W.get(wname)
                 t0 = time.perf_counter()
                 host = None if args.device == "cuda" else measure_host(
-                    w.model, world=world, batch=w.batch, seq=w.seq, repeats=args.repeats)
+                    w.model, world=world, batch=w.batch, seq=w.seq, repeats=args.repeats,
+                    clock=args.clock)
                 pred = {"wall_s": round(time.perf_counter() - t0, 1),
                         "load": list(os.getloadavg()) if host is None else host.load,
                         "host": None if host is None else host.to_dict(),
@@ -184,12 +200,20 @@ def main(argv=None) -> int:
                     f"{s} predicted {pred['systems'][s]['step_s'] * 1e3:.1f} ms, measured "
                     f"{(rec['measured'][s]['step_s'] or float('nan')) * 1e3:.1f} ms"
                     for s in systems), flush=True)
+    write_summary(rows, args, out_dir, date, argv)
+    return 0
+
+
+def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = "") -> None:
+    """The per-cell medians (JSON and markdown) of `rows` (every round's record)."""
+    import torch
+
     summary = []
     for world in args.worlds:
         for wname in args.workloads:
             cell = [r for r in rows if r["world"] == world and r["workload"] == wname]
             for s in args.systems:
-                if s not in cell[0]["measured"]:
+                if not cell or s not in cell[0]["measured"]:
                     continue
                 p = [r["prediction"]["systems"][s]["step_s"] for r in cell]
                 m = [r["measured"][s]["step_s"] for r in cell if r["measured"][s]["ok"]]
@@ -225,6 +249,13 @@ def main(argv=None) -> int:
              "launches (compiler fx), median of launch medians.", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']}, {meta['cpus']} CPUs; torch {meta['torch']}",
+             f"- the planner's compute profiles (nodes, optimizer, framework) timed in "
+             + ("thread CPU time (`--clock cpu`)" if getattr(args, "clock", "wall") == "cpu"
+                else "wall time"),
+             *([f"- {note}"] if note else []),
+             "- load average (1 min) when each launch started: "
+             + ", ".join(f"{m['load'][0]:.1f}" for r in rows for m in r["measured"].values())
+             + f"; at the end {meta['load_end'][0]:.1f} (2 cores, shared with other workers)",
              f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
              "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
              f"{args.steps} timed steps)", "",
@@ -249,7 +280,6 @@ def main(argv=None) -> int:
                         if r["replayed_ms"] is not None else "- | - |"))
     (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -51,21 +51,56 @@ class HostProfile:
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
+    clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world": self.world, "optimizer_s": self.optimizer_s,
+        return {"world": self.world, "clock": self.clock, "optimizer_s": self.optimizer_s,
                 "overhead_s": self.overhead_s,
                 "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
                 "network": self.network.to_dict(), "load": self.load,
                 "graph_s": {k: sum(v.values()) for k, v in self.node_s.items()}}
 
 
-def profile_pieces(graphs, repeats: int) -> dict[str, dict[str, float]]:
-    """Median time per node of each piece's forward and backward on real inputs."""
+def _clock_run(clock):
+    """An FX run timing every node with `clock` (the CPU-time mode; see `measure_host`)."""
+    def run(gm, args, **_):
+        times: list = []
+
+        class _Timed(torch.fx.Interpreter):
+            def run_node(self, n):
+                if n.op in ("placeholder", "output"):
+                    return super().run_node(n)
+                t0 = clock()
+                out = super().run_node(n)
+                times.append((n.name, clock() - t0))
+                return out
+
+        out = _Timed(gm).run(*args)
+        return out, _Times([_NodeTime(name, t) for name, t in times])
+    return run
+
+
+@dataclasses.dataclass
+class _NodeTime:
+    name: str
+    time_s: float
+
+
+@dataclasses.dataclass
+class _Times:
+    nodes: list
+
+
+def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, float]]:
+    """Median time per node of each piece's forward and backward on real inputs; `clock`
+    (CPU-time mode): every node timed with it instead of deepcompile's profiler."""
     from ..compiler.profiler import profile_run
+
+    if clock is not None:
+        profile_run = _clock_run(clock)  # noqa: F811
 
     runs: dict[str, dict[str, list[float]]] = {}
     for name, pg in graphs.items():
@@ -88,7 +123,8 @@ def profile_pieces(graphs, repeats: int) -> dict[str, dict[str, float]]:
     return {k: {n: statistics.median(v) for n, v in d.items()} for k, d in runs.items()}
 
 
-def time_optimizer(numels: list[int], world: int, repeats: int) -> float:
+def time_optimizer(numels: list[int], world: int, repeats: int,
+                   clock=time.perf_counter) -> float:
     """Median time of one AdamW step on this rank's fp32 shards of parameters of `numels`."""
     shards = [torch.nn.Parameter(torch.randn(-(-n // world))) for n in numels]
     for p in shards:
@@ -96,10 +132,10 @@ def time_optimizer(numels: list[int], world: int, repeats: int) -> float:
     opt = torch.optim.AdamW(shards, lr=1e-3)
     times = []
     for r in range(repeats + 2):
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.step()
         if r >= 2:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -233,14 +269,15 @@ def overlap_factor(comm, repeats: int) -> float:
     return statistics.median(trials)
 
 
-def framework_overhead(model: torch.nn.Module, ids: torch.Tensor,
-                       repeats: int) -> tuple[float, float]:
+def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
+                       cpu: bool = False) -> tuple[float, float]:
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
     model's output object: the forward and backward calls' time minus their graphs' run
     times) and per optimizer step (`engine.step()` minus the optimizer's own `step`), measured
     on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
-    parameters are sharded by the engine: call it after everything else of the pieces."""
+    parameters are sharded by the engine: call it after everything else of the pieces.
+    `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share)."""
     import functools
 
     from .. import initialize
@@ -250,10 +287,12 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor,
     inner = eng.optimizer.step
     spent = [0.0]
 
+    clock = time.thread_time if cpu else time.perf_counter
+
     def timed_step(*a, **k):   # this throwaway engine's optimizer, timed
-        t0 = time.perf_counter()
+        t0 = clock()
         out = inner(*a, **k)
-        spent[0] += time.perf_counter() - t0
+        spent[0] += clock() - t0
         return out
 
     eng.optimizer.step = timed_step
@@ -262,15 +301,21 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor,
     for i in range(warm + repeats):
         slots = eng._pipeline.slots
         before = {k: len(sl.run_s) for k, sl in slots.items()}
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         loss = eng(input_ids=ids, labels=ids).loss
         eng.backward(loss)
         loss.item()
         t1 = time.perf_counter()
+        c1 = time.thread_time()
         spent[0] = 0.0
         eng.step()
         t2 = time.perf_counter()
+        c2 = time.thread_time()
         runs = sum(sum(list(sl.run_s)[before.get(k, 0):]) for k, sl in slots.items())
+        if cpu:   # CPU time: the graphs' share of it as of their wall time
+            share = (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
+            t0, t1, t2, runs = c0, c1, c2, runs * share
         if i >= warm:
             micro.append((t1 - t0) - runs)
             step.append((t2 - t1) - spent[0])
@@ -294,8 +339,10 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         ps = pieces.build(shape, batch=spec["batch"], seq=spec["seq"], dtype=torch.float32,
                           fake=False, seed=spec["seed"])
         graphs = trace.trace_all(ps)
-        node_s = profile_pieces(graphs, spec["repeats"])
-        opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"])
+        cpu = spec.get("clock") == "cpu"
+        node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None)
+        opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"],
+                               time.thread_time if cpu else time.perf_counter)
         if world > 1:
             net = sweep_ops(comm, spec["net_repeats"])
             eta = overlap_factor(comm, spec["net_repeats"])
@@ -303,7 +350,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
             eta = 1.0
         ids = ps.embed.inputs[0]
-        over, step_over = framework_overhead(ps.model, ids, spec["repeats"])  # last: shards it
+        over, step_over = framework_overhead(ps.model, ids, spec["repeats"], cpu)  # last
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
@@ -327,8 +374,13 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
 
 
 def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int = 5,
-                 net_repeats: int = 20, seed: int = 0, timeout_s: float = 900.0) -> HostProfile:
-    """The profiles of `model` at `world` gloo ranks on this machine (see the module note)."""
+                 net_repeats: int = 20, seed: int = 0, timeout_s: float = 900.0,
+                 clock: str = "wall") -> HostProfile:
+    """The profiles of `model` at `world` gloo ranks on this machine (see the module note).
+    `clock` "cpu": compute (nodes, optimizer, framework) in the ranks' CPU time
+    (`time.thread_time`), not wall time: on a machine shared with other work a node's wall
+    time holds whatever other processes took of the core meanwhile; the network stays in wall
+    time (waiting for peers is part of it)."""
     import multiprocessing as mp
 
     from .._demo import _free_port, _terminate
@@ -337,7 +389,7 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     queue = ctx.Queue()
     port = _free_port()
     spec = {"model": model, "batch": batch, "seq": seq, "repeats": repeats,
-            "net_repeats": net_repeats, "seed": seed}
+            "net_repeats": net_repeats, "seed": seed, "clock": clock}
     load = list(os.getloadavg())
     saved = dict(os.environ)
     procs = []
@@ -366,4 +418,4 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
                      copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
                      overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
-                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]))
+                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]), clock)
