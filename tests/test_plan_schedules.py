@@ -260,3 +260,15 @@ def test_auto_chooses_as_the_runtime_does():
     kept, d = resolve_auto(setting(m, gas=4), float("inf"), False)
     assert set(d["verdicts"]) == set(d["chosen"]) and list(kept) == d["passes"]
     assert all(v.startswith(("kept", "reverted")) for v in d["verdicts"].values())
+
+
+def test_bucket_reduce_leaves_accumulated_gradients_alone():
+    """auto's order: selective_unshard first accumulates gradients locally (accumulate_grad
+    nodes); bucket_reduce buckets only the runtime's reduce_grad nodes that are left."""
+    m = synthetic(node_s=0.01 * MS)
+    sch, _ = run(setting(m, gas=4), ("selective_unshard", "prefetch", "bucket_reduce"))
+    d = sch.decisions["selective_unshard"]
+    assert d["accumulated"] == len(m.params)
+    assert sch.decisions["bucket_reduce"]["reduces"] == 0
+    # each accumulated gradient reduced once, on the last micro-step
+    assert sch.collectives["reduce_scatter"]["count"] == len(m.params)

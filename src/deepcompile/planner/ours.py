@@ -371,7 +371,9 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
     st, items, where = plan.profile("bw")
     reduces = []
     for i, it in enumerate(items):
-        if it.kind == "reduce_scatter":
+        # gradients accumulated locally (selective_unshard before it: `accumulate_grad` nodes)
+        # are not the runtime's `reduce_grad`s, and bucket_reduce leaves them alone
+        if it.kind == "reduce_scatter" and it.ref[2][1] not in plan.accumulated:
             p = s.model.params[it.ref[2][1]]
             reduces.append(bucket_reduce.Reduce(
                 it.name, i, it.nbytes, p.pid, str(s.model.dtype),
