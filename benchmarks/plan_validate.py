@@ -275,7 +275,8 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                      f"[{r['measured_range_ms'][0]:.1f}, {r['measured_range_ms'][1]:.1f}] | "
                      f"{r['error'] * 100:+.0f}% | "
                      + (f"{r['measured_cpu_ms']:.1f} ({r['cpu_share']:.2f}) | "
-                        f"{r['error_vs_cpu'] * 100:+.0f}% | " if r["measured_cpu_ms"] else "- | - | ")
+                        f"{r['error_vs_cpu'] * 100:+.0f}% | "
+                        if r["measured_cpu_ms"] else "- | - | ")
                      + (f"{r['replayed_ms']:.1f} | {r['replayed_error'] * 100:+.0f}% |"
                         if r["replayed_ms"] is not None else "- | - |"))
     (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
