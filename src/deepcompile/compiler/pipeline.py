@@ -34,6 +34,7 @@ from ..runtime import memory
 from ..runtime import registry as _registry
 from . import cache as _cache
 from .cost import CostModel, LinearCostModel, calibrate
+from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .profiler import GraphProfile, NodeProfile, profile_run
 from .slots import GraphSlot
@@ -95,6 +96,12 @@ class Pipeline:
         # allocator counts it): kept parameters, accumulators, parked gathers, and the
         # optimizer state where the offload pass plans with it (runtime/runtime.py).
         self.runtime_bytes_sources: list[Callable[[], int]] = [runtime.held_bytes]
+        # steady-state drift (compiler/drift.py): listeners get a reason; `request_replan`
+        # runs passes again on new profiles from the next step on
+        self.on_drift: list[Callable[[str], None]] = []
+        self._watches: dict[str, SizeWatch] = {}
+        self._replan: tuple[list[str], str] | None = None
+        self.replans = 0
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
 
@@ -109,10 +116,22 @@ class Pipeline:
             log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
                         "recompilation, e.g. for a new input shape); it runs with insertion "
                         "only, without the passes %s", key, ", ".join(self.config.passes))
+            for listener in self.on_drift:
+                listener(f"graph {key} compiled after planning")
         return slot
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        watch = self._watches.get(slot.key)
+        if watch is None:
+            watch = self._watches[slot.key] = SizeWatch(slot.gm)
+        if watch.positions:   # symbolic sizes: profiled with which, called with larger ones?
+            if self.phase is Phase.PROFILE:
+                watch.record(args)
+            elif self.phase is Phase.STEADY and watch.exceeded(args):
+                watch.record(args)
+                for listener in self.on_drift:
+                    listener(f"graph {slot.key} called with sizes beyond its profiles")
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
@@ -123,7 +142,8 @@ class Pipeline:
             self._order_now.append(slot.key)
             out, prof = profile_run(low.gm, full, slot=slot.key, version=slot.version,
                                     name_of=_param_name, runtime_bytes=self._runtime_bytes,
-                                    uncounted=low.uncounted, transient=low.transient)
+                                    uncounted=low.uncounted, transient=low.transient,
+                                    split=rt.flat_storages)
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if self.perturb is not None:
                 self.perturb(prof)
@@ -184,7 +204,20 @@ class Pipeline:
         else:
             if len(self.timings["steady_steps_s"]) < 64:
                 self.timings["steady_steps_s"].append(elapsed)
+            if self._replan is not None:
+                passes, reason = self._replan
+                self._replan = None
+                self.replans += 1
+                self._pending_passes = passes
+                self._enter(Phase.PROFILE, f"replan: {reason}")
         self._step_started = time.perf_counter()
+
+    def request_replan(self, passes: list[str], reason: str) -> None:
+        """Run `passes` again, on new profiles, from the next optimizer step on (steady state
+        only; each pass's `apply` replaces what its previous plan inserted)."""
+        if self.phase is Phase.STEADY and self._replan is None:
+            log.warning("deepcompile: re-planning %s at the next step: %s", ", ".join(passes), reason)
+            self._replan = (list(passes), reason)
 
     def _enter(self, phase: Phase, label: str = "") -> None:
         self.phase, self._steps_in_phase = phase, 0
@@ -235,7 +268,7 @@ class Pipeline:
             entry["after"] = entry["before"]
             self._log_pass(entry)
         self.timings["passes_s"] += time.perf_counter() - t0
-        if self.config.cache_dir is not None:
+        if self.config.cache_dir is not None and not self.replans:   # a cached plan is the first
             self._save_plan()
         self._enter(Phase.STEADY)
 
