@@ -633,15 +633,27 @@ def test_inductor_keeps_and_runs_the_reload_ops(parity):
 
 
 # ------------------------------------------------------------------------------ re-planning
-def _seq_batch(step: int, seq: int, rank: int, world: int) -> dict:
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, _models.VOCAB, (_models.GLOBAL_BATCH, seq), generator=g)
-    per = _models.GLOBAL_BATCH // world
-    ids = ids[rank * per:(rank + 1) * per]
-    return {"input_ids": ids, "labels": ids}
+class _Deep(torch.nn.Module):
+    """Six 64x64 layers over a sequence: the optimizer state (~100 KB a rank) is large next
+    to what a few more tokens add, so a longer sequence can be paid for by offloading."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers:
+            h = torch.nn.functional.gelu(layer(h))
+        return (h - x).square().mean()
 
 
-SEQS = [16] * 4 + [32] * 4 + [48] * 4   # a new graph at 32 (Dynamo makes it dynamic), larger sizes at 48
+def _seq_batch(step: int, seq: int, rank: int) -> torch.Tensor:
+    return torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+SEQS = [8] * 4 + [16] * 4 + [24] * 4   # a new graph at 16 (Dynamo makes it dynamic), larger sizes at 24
 
 
 def _drift_run(rank, world, config):
@@ -650,11 +662,11 @@ def _drift_run(rank, world, config):
     torch._dynamo.reset()
     with chunk_bytes(CHUNK):
         engine = deepcompile.initialize(
-            _models.build_model("llama"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+            _Deep(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
             config={"compiler": "fx", "warmup_steps": 1, **config})
     losses, phases = [], []
     for step, seq in enumerate(SEQS):
-        loss = _models.loss_of(engine(**_seq_batch(step, seq, rank, world)))
+        loss = engine(_seq_batch(step, seq, rank))
         engine.backward(loss)
         phases.append(engine._pipeline.phase.value)
         engine.step()
@@ -662,8 +674,6 @@ def _drift_run(rank, world, config):
     rep = engine.report().to_dict()
     out = {"losses": losses, "state": engine.full_state_dict(), "phases": phases,
            "plans": [p["decisions"] for p in rep["passes"] if p["pass"] == "offload_optimizer"],
-           "labels": {s["slot"]: [p["label"] for p in s["profiles"]]
-                      for g in rep["graphs"] for s in g["slots"]},
            "peaks": {s["slot"]: [(p["label"], p["peak_bytes"]) for p in s["profiles"]]
                      for g in rep["graphs"] for s in g["slots"]}}
     del engine
@@ -674,33 +684,36 @@ def _drift_run(rank, world, config):
 def _drift_job(rank, world):
     plain = _drift_run(rank, world, {})
     unbounded = _drift_run(rank, world, {"passes": ("offload_optimizer",)})
-    first, second = unbounded["plans"][0], unbounded["plans"][-1]
+    first, last = unbounded["plans"][0], unbounded["plans"][-1]
     state = first["state_bytes"]
-    # offloading a quarter of the state fits sequences of 16; longer ones need more
-    budget = int(first["peak_before"] - state // 4)
+    # the longest sequence needs 80% of the state off the device; the first, less
+    budget = int(last["peak_before"] - 0.8 * state)
     bounded = _drift_run(rank, world, {"passes": ("offload_optimizer",), "memory_budget": budget})
     return {"plain": plain, "unbounded": unbounded, "bounded": bounded, "budget": budget,
-            "state": state, "longest_peak": second["peak_before"]}
+            "first_peak": first["peak_before"]}
 
 
 def test_a_longer_sequence_is_replanned_under_the_budget():
-    """Steady state at sequence length 16 under a budget that needs a quarter of the state off
-    the device; then length 32 (Dynamo compiles a new graph) and 48 (the same graph, dynamic,
-    called with larger sizes than profiled): each time the engine puts all state off the
-    device at once, re-profiles and re-plans; every new plan holds the budget where the
-    previous one would not, and training is bitwise the training without offloading."""
+    """Steady state at sequence length 8; then 16 (Dynamo compiles a new graph) and 24 (the
+    same graph, dynamic, called with larger sizes than profiled): each time the engine puts
+    all state off the device at once, re-profiles and re-plans; every new plan holds the
+    budget where the previous one would not, and training is bitwise the training without
+    offloading."""
     for r in run_distributed(_drift_job, WORLD, timeout=900):
         budget, plans = r["budget"], r["bounded"]["plans"]
-        assert r["longest_peak"] - r["state"] < budget, "the test's budget is unattainable"
-        assert len(r["unbounded"]["plans"]) == 3 and len(plans) == 3, [len(r["unbounded"]["plans"]), len(plans)]
+        assert budget < r["first_peak"], "the first plan has nothing to offload"
+        assert len(r["unbounded"]["plans"]) == 3 and len(plans) == 3, \
+            [len(r["unbounded"]["plans"]), len(plans)]
+        print(f"\n[replan] budget {budget}: " + "; ".join(
+            f"peak {p['graph_peak_bytes']} offloaded {p['offloaded_bytes']}" for p in plans))
         for old, new in zip(plans, plans[1:]):
-            assert not new["unattainable"] and new["peak_after"] <= budget
+            assert not new["unattainable"] and new["peak_after"] <= budget, new["reason"]
             # the previous plan on the new step's curve: over the budget
             assert new["graph_peak_bytes"] - old["offloaded_bytes"] > budget, (new, old)
             assert new["offloaded_bytes"] > old["offloaded_bytes"]
-        labels = [label for ls in r["bounded"]["labels"].values() for label in ls]
-        assert any("compiled after planning" in label for label in labels)
-        assert any("sizes beyond its profiles" in label for label in labels)
+        labels = [label for ps in r["bounded"]["peaks"].values() for label, _ in ps]
+        assert any("compiled after planning" in label for label in labels), labels
+        assert any("sizes beyond its profiles" in label for label in labels), labels
         # measured: every profile after a plan stays within the budget
         for slot, profiles in r["bounded"]["peaks"].items():
             for label, peak in profiles:

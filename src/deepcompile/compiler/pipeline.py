@@ -100,6 +100,7 @@ class Pipeline:
         # runs passes again on new profiles from the next step on
         self.on_drift: list[Callable[[str], None]] = []
         self._watches: dict[str, SizeWatch] = {}
+        self._unplanned: set[str] = set()        # slots compiled in steady state, not run yet
         self._replan: tuple[list[str], str] | None = None
         self.replans = 0
         self._step_started = time.perf_counter()
@@ -116,12 +117,15 @@ class Pipeline:
             log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
                         "recompilation, e.g. for a new input shape); it runs with insertion "
                         "only, without the passes %s", key, ", ".join(self.config.passes))
-            for listener in self.on_drift:
-                listener(f"graph {key} compiled after planning")
+            self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
+            self._unplanned.discard(slot.key)
+            for listener in self.on_drift:
+                listener(f"graph {slot.key} compiled after planning")
         watch = self._watches.get(slot.key)
         if watch is None:
             watch = self._watches[slot.key] = SizeWatch(slot.gm)
