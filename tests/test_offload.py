@@ -580,10 +580,10 @@ def _ckpt_run(rank, world, config, steps, save_at=None, load=None, ckpt=None):
 
 
 def _checkpoint_job(rank, world, tmp, budget):
-    plain = {"compiler": "fx", "warmup_steps": 1}
+    plain = {"compiler": "fx", "warmup_steps": 1, "passes": (), "measure_steps": 0}
     offloaded = {**plain, "passes": ("offload_optimizer",), "memory_budget": budget}
     out = {}
-    zero1 = {**plain, "zero_stage": 1}   # the replicated parameters follow the loaded shards
+    zero1 = {**plain, "zero_stage": 1, "passes": ("bucket_reduce",)}   # the replicated parameters follow the loaded shards
     for name, config in (("plain", plain), ("offload", offloaded), ("zero1", zero1)):
         ckpt = f"{tmp}/{name}"
         whole = _ckpt_run(rank, world, config, 6, save_at=4, ckpt=ckpt)
@@ -663,7 +663,8 @@ def _drift_run(rank, world, config):
     with chunk_bytes(CHUNK):
         engine = deepcompile.initialize(
             _Deep(), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
-            config={"compiler": "fx", "warmup_steps": 1, **config})
+            config={"compiler": "fx", "warmup_steps": 1, "passes": (), "measure_steps": 0,
+                    **config})
     losses, phases = [], []
     for step, seq in enumerate(SEQS):
         loss = engine(_seq_batch(step, seq, rank))

@@ -274,6 +274,33 @@ class Offloader:
         self._groups.append([self.slots[i] for i in chunks])
         return len(self._groups) - 1
 
+    def plan_state(self) -> dict:
+        """The plan as data (`restore_plan_state`): tiers, reload groups, provisional."""
+        return {"tiers": list(self.tiers), "budget": self.budget,
+                "groups": [[s.chunk.index for s in g] for g in self._groups],
+                "provisional": self.provisional}
+
+    def restore_plan_state(self, state: dict) -> None:
+        """Back to a plan taken by `plan_state` (a reverted pass's plan is dropped; at a step
+        boundary: `after_step` then offloads what the restored plan keeps on the host)."""
+        if state == self.plan_state():
+            return
+        self.set_plan(dict(enumerate(state["tiers"])), state["budget"])
+        for group in state["groups"]:
+            self.add_reload_group(group)
+        self.provisional = state["provisional"]
+
+    # -- what can move (compiler/autoplan.py) -----------------------------------------------------
+    def movable(self) -> list[tuple[int, int]]:
+        """(chunk index, device bytes) of every chunk whose optimizer state can leave the
+        device: none where the optimizer steps parameter by parameter (`FlatState.inner` is
+        None: [Note: flat step] in runtime/flat.py)."""
+        return [(s.chunk.index, n) for s in self.slots if (n := self.state_bytes(s))]
+
+    def step_bytes(self) -> int:
+        """Device bytes of the optimizer step with all optimizer state on the device."""
+        return self.step_base() + sum(self.state_bytes(s) for s in self.slots)
+
     # -- what the device holds ------------------------------------------------------------------
     def state_bytes(self, slot: Slot) -> int:
         inner = self.flat.inner
