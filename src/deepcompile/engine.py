@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 from typing import Any, Callable, Iterable
 
@@ -19,7 +17,7 @@ from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
-from .runtime.flat import FlatState
+from .runtime.flat import FlatState, _grad_of, _is_not_none
 from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
 from .runtime.runtime import EngineRuntime
@@ -28,8 +26,6 @@ from .runtime.state import StepState
 log = logging.getLogger("deepcompile")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-_grad_of = operator.attrgetter("grad")
-_is_not_none = functools.partial(operator.is_not, None)
 
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -174,6 +170,8 @@ class Engine:
             if finite:
                 flat.sync_hyperparameters()
                 self._offload.run_step()   # offloaded state streamed in and out (runtime/offload.py)
+                # what the LR scheduler's wrapper of `optimizer.step` records (it is not called)
+                self.optimizer._opt_called = True
             flat.release_grads()
         else:                        # an optimizer that steps parameter by parameter
             finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank

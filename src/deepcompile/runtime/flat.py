@@ -154,6 +154,11 @@ class FlatState:
         if self.elementwise and self.chunks:
             self._build_inner()
             facade.register_load_state_dict_post_hook(self._after_load)
+        elif self.chunks:
+            log.warning("deepcompile: %s is not one of torch.optim's elementwise optimizers (%s): "
+                     "it steps the parameters one by one, without the flat fused step, and its "
+                     "state cannot be offloaded", type(facade).__name__,
+                     ", ".join(c.__name__ for c in ELEMENTWISE))
         self.on_load: list = []              # called after the inner state was reloaded
 
     # -- layout -----------------------------------------------------------------------------
@@ -285,12 +290,6 @@ class FlatState:
                 k: v[off:off + n] if isinstance(v, torch.Tensor) and v.dim() == 1
                 and v.numel() == c.numel else v for k, v in st.items()}
         self._viewed.add(c.index)
-
-    def state_bytes(self, c: Chunk) -> int:
-        """Bytes of the chunk's flat state tensors (0 before its first step)."""
-        if self.inner is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in c.state_tensors(self.inner).values())
 
     # -- loading ----------------------------------------------------------------------------
     @torch.no_grad()
