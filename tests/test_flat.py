@@ -3,7 +3,8 @@ world size 1: the flat step trains as torch's own optimizer does on the unsharde
 with Nesterov momentum, AdamW with a weight-decay group and an LR scheduler on the facade);
 `optimizer.state_dict()` stays per parameter; an optimizer whose update is not known to be
 elementwise steps parameter by parameter, says so in the log, and `offload_optimizer` refuses
-it with the reason. A few seconds in all."""
+it with the reason; `passes="auto"` under a budget the step with all state does not meet
+chooses `offload_optimizer` and keeps it. Under a minute in all."""
 
 from __future__ import annotations
 
@@ -127,3 +128,39 @@ def test_offload_refuses_an_optimizer_that_is_not_stepped_flat(group):
         deepcompile.initialize(_model(), optimizer=CASES["subclass"],
                                config={"compiler": "fx", "passes": ("offload_optimizer",),
                                        "warmup_steps": 1})
+
+
+def _auto_run(config, steps=8):
+    import deepcompile
+
+    torch._dynamo.reset()
+    with chunk_bytes(256):
+        engine = deepcompile.initialize(_model(), optimizer=CASES["adamw-groups"],
+                                        config={"compiler": "fx", "warmup_steps": 1, **config})
+    losses = []
+    for step in range(steps):
+        x = torch.randn(256, 8, generator=torch.Generator().manual_seed(step))   # activations
+        loss = engine(x).square().mean()   # dominate: the graphs' peak is over the step's
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses
+
+
+def test_auto_offloads_under_a_tight_budget_and_keeps_it(group):
+    """passes="auto" with a budget the step with all state does not meet: offload_optimizer is
+    chosen first, planned on the chunks, kept (after its measured steps, however they compare:
+    reverting it would run over the budget), and training is bitwise the same."""
+    _, plain = _auto_run({"passes": ()}, steps=10)
+    unbounded, _ = _auto_run({"passes": ("offload_optimizer",), "measure_steps": 0})
+    d = next(p for p in unbounded.report().to_dict()["passes"]
+             if p["pass"] == "offload_optimizer")["decisions"]
+    budget = int(d["peak_before"] - d["state_bytes"] // 2)
+    engine, losses = _auto_run({"memory_budget": budget, "measure_steps": 1}, steps=10)
+    rep = engine.report().to_dict()
+    assert [c["pass"] for c in rep["auto"]["chosen"]][:1] == ["offload_optimizer"], rep["auto"]
+    entry = next(p for p in rep["passes"] if p["pass"] == "offload_optimizer")
+    assert entry["kept"] and "within the budget" in entry["verdict"], entry["verdict"]
+    assert entry["decisions"]["chunks"] and entry["decisions"]["peak_after"] <= budget
+    assert rep["phase"] == "steady" and rep["offload"]["offloaded_bytes"] > 0
+    assert losses == plain
