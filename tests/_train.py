@@ -20,6 +20,7 @@ result dict per scenario.  `torch._dynamo.reset()` separates scenarios.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -46,15 +47,34 @@ LEGACY_PASSES = {1: ("bucket_reduce",), 2: ("bucket_reduce",), 3: ()}
 # ------------------------------------------------------------------------------- scenarios
 def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
              clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
-             record: tuple[str, ...] = (), **config) -> dict:
-    """Build a scenario dict (see module docstring)."""
+             record: tuple[str, ...] = (), chunk_bytes: int | None = None, **config) -> dict:
+    """Build a scenario dict (see module docstring). `chunk_bytes`: the flat layout's chunk
+    size (runtime/flat.py; tiny models fit one chunk of the default size, and offloading
+    moves whole chunks)."""
     kwargs = {"lr": lr}
     if optim == "sgd":
         kwargs["momentum"] = 0.9
     cfg = {"compiler": compiler, "gradient_accumulation_steps": gas, "max_grad_norm": clip}
     cfg.update(config)
-    return {"id": id, "model": model, "optim": (optim, kwargs), "config": cfg,
-            "steps": steps, "record": tuple(record)}
+    out = {"id": id, "model": model, "optim": (optim, kwargs), "config": cfg,
+           "steps": steps, "record": tuple(record)}
+    if chunk_bytes is not None:
+        out["chunk_bytes"] = chunk_bytes
+    return out
+
+
+@contextlib.contextmanager
+def chunk_bytes(n: int | None):
+    """The flat layout's chunk size for engines built inside (runtime/flat.py)."""
+    from deepcompile.runtime import flat
+
+    old = flat.CHUNK_BYTES
+    if n is not None:
+        flat.CHUNK_BYTES = n
+    try:
+        yield
+    finally:
+        flat.CHUNK_BYTES = old
 
 
 def make_optimizer(spec):
@@ -194,8 +214,9 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
             cfg[k] = getattr(torch, cfg[k])
     model = _models.build_model(name)
     model_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
-                                    config=deepcompile.Config(**cfg))
+    with chunk_bytes(sc.get("chunk_bytes")):
+        engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
+                                        config=deepcompile.Config(**cfg))
     res: dict = {"id": sc["id"], "rank": rank, "world": world, "losses": [],
                  "model_shapes": model_shapes}
     if "memory" in record:

@@ -54,6 +54,9 @@ def test_verdict_reverts_only_what_is_worse_with_confidence():
                    _summary(measured=[0.0102, 0.0102, 0.0103]), budget=inf)[0]
     # not measured: memory only
     assert verdict(_summary(100), _summary(100), budget=inf)[0]
+    # slower, but what brings the step within the budget (offloading) is kept
+    assert verdict(_summary(200, measured=[0.010, 0.011, 0.012]),
+                   _summary(100, measured=[0.020, 0.021, 0.019]), budget=150)[0]
 
 
 # ------------------------------------------------------------------------------- pure: choose

@@ -8,6 +8,7 @@ param_dtype) and a reduction the local gradient; the comm counters stay at 0.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import socket
 
@@ -33,13 +34,20 @@ def nccl():
     dist.destroy_process_group()
 
 
-def _train(config, steps=8, dtype=None):
+def _train(config, steps=8, dtype=None, chunk=None):
+    """Train the tiny Llama; returns (engine, losses, bytes the device held before the engine
+    was built: earlier tests' tensors, cuBLAS workspaces — not this engine's)."""
     import deepcompile
+    from _train import chunk_bytes
 
     torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.synchronize()
     model = _models.build_model("llama").cuda()
-    engine = deepcompile.initialize(model, functools.partial(torch.optim.AdamW, lr=1e-3),
-                                    config={**config, "param_dtype": dtype})
+    base = torch.cuda.memory_allocated()
+    with chunk_bytes(chunk):
+        engine = deepcompile.initialize(model, functools.partial(torch.optim.AdamW, lr=1e-3),
+                                        config={**config, "param_dtype": dtype})
     losses = []
     for step in range(steps):
         batch = {k: v.cuda() for k, v in _models.local_batch("llama", step, 0, 1).items()}
@@ -47,7 +55,7 @@ def _train(config, steps=8, dtype=None):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return engine, losses
+    return engine, losses, base
 
 
 def _reference(steps=8):
@@ -69,7 +77,7 @@ def _reference(steps=8):
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_parity_on_one_gpu(nccl, compiler, passes):
     torch.backends.cuda.matmul.allow_tf32 = False
-    engine, losses = _train({"compiler": compiler, "passes": passes, "warmup_steps": 1})
+    engine, losses, _ = _train({"compiler": compiler, "passes": passes, "warmup_steps": 1})
     ref, ref_losses = _reference()
     print(f"{compiler}: max |dloss| {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4
@@ -86,7 +94,7 @@ def test_zero12_parity_on_one_gpu(nccl, compiler, stage):
     """ZeRO-1/2 (bucket_reduce by default): parity; at world size 1 no collective (the replica
     refresh is a local copy of the shard)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    engine, losses = _train({"compiler": compiler, "zero_stage": stage, "warmup_steps": 1})
+    engine, losses, _ = _train({"compiler": compiler, "zero_stage": stage, "warmup_steps": 1})
     ref, ref_losses = _reference()
     print(f"ZeRO-{stage} {compiler}: max |dloss| "
           f"{max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
@@ -99,8 +107,8 @@ def test_zero12_parity_on_one_gpu(nccl, compiler, stage):
 
 
 def test_bf16_profile_memory_against_the_allocator(nccl):
-    engine, losses = _train({"compiler": "fx", "warmup_steps": 1, "profile_steps": 1},
-                            steps=4, dtype=torch.bfloat16)
+    engine, losses, _ = _train({"compiler": "fx", "warmup_steps": 1, "profile_steps": 1},
+                               steps=4, dtype=torch.bfloat16)
     assert all(l == l for l in losses)   # no NaN
     rep = engine.report().to_dict()
     peak = rep["step_summary"]["peak_bytes"]
@@ -109,32 +117,55 @@ def test_bf16_profile_memory_against_the_allocator(nccl):
     assert 0 < peak <= torch.cuda.max_memory_allocated()
 
 
-def test_offload_optimizer_parity_and_budget(nccl):
-    """Offloading half the Adam state (a budget below the all-resident peak) trains exactly as
-    without offloading; the measured CUDA profile after planning stays within the budget; the
-    reloads ran on the copy stream and the step waited for them."""
+CHUNK = 4096   # the tiny Llama in ~16 chunks: offloading moves whole chunks
+
+
+def _offload_decisions(engine, last=False):
+    plans = [p for p in engine.report().to_dict()["passes"] if p["pass"] == "offload_optimizer"]
+    return plans[-1 if last else 0]["decisions"]
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_offload_optimizer_parity_and_budget(nccl, compiler):
+    """Offloading half the optimizer state (a budget below the all-resident peak) trains
+    bitwise as without offloading; the measured CUDA profile after planning stays within the
+    budget; the copies ran on the copy streams from pinned memory.
+
+    The budget is read in this process's terms: `memory_allocated` counts everything the
+    process holds (the first GPU run derived it from an earlier engine's figures while that
+    engine, and the one before, were still alive: unattainable, nothing offloaded). Here it is
+    the unbounded run's peak less what the device held before that engine was built, plus what
+    it holds before this one is."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    base = {"compiler": "fx", "warmup_steps": 1, "passes": ("offload_optimizer",),
+    base = {"compiler": compiler, "warmup_steps": 1, "passes": ("offload_optimizer",),
             "measure_steps": 0}
-    plain, plain_losses = _train({"compiler": "fx", "warmup_steps": 1})
-    unbounded, _ = _train(base)
-    d = next(p for p in unbounded.report().to_dict()["passes"]
-             if p["pass"] == "offload_optimizer")["decisions"]
-    assert d["fragments"] == []
-    budget = int(d["peak_before"] - d["state_bytes"] // 2)
-    engine, losses = _train({**base, "memory_budget": budget})
+    plain, plain_losses, _ = _train({"compiler": compiler, "warmup_steps": 1, "passes": ()}, chunk=CHUNK)
+    ref = plain.full_state_dict()
+    del plain
+    unbounded, _, held0 = _train(base, chunk=CHUNK)
+    d = _offload_decisions(unbounded)
+    assert d["chunks"] == []
+    own_peak, state = d["peak_before"] - held0, d["state_bytes"]
+    del unbounded
+    gc.collect()
+    held = torch.cuda.memory_allocated()
+    budget = int(held + own_peak - state // 2)
+    engine, losses, _ = _train({**base, "memory_budget": budget}, chunk=CHUNK)
     rep = engine.report().to_dict()
-    d = next(p for p in rep["passes"] if p["pass"] == "offload_optimizer")["decisions"]
-    print(f"offloaded {d['offloaded_bytes']} of {d['state_bytes']} bytes; budget {budget}; "
+    d = _offload_decisions(engine)
+    print(f"offloaded {d['offloaded_bytes']} of {state} bytes; budget {budget}; "
           f"peak {d['peak_before']} -> {d['peak_after']}; offload {rep['offload']}")
-    assert d["fragments"] and d["peak_after"] <= budget
-    assert max(abs(a - b) for a, b in zip(losses, plain_losses)) <= 1e-6
-    state, ref = engine.full_state_dict(), plain.full_state_dict()
-    assert max((state[k] - ref[k]).abs().max().item() for k in ref) <= 1e-6
-    # the plan counts exact bytes; the caching allocator rounds each block up to 512 bytes
-    slack = 512 * len(d["fragments"])
+    assert not d["unattainable"], d["reason"]
+    assert d["chunks"] and d["peak_after"] <= budget
+    assert losses == plain_losses
+    state_now = engine.full_state_dict()
+    assert all(torch.equal(state_now[k], ref[k]) for k in ref)
     for g in rep["graphs"]:
         for s in g["slots"]:
-            assert s["profiles"][-1]["peak_bytes"] <= budget + slack, s["slot"]
-    last = rep["offload"]["last_step"]
+            prof = s["profiles"][-1]
+            if prof["label"] == "after offload_optimizer":
+                assert prof["peak_bytes"] <= budget, s["slot"]
+    off = rep["offload"]
+    assert off["pinned"] and off["measured_copy_s"] > 0
+    last = off["last_step"]
     assert last["h2d_bytes"] == last["d2h_bytes"] == d["offloaded_bytes"]

@@ -258,3 +258,28 @@ def aot_function(fn, *, fw_compiler, bw_compiler, partition_fn, decompositions=N
 
     return _aot(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                 partition_fn=partition_fn, decompositions=decompositions)
+
+
+# --- pinned host memory ------------------------------------------------------------------------
+def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor of exactly its size. `pin_memory()` goes through the caching
+    host allocator, which rounds every block up to a power of two (a 28 GB buffer would take
+    32 GB); registering ordinary memory with CUDA pins exactly what is asked. Falls back to
+    `pin_memory()` where registration is not available."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return t
+    cudart = getattr(torch.cuda, "cudart", None)
+    try:
+        rt = cudart()
+        rc = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    except Exception:   # noqa: BLE001 -- no CUDA runtime bindings: the caching host allocator
+        return t.pin_memory()
+    if int(rc) != 0:
+        return t.pin_memory()
+    import weakref
+
+    ptr = t.data_ptr()
+    weakref.finalize(t, rt.cudaHostUnregister, ptr)   # before the memory goes back to libc
+    return t

@@ -151,6 +151,15 @@ def _dtensor(local: torch.Tensor, numel: int, mesh):
                               shape=torch.Size([numel]), stride=(1,))
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU in a storage of its own: the shards and their optimizer state are views
+    of flat buffers (runtime/flat.py), and DCP's staging copies a tensor's whole storage."""
+    t = t.detach().to("cpu")
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def _params(engine) -> list[list]:
     return [[list(e.names), list(e.shape)] for e in engine._registry]
 
@@ -197,7 +206,7 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
     rank = engine._comm.rank
     sd: dict[str, Any] = {}
     for e in engine._registry:
-        local = e.shard.detach()[: _valid(e, rank)].to("cpu")
+        local = _host(e.shard[: _valid(e, rank)])
         sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
     if rank == 0:
         for name, b in _persistent_buffers(engine.module).items():
@@ -230,10 +239,10 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
         for k, v in st.items():
             key = f"optim/{e.name}/{k}"
             if isinstance(v, torch.Tensor) and v.shape == e.shard.shape:
-                sd[key] = _dtensor(v.detach()[: _valid(e, rank)].to("cpu"), e.numel, mesh)
+                sd[key] = _dtensor(_host(v[: _valid(e, rank)]), e.numel, mesh)
                 spec[k] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
             elif isinstance(v, torch.Tensor):
-                sd[key] = v.detach().to("cpu")
+                sd[key] = _host(v)
                 spec[k] = {"kind": "replicated", "dtype": str(v.dtype).removeprefix("torch."),
                            "shape": list(v.shape)}
             elif _jsonable(v):

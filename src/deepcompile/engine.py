@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 from typing import Any, Callable, Iterable
 
@@ -19,7 +17,8 @@ from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
-from .runtime.offload import OptimizerStateOffload
+from .runtime.flat import FlatState, _grad_of, _is_not_none
+from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
 from .runtime.runtime import EngineRuntime
 from .runtime.state import StepState
@@ -27,8 +26,6 @@ from .runtime.state import StepState
 log = logging.getLogger("deepcompile")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-_grad_of = operator.attrgetter("grad")
-_is_not_none = functools.partial(operator.is_not, None)
 
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -91,27 +88,42 @@ class Engine:
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
                                        reduce_dtype=config.reduce_dtype,
                                        zero_stage=config.zero_stage)
-        self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
-        self._registry.reuse_listeners.append(self._check_reuse)
         self._trainable = self._registry.trainable_shards()
         self.optimizer = optimizer(self._trainable)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
                             f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        self._offload = OptimizerStateOffload(self.optimizer, self._registry, self.device)
+        # the shards move into flat chunks (their data pointers are fixed from here on: the
+        # runtime's tables are built after) and, for elementwise optimizers, an inner optimizer
+        # steps the chunks ([Note: flat layout] in runtime/flat.py)
+        self._flat = FlatState(self.optimizer, self._registry.entries, self.device)
+        self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
+        self._runtime.flat_storages = frozenset(c.param.untyped_storage().data_ptr()
+                                                for c in self._flat.chunks)
+        self._registry.reuse_listeners.append(self._check_reuse)
+        self._offload = Offloader(self._flat, self.device, self._runtime)
         self._runtime.offload = self._offload
         self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
                                   engine_fingerprint=self._fingerprint())
         if "offload_optimizer" in config.pass_list:
+            if self._flat.inner is None:
+                raise ValueError(
+                    f"deepcompile.initialize: the pass offload_optimizer needs an optimizer whose "
+                    f"update is elementwise (torch.optim's SGD, Adam, AdamW, ...), which steps "
+                    f"flat chunks; {type(self.optimizer).__name__} steps parameter by parameter")
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
             self._runtime.count_offload_bytes = True
-            self._offload.provisional = True   # until planned, all movable state leaves
+            self._offload.provisional = True   # until planned, the state of every chunk leaves
         elif config.auto_passes and self._pipeline.memory_budget != float("inf"):
             # auto may choose offload_optimizer from the profile: the state is in the budget
             # (profiled on the device: name the pass to profile with it offloaded)
             self._runtime.count_offload_bytes = True
+        if self._runtime.count_offload_bytes:
+            # the step changed under the plan (a new shape, larger sizes): re-plan instead of
+            # running out of memory (compiler/drift.py)
+            self._pipeline.on_drift.append(self._replan_offload)
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
@@ -147,13 +159,28 @@ class Engine:
         if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
             return False
         self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
-        finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
-        if finite and self.config.max_grad_norm is not None:
-            self._clip_grad_norm(self.config.max_grad_norm)
-        self._offload.before_step()   # offloaded state back on the device (runtime/offload.py)
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        flat = self._flat
+        if flat.inner is not None:   # the flat step ([Note: flat step] in runtime/flat.py)
+            self._offload.begin_step()
+            flat.fold_grads()
+            grads = flat.grads()
+            finite = self._scaler.unscale_tensors(grads) if self._scaler is not None else True
+            if finite and self.config.max_grad_norm is not None:
+                self._clip_grad_norm(self.config.max_grad_norm, grads)
+            if finite:
+                flat.sync_hyperparameters()
+                self._offload.run_step()   # offloaded state streamed in and out (runtime/offload.py)
+                # what the LR scheduler's wrapper of `optimizer.step` records (it is not called)
+                self.optimizer._opt_called = True
+            flat.release_grads()
+        else:                        # an optimizer that steps parameter by parameter
+            finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
+            if finite and self.config.max_grad_norm is not None:
+                self._clip_grad_norm(self.config.max_grad_norm,
+                                     list(filter(_is_not_none, map(_grad_of, self._trainable))))
+            if finite:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self._shards_changed()
         self._micro_steps = 0
         self._optimizer_steps += 1
@@ -162,8 +189,25 @@ class Engine:
         self._metrics.end_step()
         if self._pipeline.tracing is not None:   # engine.trace_next_step()
             self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
-        self._offload.after_step()    # planned fragments leave the device until the next step
+        self._offload.after_step()    # planned chunks' state leaves the device until the next step
         return True
+
+    MAX_REPLANS = 4
+
+    def _replan_offload(self, reason: str) -> None:
+        """The offload plan no longer describes the step: every chunk's state leaves the device
+        at once (the least memory this engine can hold), and the pass plans again on new
+        profiles from the next step on. At most MAX_REPLANS times; then the offloader's run-time
+        check (CUDA) keeps deferring the reloads that do not fit. Every rank sees the same
+        shapes (as profiling requires), so every rank takes the same decision."""
+        pipe = self._pipeline
+        planned = any(e["pass"] == "offload_optimizer" and e.get("kept", True)
+                      for e in pipe.pass_log)   # (with passes="auto": if it was chosen and kept)
+        if not planned or self._offload.provisional or pipe.replans >= self.MAX_REPLANS \
+                or pipe.phase.value != "steady":
+            return
+        self._offload.go_provisional()
+        self._pipeline.request_replan(["offload_optimizer"], reason)
 
     def _shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (runtime/runtime.py)."""
@@ -201,9 +245,8 @@ class Engine:
                 "their gradients cannot be told apart. Leave out the pass `selective_unshard`.")
 
     @torch.no_grad()
-    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = list(filter(_is_not_none, map(_grad_of, self._trainable)))
-        if grads:   # shards are disjoint; padding gradients are 0
+    def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor]) -> torch.Tensor:
+        if grads:   # shards are disjoint; padding gradients and alignment gaps are 0
             norms = torch._foreach_norm(grads, 2.0)
             local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
         else:

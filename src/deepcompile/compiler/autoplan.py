@@ -34,7 +34,8 @@ runtime state it configured — when its re-profiled peak exceeds the budget (an
 it is slower with confidence: every measured step after it slower than every step before it
 (with 3 steps each, a chance of 1 in 20 when nothing changed), and the median slower by more
 than `TIME_MARGIN`. A pass within the noise is kept: plans do not flip with the load of the
-machine.
+machine. A pass that brought a peak over the budget within it (`offload_optimizer`) is kept
+however slow: reverting it would run over the budget.
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
     if budget == float("inf"):
         add("offload_optimizer", False, "memory budget unbounded: all optimizer state stays")
     elif store is None or not store.movable():
-        add("offload_optimizer", False, "no movable optimizer state")
+        flat = getattr(store, "flat", None)
+        add("offload_optimizer", False, "no movable optimizer state" if flat is None or
+            flat.inner is not None else f"{type(flat.facade).__name__} steps parameter by "
+            "parameter (not an elementwise torch.optim optimizer): its state cannot be offloaded")
     elif warmup_steps == 0:
         add("offload_optimizer", False, "warmup_steps is 0: the state it plans for does not "
                                         "exist when profiling starts")
@@ -161,6 +165,8 @@ def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tup
     pb, pa = before["peak_bytes"], after["peak_bytes"]
     if pa > budget and pa > pb:
         return False, f"re-profiled peak {_mib(pa)} exceeds the budget {_mib(budget)}"
+    if pb > budget >= pa:   # reverting it would run over the budget, however slow it is
+        return True, f"kept: brings the peak {_mib(pb)} within the budget {_mib(budget)}"
     b, a = before.get("measured_s") or [], after.get("measured_s") or []
     if not a or not b:
         return True, "kept (judged on memory only: steps not measured)"

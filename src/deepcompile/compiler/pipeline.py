@@ -20,7 +20,11 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
            redone, outside the timed steps, before the other side runs again.
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
-           here: warm-up and profiling run the FX graphs).
+           here: warm-up and profiling run the FX graphs). When the step drifts from what was
+           planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
+           the `on_drift` listeners may `request_replan`: PROFILE again, then the passes named
+           (the engine: `offload_optimizer`), judged on memory only, not timed against the
+           plan they replace (which no longer fits).
 
 With `cache_dir`, the agreed profiles and the passes' decisions (reverted ones marked) are
 stored under a key made of everything that determines them; a later run with the same key
@@ -51,6 +55,7 @@ from . import autoplan
 from . import cache as _cache
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .planner import Planner, copy_graph
 from .profiler import GraphProfile, profile_run
@@ -132,6 +137,14 @@ class Pipeline:
         # allocator counts it): kept parameters, accumulators, parked gathers, and the
         # optimizer state where the offload pass plans with it (runtime/runtime.py).
         self.runtime_bytes_sources: list[Callable[[], int]] = [runtime.held_bytes]
+        # steady-state drift (compiler/drift.py): listeners get a reason; `request_replan`
+        # runs passes again on new profiles from the next step on
+        self.on_drift: list[Callable[[str], None]] = []
+        self._watches: dict[str, SizeWatch] = {}
+        self._unplanned: set[str] = set()        # slots compiled in steady state, not run yet
+        self._replan: tuple[list[str], str] | None = None
+        self._replanning: str | None = None      # the reason of the re-plan under way
+        self.replans = 0
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
 
@@ -151,10 +164,25 @@ class Pipeline:
             log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
                         "recompilation, e.g. for a new input shape); it runs with insertion "
                         "only, without the passes %s", key, ", ".join(kept))
+            self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
+            self._unplanned.discard(slot.key)
+            for listener in self.on_drift:
+                listener(f"graph {slot.key} compiled after planning")
+        watch = self._watches.get(slot.key)
+        if watch is None:
+            watch = self._watches[slot.key] = SizeWatch(slot.gm)
+        if watch.positions:   # symbolic sizes: profiled with which, called with larger ones?
+            if self.phase is Phase.PROFILE:
+                watch.record(args)
+            elif self.phase is Phase.STEADY and watch.exceeded(args):
+                watch.record(args)
+                for listener in self.on_drift:
+                    listener(f"graph {slot.key} called with sizes beyond its profiles")
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
@@ -165,7 +193,8 @@ class Pipeline:
             self._order_now.append(slot.key)
             out, prof = profile_run(low.gm, full, slot=slot.key, version=slot.version,
                                     name_of=_param_name, runtime_bytes=self._runtime_bytes,
-                                    uncounted=low.uncounted, transient=low.transient)
+                                    uncounted=low.uncounted, transient=low.transient,
+                                    split=rt.flat_storages)
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if self.perturb is not None:
                 self.perturb(prof)
@@ -246,7 +275,21 @@ class Pipeline:
         else:
             if len(self.timings["steady_steps_s"]) < 64:
                 self.timings["steady_steps_s"].append(elapsed)
+            if self._replan is not None:
+                passes, reason = self._replan
+                self._replan = None
+                self.replans += 1
+                self.planner.queue = list(passes)
+                self._replanning = reason
+                self._enter(Phase.PROFILE, f"replan: {reason}")
         self._step_started = time.perf_counter()
+
+    def request_replan(self, passes: list[str], reason: str) -> None:
+        """Run `passes` again, on new profiles, from the next optimizer step on (steady state
+        only; each pass's `apply` replaces what its previous plan inserted)."""
+        if self.phase is Phase.STEADY and self._replan is None:
+            log.warning("deepcompile: re-planning %s at the next step: %s", ", ".join(passes), reason)
+            self._replan = (list(passes), reason)
 
     def _enter(self, phase: Phase, label: str = "") -> None:
         self.phase, self._steps_in_phase = phase, 0
@@ -287,7 +330,8 @@ class Pipeline:
         entry = self._awaiting
         if entry is not None:          # a pass's re-profile
             entry["after"] = self._summary(self.latest_profiles())
-            if self.config.measure_steps > 0:
+            # a re-plan is not timed against the plan before it: that plan no longer fits
+            if self.config.measure_steps > 0 and not entry.get("replan"):
                 self._start_measure(entry)
                 return
             self._judge(entry)
@@ -344,6 +388,8 @@ class Pipeline:
         t0 = time.perf_counter()
         while self.planner.queue:
             entry = self.planner.start(self.planner.queue.pop(0))
+            if self._replanning is not None:
+                entry["replan"] = self._replanning
             if entry["changed"]:
                 self._awaiting = entry
                 self.timings["passes_s"] += time.perf_counter() - t0
@@ -351,8 +397,9 @@ class Pipeline:
                 return
             self.planner.unchanged(entry)
         self.timings["passes_s"] += time.perf_counter() - t0
-        if self.config.cache_dir is not None:
+        if self.config.cache_dir is not None and not self.replans:   # a cached plan is the first
             self._save_plan()
+        self._replanning = None
         self._enter(Phase.STEADY)
 
     def _summary(self, profiles: dict[str, GraphProfile]) -> dict:

@@ -10,7 +10,10 @@ the bytes the runtime holds outside the graph.
 
 [Note: CPU memory model] Storages are keyed by data pointer with reference counts over live
 values, so views cost nothing and a value freed while a view survives stays counted. The
-static model in `liveness.py` computes the same curve from shapes alone; tests compare them.
+parameter shards are views of a few flat buffers (runtime/flat.py): a tensor in one of those
+(`split`) is counted by its own extent, keyed by (storage, offset), so a graph holds the
+shards it takes, not their whole buffers. The static model in `liveness.py` computes the same
+curve from shapes alone; tests compare them.
 """
 
 from __future__ import annotations
@@ -129,16 +132,21 @@ class RefCountedBytes:
             del self._refs[key]
 
 
-def _storages(value: Any) -> tuple[list[tuple[int, int]], int]:
-    """(data pointer, storage bytes) of each real storage in `value`, and its output bytes."""
+def _storages(value: Any, split: frozenset[int] = frozenset()) -> tuple[list[tuple[Any, int]], int]:
+    """(key, bytes) of each real storage in `value`, and its output bytes (a tensor in a
+    storage of `split` counts its own extent: [Note: CPU memory model])."""
     out, out_bytes = [], 0
     for t in tensors_in(value):
-        out_bytes += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        out_bytes += nbytes
         if t.device.type == "meta":
             continue
         s = t.untyped_storage()
-        if s.data_ptr():
-            out.append((s.data_ptr(), s.nbytes()))
+        ptr = s.data_ptr()
+        if ptr in split:
+            out.append(((ptr, t.storage_offset()), nbytes))
+        elif ptr:
+            out.append((ptr, s.nbytes()))
     return out, out_bytes
 
 
@@ -161,7 +169,8 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
                 name_of: Callable[[int], str],
                 runtime_bytes: Callable[[], int] = lambda: 0,
                 uncounted: frozenset[int] = frozenset(),
-                transient: frozenset[int] = frozenset()) -> tuple[Any, GraphProfile]:
+                transient: frozenset[int] = frozenset(),
+                split: frozenset[int] = frozenset()) -> tuple[Any, GraphProfile]:
     """Run `gm` on `args` once, node by node; return its outputs and its profile. Inputs at
     the positions in `uncounted` are the runtime's (counted by `runtime_bytes`, not here);
     inputs at the positions in `transient` are freed after their last use (`args` is
@@ -175,7 +184,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
     live = RefCountedBytes()
     records: list[tuple[fx.Node, Any, Any, int, int]] = []  # node, start, end, out, live
     inputs: set[fx.Node] = set()          # placeholders alive to the end
-    external: set[int] = set()            # storages of the runtime's inputs
+    external: set[Any] = set()            # storages of the runtime's inputs
     arg_iter = iter(enumerate(args))
     clock = time.perf_counter
     if cuda:
@@ -188,15 +197,15 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
             env[node] = value
             if i in transient:
                 args[i] = None
-                held[node] = [key for key, _ in _storages(value)[0]]
-                for key, nbytes in _storages(value)[0]:
+                held[node] = [key for key, _ in _storages(value, split)[0]]
+                for key, nbytes in _storages(value, split)[0]:
                     live.add(key, nbytes)
             else:
                 inputs.add(node)
                 if i in uncounted:   # the runtime's: its views and in-place results neither
-                    external.update(key for key, _ in _storages(value)[0])
+                    external.update(key for key, _ in _storages(value, split)[0])
                 else:
-                    for key, nbytes in _storages(value)[0]:  # inputs stay alive to the end
+                    for key, nbytes in _storages(value, split)[0]:  # inputs stay alive to the end
                         live.add(key, nbytes)
             continue
         if node.op == "output":
@@ -223,7 +232,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         else:
             end = clock()
         env[node] = value
-        storages, out_bytes = _storages(value)
+        storages, out_bytes = _storages(value, split)
         if external:
             storages = [(key, nbytes) for key, nbytes in storages if key not in external]
         for key, nbytes in storages:

@@ -1,37 +1,47 @@
-"""Pass `offload_optimizer`: keep only the optimizer state that fits on the device, from the profile.
+"""Pass `offload_optimizer`: keep on the device only what fits the budget, from the profile.
 
-The step's memory curve is the profiled graphs in their recorded execution order (every
-micro-step of the accumulation window), each node's live bytes with all optimizer state on the
-device, then the optimizer step itself (shards, gradients and all state: `step_bytes`). When
-the curve exceeds the memory budget, the plan
+The unit is a chunk of the flat layout (runtime/flat.py); what moves is its optimizer state
+(tier 1, runtime/offload.py). The plan reads one memory curve over the optimizer step:
 
-* picks the fragments to offload (one optimizer state tensor of one parameter shard: Adam's
-  `exp_avg`, `exp_avg_sq`): few bytes over what is needed (the largest fragments that together
-  stay under the excess, then the smallest one that covers the rest), so that the curve minus
-  the offloaded bytes fits the budget at every node;
-* places their copies back in the backward graphs of the last micro-step (the state is needed
-  only at the optimizer step), in registry order, each as late as the cost model's copy time
-  allows for the copy stream to finish before the step, and never earlier than the memory
-  allows: the bytes back on the device after node j, plus the curve at j minus everything
-  offloaded, stay within the budget at every later node (`plan_step`). A copy that cannot be
-  placed in a graph is left to the engine's step (exposed);
-* a budget below `step_bytes` (the step needs all state on the device) or an excess larger than
-  all movable state is unattainable: the plan says so with the figures and changes nothing.
+* the profiled graphs in their recorded execution order (every micro-step of the accumulation
+  window), each node's live bytes with all state on the device: the measured bytes plus the
+  state the profiled steps kept off the device ([Note: provisional offload]);
+* the optimizer step: what the device holds when it starts (measured on CUDA, modelled on the
+  CPU: `step_start`), plus one chunk's flat gradient while the shards' gradients are folded,
+  plus the state of the chunks that are on the device, plus room for the chunks streamed
+  through it (at most `LOOKAHEAD + 1` at a time).
 
-The fragments leave after each optimizer step and come back by `reload_state` ops; the run-time
-side is `runtime/offload.py`. fp32 master shards are not moved: the graphs' gathers read them
-throughout the step, so offloading them needs a compute-dtype shard on the device for the
-gathers (left for later).
+[Note: the device's memory model] On CUDA a profile's live bytes are `memory_allocated()`:
+everything the process holds on the device — this engine's masters, gradients and state, the
+runtime's buffers, and what is not this engine's at all (another engine, the caller's tensors,
+cuBLAS workspaces) — each block rounded up to 512 bytes. The CPU model counts the graph's
+storages and the runtime's buffers exactly, and nothing else. The plan is made in the
+device's own terms: the step starts from a *measured* figure on CUDA (the same allocator count
+as the graphs', taken before each profiled step), never from a sum of this engine's tensors,
+and every byte the plan moves is counted as the device counts it (`offload.device_bytes`).
+The first GPU run planned with a step estimated from this engine's tensors alone against
+graph curves measured by the allocator; a budget derived from another run's figures (with
+other engines alive) was unattainable, and its tiny state fragments freed more than the plan
+counted (tests/test_offload.py::test_plans_in_the_devices_terms_*).
 
-Profiles and order with other passes: until this pass has planned, every movable fragment is
-offloaded after each step ([Note: provisional offload] in runtime/offload.py), so the warm-up
-and profiled steps fit even where the state does not; the plan adds those bytes back to the
-measured curve. The pipeline's before/after line for this pass therefore compares "everything
-offloaded" with the plan. Each pass plans from the profile the one before left, under the same
-budget: passes before this one (`prefetch`, ...) see the curve with the state off the device
-and may spend that memory, and this plan then keeps on the device only the state that still
-fits (everything offloaded always fits when the step does); passes after it see the plan's
-curve, reloads included, and spend only what the plan left.
+The plan:
+* picks the chunks whose state leaves the device: few bytes over the excess of the curve
+  (the largest that stay within it, then the smallest that covers the rest), more if the step
+  needs it;
+* places their copies back in the backward graphs of the last micro-step, each as late as the
+  cost model's copy time allows for the copy to finish before the step and never earlier than
+  memory allows (the bytes back on the device after node j, plus the curve at j minus
+  everything offloaded, stay within the budget at every later node and at the step). A chunk
+  that cannot come back in a graph is streamed through the device during the step;
+* a budget that even all state off the device does not meet is unattainable: the plan says so
+  with the figures and changes nothing.
+
+Re-planning: `apply` first removes the reload ops a previous plan inserted, so the pass can run
+again on new profiles (the pipeline re-plans when steady-state memory drifts).
+
+Order with other passes: passes before this one see the curve with the state off the device
+(provisional) and may spend that memory; this plan then keeps on the device only the state
+that still fits. Passes after it see the plan's curve and spend only what the plan left.
 """
 
 from __future__ import annotations
@@ -60,24 +70,24 @@ class Point:
 
 
 @dataclasses.dataclass
-class Frag:
-    pid: int
-    key: str
-    nbytes: int
-    param: str = ""
+class Item:
+    """Something the plan can keep off the device: one chunk's optimizer state."""
+    chunk: int
+    nbytes: int            # as the device counts it
+    label: str = ""        # its first parameter, for reports
 
 
-def select(frags: list[Frag], need: int) -> list[Frag] | None:
-    """Fragments whose bytes add up to at least `need`, with little more: the largest ones
-    that stay within `need`, then the smallest one left that covers the rest (every fragment
-    skipped on the way is larger than the rest), then, largest first, any taken one that is no
-    longer needed is given back. At most `need` + the largest fragment; None if all of them are
-    not enough. Deterministic (ties by position): the same on every rank."""
+def select(items: list[Item], need: int) -> list[Item] | None:
+    """Items whose bytes add up to at least `need`, with little more: the largest ones that
+    stay within `need`, then the smallest one left that covers the rest, then, largest first,
+    any taken one that is no longer needed is given back. At most `need` + the largest item;
+    None if all of them are not enough. Deterministic (ties by position): the same on every
+    rank."""
     if need <= 0:
         return []
-    rank = {id(f): i for i, f in enumerate(frags)}
+    rank = {id(f): i for i, f in enumerate(items)}
     taken, skipped, total = [], [], 0
-    for f in sorted(frags, key=lambda f: (-f.nbytes, rank[id(f)])):
+    for f in sorted(items, key=lambda f: (-f.nbytes, rank[id(f)])):
         if total < need and total + f.nbytes <= need:
             taken.append(f)
             total += f.nbytes
@@ -96,38 +106,60 @@ def select(frags: list[Frag], need: int) -> list[Frag] | None:
     return sorted(taken, key=lambda f: rank[id(f)])
 
 
-def plan_step(points: list[Point], frags: list[Frag], step_bytes: int,
+def staging_bytes(streamed: list[Item]) -> int:
+    """Device bytes the step needs for the chunks it streams (at most LOOKAHEAD + 1 at once)."""
+    sizes = sorted((i.nbytes for i in streamed), reverse=True)
+    return sum(sizes[:offload.LOOKAHEAD + 1])
+
+
+def plan_step(points: list[Point], items: list[Item], step_base: int,
               copy_s: Callable[[int], float], budget: float) -> dict[str, Any]:
-    """The offload plan of one optimizer step; pure (unit-tested on synthetic curves)."""
+    """The offload plan of one optimizer step; pure (unit-tested on synthetic curves).
+
+    `points`: the graphs' curve with every item on the device; `step_base`: the device's bytes
+    during the step with no item on it (masters, gradients, the fold's flat gradient, what is
+    not this engine's)."""
     n = len(points)
     live = [p.live_bytes for p in points]
+    state = sum(i.nbytes for i in items)
     graph_peak = max(live, default=0)
-    peak_before = max(graph_peak, step_bytes)
+    step_all = step_base + state
+    peak_before = max(graph_peak, step_all)
     out: dict[str, Any] = {
         "unattainable": False, "reason": None,
         "budget_bytes": None if budget == float("inf") else budget,
-        "state_bytes": sum(f.nbytes for f in frags), "step_bytes": step_bytes,
-        "need_bytes": max(graph_peak - budget, 0) if budget != float("inf") else 0,
-        "offloaded_bytes": 0, "fragments": [], "reloads": [],
+        "state_bytes": state, "step_base_bytes": step_base, "step_bytes": step_all,
+        "graph_peak_bytes": graph_peak,
+        "need_bytes": max(peak_before - budget, 0) if budget != float("inf") else 0,
+        "offloaded_bytes": 0, "chunks": [], "reloads": [],
         "predicted_copy_s": 0.0, "predicted_hidden_s": 0.0, "predicted_exposed_s": 0.0,
-        "offload_copy_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
+        "predicted_streamed_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
         "curve": live}
     if peak_before <= budget:
         return out
-    if step_bytes > budget:
+    # the step with nothing resident needs room for the streamed chunks
+    if step_base + staging_bytes(items) > budget:
         return {**out, "unattainable": True,
-                "reason": "the optimizer step needs all state on the device "
-                          f"({step_bytes} bytes with shards and gradients)"}
-    chosen = select(frags, out["need_bytes"])
+                "reason": f"the optimizer step needs {step_base} bytes with no optimizer state "
+                          f"on the device, plus {staging_bytes(items)} to stream the state "
+                          f"through it: over the budget"}
+    need = max(graph_peak - budget, 0)
+    chosen = select(items, need)
+    while chosen is not None:   # the step must fit too (streaming needs room of its own)
+        step_need = step_base + state - sum(i.nbytes for i in chosen) + staging_bytes(chosen) - budget
+        if step_need <= 0:
+            break
+        chosen = select(items, sum(i.nbytes for i in chosen) + step_need)
     if chosen is None:
         return {**out, "unattainable": True,
-                "reason": f"offloading all movable state ({out['state_bytes']} bytes) is not "
-                          f"enough: the curve exceeds the budget by {out['need_bytes']} bytes"}
-    total = sum(f.nbytes for f in chosen)
-    # R(j), the bytes back on the device at node j, may not exceed the room left at j or at
-    # any later node (R only grows): suffix minimum of budget - live + total.
+                "reason": f"offloading all optimizer state ({state} bytes) is not enough: the "
+                          f"curve exceeds the budget by {need} bytes"}
+    total = sum(i.nbytes for i in chosen)
+    # R(j), the bytes back on the device after node j, may not exceed the room left at j or at
+    # any later node, the step included (R only grows): suffix minimum of budget - live + total
+    step_room = budget - (step_base + state - total) - staging_bytes(chosen)
     room = [0.0] * n
-    acc = float("inf")
+    acc = step_room
     for j in range(n - 1, -1, -1):
         acc = min(acc, budget - live[j] + total)
         room[j] = acc
@@ -137,14 +169,16 @@ def plan_step(points: list[Point], frags: list[Frag], step_bytes: int,
         ends.append(t)
     t_end = ends[-1] if ends else 0.0
     placeable = [j for j in range(n) if points[j].placeable]
-    copies = [copy_s(f.nbytes) for f in chosen]
+    copies = [copy_s(i.nbytes) for i in chosen]
     positions: list[int] = []     # node index after which each copy starts; n: at the step
     back, earliest, hide, pick = 0, 0, -1, 0
     remaining = sum(copies)
-    for f, c in zip(chosen, copies):
-        back += f.nbytes
+    for it, c in zip(chosen, copies):
+        back += it.nbytes
         while earliest < n and back > room[earliest]:   # room is nondecreasing, back grows
             earliest += 1
+        if back > step_room:
+            earliest = n                                 # only streaming at the step fits
         latest_start = t_end - remaining      # the copy stream runs the copies one by one
         remaining -= c
         while hide + 1 < len(placeable) and ends[placeable[hide + 1]] <= latest_start:
@@ -152,39 +186,44 @@ def plan_step(points: list[Point], frags: list[Frag], step_bytes: int,
         lo = max(earliest, placeable[hide] if hide >= 0 else 0, positions[-1] if positions else 0)
         while pick < len(placeable) and placeable[pick] < lo:
             pick += 1
-        positions.append(placeable[pick] if pick < len(placeable) else n)
+        positions.append(placeable[pick] if pick < len(placeable) and lo < n else n)
+        if positions[-1] == n:
+            back -= it.nbytes   # streamed: never back before the step
     delta = [0] * (n + 1)
-    for f, p in zip(chosen, positions):
-        delta[p] += f.nbytes
+    for it, p in zip(chosen, positions):
+        delta[p] += it.nbytes
     curve, back = [], 0
     for j in range(n):
         back += delta[j]
         curve.append(live[j] - total + back)
-    if max(curve, default=0) > budget:   # cannot happen: positions respect `room`
+    streamed = [it for it, p in zip(chosen, positions) if p == n]
+    step_peak = step_base + state - total + sum(delta[:n]) + staging_bytes(streamed)
+    if max(curve + [step_peak]) > budget:   # cannot happen: positions respect `room`
         raise RuntimeError("deepcompile offload_optimizer: planned curve exceeds the budget")
     finish = 0.0
     for c, p in zip(copies, positions):
-        finish = max(ends[p] if p < n else t_end, finish) + c
+        if p < n:
+            finish = max(ends[p], finish) + c
     exposed = max(finish - t_end, 0.0)
+    streamed_s = sum(2 * c for c, p in zip(copies, positions) if p == n)   # in and out
     reloads: dict[int, dict[str, Any]] = {}
-    for f, p, c in zip(chosen, positions, copies):
-        r = reloads.setdefault(p, {"slot": points[p].slot if p < n else None,
-                                   "after": points[p].name if p < n else None,
-                                   "pids": [], "params": [], "fragments": [], "bytes": 0,
-                                   "predicted_s": 0.0})
-        if f.pid not in r["pids"]:
-            r["pids"].append(f.pid)
-            r["params"].append(f.param)
-        r["fragments"].append([f.param, f.key])
-        r["bytes"] += f.nbytes
+    for it, p, c in zip(chosen, positions, copies):
+        if p == n:
+            continue
+        r = reloads.setdefault(p, {"slot": points[p].slot, "after": points[p].name,
+                                   "chunks": [], "bytes": 0, "predicted_s": 0.0})
+        r["chunks"].append(it.chunk)
+        r["bytes"] += it.nbytes
         r["predicted_s"] += c
+    in_graph = sum(c for c, p in zip(copies, positions) if p < n)
     return {**out, "offloaded_bytes": total,
-            "fragments": [{"param": f.param, "pid": f.pid, "key": f.key, "bytes": f.nbytes}
-                          for f in chosen],
+            "chunks": [{"chunk": it.chunk, "tier": offload.STATE, "bytes": it.nbytes,
+                        "label": it.label, "streamed": p == n}
+                       for it, p in zip(chosen, positions)],
             "reloads": [reloads[p] for p in sorted(reloads)],
-            "predicted_copy_s": sum(copies), "predicted_exposed_s": exposed,
-            "predicted_hidden_s": sum(copies) - exposed, "offload_copy_s": sum(copies),
-            "peak_after": max(max(curve, default=0), step_bytes), "curve": curve}
+            "predicted_copy_s": in_graph, "predicted_exposed_s": exposed,
+            "predicted_hidden_s": in_graph - exposed, "predicted_streamed_s": streamed_s,
+            "peak_after": max(max(curve, default=0), step_peak), "curve": curve}
 
 
 def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
@@ -206,16 +245,20 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
     return points
 
 
+def items_of(store) -> list[Item]:
+    return [Item(s.chunk.index, store.state_bytes(s), s.chunk.entries[0].name)
+            for s in store.slots if store.state_bytes(s) > 0]
+
+
 def plan(ctx: PassContext) -> dict[str, Any]:
     store = ctx.runtime.offload
-    names = {e.pid: e.name for e in ctx.registry}
-    frags = [Frag(pid, key, nbytes, names[pid]) for pid, key, nbytes in store.movable()]
-    # the profiles were measured with every movable fragment off the device ([Note:
-    # provisional offload] in runtime/offload.py): add them back
-    offset = store.provisional_bytes()
-    decision = plan_step(timeline(ctx, offset), frags, store.step_bytes(), ctx.cost.copy_s,
-                         ctx.memory_budget)
+    # the profiles were measured with every chunk's state off the device ([Note: provisional
+    # offload] in runtime/offload.py): add it back
+    offset = store.profile_offset()
+    decision = plan_step(timeline(ctx, offset), items_of(store), store.step_base(),
+                         ctx.cost.copy_s, ctx.memory_budget)
     decision["profiled_offloaded_bytes"] = offset
+    decision["layout"] = store.layout_signature()
     if decision["unattainable"]:
         log.warning("deepcompile offload_optimizer: memory budget %.2f MiB is unattainable: %s",
                     ctx.memory_budget / 2**20, decision["reason"])
@@ -224,26 +267,42 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     return decision
 
 
+def remove_reloads(ctx: PassContext) -> list[str]:
+    """Remove the reload ops a previous plan inserted; the keys of the slots that had some."""
+    changed = []
+    for key, slot in ctx.slots.items():
+        nodes = [n for n in slot.gm.graph.nodes
+                 if n.op == "call_function" and n.target is offload.RELOAD_STATE]
+        for n in nodes:
+            slot.gm.graph.erase_node(n)
+        if nodes:
+            changed.append(key)
+    return changed
+
+
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
-    pid_of = ctx.registry.pid_by_name()   # by name: pids differ between processes
     store = ctx.runtime.offload
-    store.set_plan([(pid_of[f["param"]], f["key"]) for f in decisions["fragments"]])
-    if not decisions["fragments"]:
-        return []
+    if decisions.get("layout") not in (None, store.layout_signature()):
+        raise RuntimeError("deepcompile offload_optimizer: the plan was made for another flat "
+                           "layout (other parameters or optimizer groups); clear the plan cache")
+    changed = set(remove_reloads(ctx))
+    store.set_plan({c["chunk"]: c["tier"] for c in decisions["chunks"]},
+                   ctx.memory_budget)
+    any_pid = next(iter(ctx.registry)).pid
     for r in decisions["reloads"]:
-        if r["after"] is None:
-            continue   # the engine reloads these before the step
         graph = ctx.slots[r["slot"]].gm.graph
         node = next(n for n in graph.nodes if n.name == r["after"])
-        group = store.add_reload_group([(pid_of[p], k) for p, k in r["fragments"]])
+        group = store.add_reload_group(r["chunks"])
         with graph.inserting_after(node):
             op = graph.call_function(offload.RELOAD_STATE,
-                                     (_order_input(graph, node), [pid_of[p] for p in r["params"]],
-                                      group))
+                                     (_order_input(graph, node), [any_pid], group))
         op.meta["val"] = None
         graph.lint()
-    # every graph's memory curve changes (the state is off the device): all are re-profiled
-    return sorted(k for k in set(ctx.order) if k in ctx.slots)
+        changed.add(r["slot"])
+    if decisions["chunks"] or decisions.get("profiled_offloaded_bytes"):
+        # every graph's memory curve changes (the state is off the device, or back on it)
+        changed |= {k for k in set(ctx.order) if k in ctx.slots}
+    return sorted(changed)
 
 
 def _order_input(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -262,27 +321,24 @@ def _mib(n) -> str:
 def summary(d: dict[str, Any]) -> list[str]:
     if d["unattainable"]:
         return [f"unattainable (budget {_mib(d['budget_bytes'])}): {d['reason']}"]
-    if not d["fragments"]:
+    if not d["chunks"]:
         return [f"nothing offloaded: the step fits the budget ({_mib(d['peak_before'])} <= "
-                f"{_mib(d['budget_bytes'])}); movable state {_mib(d['state_bytes'])}"]
-    in_graph = [r for r in d["reloads"] if r["after"] is not None]
-    at_step = [r for r in d["reloads"] if r["after"] is None]
-    shown = ", ".join(f"{f['param']}.{f['key']}" for f in d["fragments"][:4])
-    more = len(d["fragments"]) - 4
+                f"{_mib(d['budget_bytes'])}); optimizer state {_mib(d['state_bytes'])}"]
+    streamed = [c for c in d["chunks"] if c["streamed"]]
+    shown = ", ".join(c["label"] for c in d["chunks"][:3])
+    more = len(d["chunks"]) - 3
     return [
-        f"offloaded {len(d['fragments'])} state fragments, {_mib(d['offloaded_bytes'])} of "
-        f"{_mib(d['state_bytes'])} movable (excess over budget {_mib(d['need_bytes'])}): "
-        f"{shown}{f' and {more} more' if more > 0 else ''}",
-        f"moved per step: {_mib(d['offloaded_bytes'])} to host after the step, the same back; "
-        f"reloads start at {len(in_graph)} points in backward graphs"
-        + (f" ({in_graph[0]['slot']} after {in_graph[0]['after']}"
-           f"{' ...' if len(in_graph) > 1 else ''})" if in_graph else "")
-        + (f", {sum(len(r['fragments']) for r in at_step)} fragments at the step"
-           if at_step else ""),
-        f"predicted copy back {d['predicted_copy_s'] * 1e3:.3f} ms: hidden "
-        f"{d['predicted_hidden_s'] * 1e3:.3f} ms, exposed {d['predicted_exposed_s'] * 1e3:.3f} ms",
+        f"optimizer state of {len(d['chunks'])} chunks off the device, "
+        f"{_mib(d['offloaded_bytes'])} of {_mib(d['state_bytes'])} (excess over budget "
+        f"{_mib(d['need_bytes'])}): chunks from {shown}{f' and {more} more' if more > 0 else ''}",
+        f"moved per step: {_mib(d['offloaded_bytes'])} to the host after the step, the same "
+        f"back; {len(d['reloads'])} reload points in backward graphs, {len(streamed)} chunks "
+        f"streamed through the step",
+        f"predicted copies back in graphs {d['predicted_copy_s'] * 1e3:.3f} ms: hidden "
+        f"{d['predicted_hidden_s'] * 1e3:.3f} ms, exposed {d['predicted_exposed_s'] * 1e3:.3f} ms; "
+        f"streamed at the step {d['predicted_streamed_s'] * 1e3:.3f} ms",
         f"peak {_mib(d['peak_before'])} -> {_mib(d['peak_after'])} (budget "
-        f"{_mib(d['budget_bytes'])}; optimizer step {_mib(d['step_bytes'])})",
+        f"{_mib(d['budget_bytes'])}; optimizer step with all state {_mib(d['step_bytes'])})",
     ]
 
 

@@ -189,7 +189,7 @@ class Report:
             comm=engine.comm_stats(),
             eager_fallback_gathers=engine._fallback.materializations,
             graph_reuse=sorted([names.get(a, str(a)), names.get(b, str(b))] for a, b in reg.reuses),
-            offload=engine._offload.summary() if engine._offload.fragments else None,
+            offload=engine._offload.summary() if engine._offload.active else None,
             auto=auto,
             step_collectives=step_collectives(engine, profiles, pipe.order),
             last_step=engine._metrics.last_step_record(),
@@ -311,11 +311,11 @@ class Report:
                        "compiled graphs")
         if self.offload:
             o, last = self.offload, self.offload["last_step"]
-            out.append(f"optimizer state offloaded: {len(o['fragments'])} fragments, "
+            out.append(f"offloaded: {len(o['chunks'])} chunks, "
                        f"{_mib(o['offloaded_bytes'])} MiB; last step moved "
                        f"{_mib(last.get('d2h_bytes', 0))} MiB to host and "
                        f"{_mib(last.get('h2d_bytes', 0))} MiB back ({last.get('reloaded_in_graph', 0)} "
-                       f"reloaded in graphs, {last.get('reloaded_at_step', 0)} at the step); measured "
+                       f"reloaded in graphs, {last.get('streamed_at_step', 0)} streamed at the step); measured "
                        f"copies {o['measured_copy_s'] * 1e3:.2f} ms, hidden "
                        f"{o['measured_hidden_s'] * 1e3:.2f} ms, exposed {o['measured_exposed_s'] * 1e3:.2f} ms")
         if self.graph_reuse:

@@ -33,15 +33,18 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    @torch.no_grad()
     def unscale(self, shards: list[torch.Tensor]) -> bool:
-        """Divide the gradients by the scale; False (on every rank) when any overflowed."""
+        """Divide the shards' gradients by the scale; False (on every rank) when any overflowed."""
+        return self.unscale_tensors([s.grad for s in shards if s.grad is not None])
+
+    @torch.no_grad()
+    def unscale_tensors(self, grads: list[torch.Tensor]) -> bool:
+        """Divide `grads` by the scale; False (on every rank) when any overflowed."""
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         inv = 1.0 / self.scale
-        for s in shards:
-            if s.grad is not None:
-                s.grad.mul_(inv)
-                found = torch.maximum(found, (~torch.isfinite(s.grad)).any().float())
+        for g in grads:
+            g.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         self.comm.all_reduce(found, op=dist.ReduceOp.MAX, count=False)
         finite = not bool(found.item())
         if not finite:

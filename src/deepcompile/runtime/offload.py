@@ -1,125 +1,191 @@
-"""Optimizer state kept on the host between optimizer steps: the run-time side of the pass
-`offload_optimizer`.
+"""What the device does not hold between optimizer steps: the run-time side of `offload_optimizer`.
 
-A *fragment* is one optimizer state tensor of one parameter shard (Adam's `exp_avg` or
-`exp_avg_sq`, ...): `(pid, key)`. The pass decides which fragments leave the device; this module
-moves them:
+The unit is a *chunk* of the flat layout (runtime/flat.py): a few contiguous buffers per chunk,
+so everything here is per chunk and per reload group, never per parameter. A chunk's *tier*
+says what of it lives on the host between optimizer steps:
 
-* after the optimizer step (`after_step`), each planned fragment is copied into its host buffer
-  (one pinned buffer for all fragments, allocated when the plan is set and reused every step)
-  and its device storage is released (`untyped_storage().resize_(0)`: the tensor object in
-  `optimizer.state` stays the same, with shape and dtype, only its memory goes);
-* during the backward of the last micro-step, `reload_state` ops that the pass inserted where
-  its plan says re-allocate the storage and start the copy back (`reload`);
-* before the optimizer step (`before_step`), anything not reloaded yet is reloaded (the safe
-  fallback: a graph compiled after planning has no reload ops; counted as exposed), and the
-  compute stream waits for every copy back.
+  0  everything on the device;
+  1  its optimizer state (Adam's moments), on the host from the end of one optimizer step to
+     the backward of the next window's last micro-step (`reload_state` ops bring it back where
+     the plan says) or, if no graph brought it back, streamed in during the step itself.
 
-The optimizer step itself runs on the device, on resident tensors, unchanged.
+The optimizer step runs on the device, chunk by chunk where it must (`run_step`): the chunks
+whose state is on the device step in one inner-optimizer call; each remaining chunk's state is
+copied in (the next one's copy already running), stepped, and copied out again, so the step
+needs room for at most two offloaded chunks, not for all the state.
 
-[Note: provisional offload] Until the pass has planned, an engine configured with it offloads
-every movable fragment after each step (`provisional`): the warm-up and profiled steps must fit
-whatever the budget is (the state that does not fit is exactly what the plan is about), so
-they run with the least state on the device. The profiles are then measured without that state
-and the planner adds it back (`provisional_bytes`) to get the curve with all state resident.
+[Note: provisional offload] Until the pass has planned, an engine configured with it keeps
+every chunk at tier 1 (`provisional`): the warm-up and profiled steps fit whatever the budget is
+(that is what the plan is about), the profiles are measured without the state, and the planner
+adds it back (`profile_offset`).
 
-[Note: offload streams] On CUDA the copies run on one dedicated copy stream, ordered by events,
-never by luck:
-  * device -> host: the copy stream first waits for the compute stream (the step's writes to the
-    state), copies into the pinned buffer, and the device tensor is marked as used by the copy
-    stream (`record_stream`) before its storage is released, so the caching allocator does not
-    hand that memory out again until the copy has read it;
-  * host -> device: the storage is re-allocated on the compute stream (where the optimizer will
-    use it), the copy stream waits for the compute stream (the block may have been freed by
-    compute work still in flight), copies, and records an event; the compute stream waits for
-    that event before the optimizer step (`before_step`). All later compute-stream work on the
-    tensor, its release included, is therefore after the copy;
-  * a host buffer is written by the next device -> host copy only after the host -> device copy
-    that read it: both run on the copy stream, in issue order;
-  * the host reads a buffer (a state dict, a checkpoint) only after `copy_stream.synchronize()`.
-On the CPU the same code runs with a second host tensor standing in for the device copy and
-synchronous copies (`_Copier` is the one place that differs), so the logic is tested in CI.
+[Note: offload streams] On CUDA the copies run on two copy streams (`_CudaCopier`), one per
+direction (PCIe is full duplex), ordered by events, never by luck:
+  * device -> host: the d2h stream waits for the compute stream (the step wrote the state),
+    copies into the chunk's pinned host buffers, records an event (`Slot.saved`), and the
+    device tensors are marked as used by the d2h stream (`record_stream`) before their storage
+    is released, so the caching allocator does not hand the memory out before the copy read it;
+  * host -> device: the storage is re-allocated on the compute stream (where the optimizer
+    uses it); the h2d stream waits for the compute stream (the block may have been freed by
+    compute work still queued) and for the chunk's last `saved` event (its host buffer is
+    complete), copies, and records `Slot.loaded`; the compute stream waits for that event
+    before stepping the chunk;
+  * the host reads a host buffer (a state dict, a checkpoint) only after the d2h stream is
+    synchronized (`host_sync`).
+On the CPU `_SimCopier` imitates this: a copy to the device is *deferred* until someone waits
+for its event (so a step that forgot to wait reads garbage and the parity tests fail), a copy
+to the host is immediate. Everything else — which chunks, which events, which storage is
+released — is the same code on both.
 
-[Note: optimizer state access] `optimizer.state` keeps the same tensor objects, so a direct read
-of an offloaded tensor between steps fails loudly (zero-size storage) instead of returning stale
-values. `optimizer.state_dict()` sees the right values: a post-hook replaces each offloaded
-fragment in the returned dict with a host copy of its buffer (the dict owns it; no device memory
-is needed). `optimizer.load_state_dict()` installs new, resident tensors; a post-hook then
-offloads the planned fragments again.
+[Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
+offloaded chunk has no storage between steps: a direct read fails loudly instead of returning
+stale values. `engine.optimizer.state_dict()` gets the values through a post-hook that puts
+views of the host buffers in the returned dict; `load_state_dict` installs resident state, then
+the planned chunks are offloaded again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.profiler import record_function
 
+from .. import _compat
 from . import ops
-from .registry import ParamRegistry, lookup
+from .flat import Chunk, FlatState
+from .registry import lookup
 
-_ALIGN = 64   # bytes; host buffer views start at multiples of this (any dtype can view them)
+RESIDENT, STATE = 0, 1
+TIER_NAMES = {RESIDENT: "resident", STATE: "state"}
+LOOKAHEAD = 1      # offloaded chunks whose copy in runs while the step works on another
+
+
+def device_bytes(nbytes: int, device: torch.device) -> int:
+    """What a tensor of `nbytes` costs the device: CUDA's caching allocator rounds every block
+    up to a multiple of 512 bytes (and counts that in `memory_allocated`); the CPU model counts
+    storages exactly."""
+    if device.type == "cuda":
+        return max(512, -(-nbytes // 512) * 512)
+    return nbytes
+
 
 @dataclasses.dataclass(eq=False)
-class Fragment:
-    pid: int
-    key: str
-    name: str                 # parameter name, for reports
-    nbytes: int
-    host: torch.Tensor        # view of the host buffer, same shape and dtype as the state
-    offloaded: bool = False   # device storage released; the value lives in `host`
-    ready: object = None      # CUDA event: copy back done (the compute stream waits for it)
+class Slot:
+    """One chunk's optimizer state and its host copy."""
+    chunk: Chunk
+    host: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # key -> host buffer
+    offloaded: bool = False          # device storage released; the values live in `host`
+    loaded: object = None            # event: copy to the device done
+    saved: object = None             # event: copy to the host done
+
+    def tensors(self, optimizer) -> dict[str, torch.Tensor]:
+        return self.chunk.state_tensors(optimizer)
 
 
-class _Copier:
-    """The copies and events of the offloader; the only code that differs on CUDA."""
+class _SimCopier:
+    """CPU imitation of the CUDA copier (see [Note: offload streams])."""
+
+    cuda = False
+
+    def __init__(self) -> None:
+        self.seconds = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+        self.deferred = 0          # copies to the device that ran only when waited for
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        t0 = time.perf_counter()
+        for host, dev in pairs:
+            host.copy_(dev)
+        self.seconds["d2h"] += time.perf_counter() - t0
+        return None
+
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
+        return _Pending(self, pairs)
+
+    def wait(self, events: Iterable) -> None:
+        for ev in events:
+            if ev is not None:
+                ev.run()
+
+    def host_sync(self) -> None:
+        pass
+
+    def collect(self, block: bool = False) -> None:
+        pass
+
+
+class _Pending:
+    """A deferred copy to the device (the CPU's stand-in for an H2D copy and its event)."""
+
+    __slots__ = ("copier", "pairs")
+
+    def __init__(self, copier: _SimCopier, pairs) -> None:
+        self.copier, self.pairs = copier, pairs
+
+    def run(self) -> None:
+        if self.pairs is None:
+            return
+        t0 = time.perf_counter()
+        for dev, host in self.pairs:
+            dev.copy_(host)
+        self.copier.seconds["h2d"] += time.perf_counter() - t0
+        self.copier.deferred += 1
+        self.pairs = None
+
+
+class _CudaCopier:
+    """The copies and events of the offloader on CUDA: the only code that touches streams."""
+
+    cuda = True
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._timed: list[tuple[str, object, object]] = []   # CUDA: (what, start, end) events
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self._timed: list[tuple[str, object, object]] = []
         self.seconds = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
+        self.deferred = 0
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf.pin_memory() if self.cuda else buf
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return _compat.pinned_empty(like.shape, like.dtype)
 
-    def to_host(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        if not self.cuda:
-            t0 = time.perf_counter()
-            host.copy_(dev)
-            self.seconds["d2h"] += time.perf_counter() - t0
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())   # after the step wrote it
-        with torch.cuda.stream(self.stream):
-            start, end = self._events()
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Copy device tensors into host buffers; returns the event of completion."""
+        compute = torch.cuda.current_stream()
+        self.d2h.wait_stream(compute)               # after the step wrote them
+        start, end = self._events()
+        with torch.cuda.stream(self.d2h):
             start.record()
-            host.copy_(dev, non_blocking=True)
+            for host, dev in pairs:
+                host.copy_(dev, non_blocking=True)
             end.record()
-        dev.record_stream(self.stream)   # its memory is not reused before the copy read it
+        for _, dev in pairs:
+            dev.record_stream(self.d2h)             # not reused before the copy read it
         self._timed.append(("d2h", start, end))
+        return end
 
-    def to_device(self, dev: torch.Tensor, host: torch.Tensor):
-        """Copy `host` into the freshly allocated `dev`; returns the event to wait for."""
-        if not self.cuda:
-            t0 = time.perf_counter()
-            dev.copy_(host)
-            self.seconds["h2d"] += time.perf_counter() - t0
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream())   # `dev`'s block is free by now
-        with torch.cuda.stream(self.stream):
-            start, end = self._events()
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
+        """Copy host buffers into freshly allocated device tensors; returns the event."""
+        self.h2d.wait_stream(torch.cuda.current_stream())   # the blocks are free by now
+        if after is not None:
+            self.h2d.wait_event(after)                      # the host buffer is complete
+        start, end = self._events()
+        with torch.cuda.stream(self.h2d):
             start.record()
-            dev.copy_(host, non_blocking=True)
+            for dev, host in pairs:
+                dev.copy_(host, non_blocking=True)
             end.record()
         self._timed.append(("h2d", start, end))
         return end
 
-    def wait(self, events: list) -> None:
-        """The compute stream waits for `events` (CUDA); the stall is measured."""
-        if not self.cuda or not events:
+    def wait(self, events: Iterable) -> None:
+        """The compute stream waits for `events`; the wait is timed (exposed copy time)."""
+        events = [e for e in events if e is not None]
+        if not events:
             return
         stream = torch.cuda.current_stream()
         start, end = self._events()
@@ -130,13 +196,9 @@ class _Copier:
         self._timed.append(("stall", start, end))
 
     def host_sync(self) -> None:
-        """Before the host reads a host buffer."""
-        if self.cuda:
-            self.stream.synchronize()
+        self.d2h.synchronize()
 
     def collect(self, block: bool = False) -> None:
-        """Fold the timing events of completed copies into `seconds`; with `block`, wait for
-        all of them (for a report), else never make the host wait."""
         left = []
         for what, start, end in self._timed:
             if block:
@@ -147,246 +209,316 @@ class _Copier:
             self.seconds[what] += start.elapsed_time(end) / 1e3
         self._timed = left
 
-    def _events(self):
+    @staticmethod
+    def _events():
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-class OptimizerStateOffload:
-    """Moves planned optimizer-state fragments of one engine between device and host."""
+class Offloader:
+    """Places the chunks of one engine between device and host and runs the optimizer step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, registry: ParamRegistry,
-                 device: torch.device) -> None:
-        self.optimizer = optimizer
-        self.registry = registry
+    def __init__(self, flat: FlatState, device: torch.device, runtime=None) -> None:
+        self.flat = flat
         self.device = device
-        self._copier = _Copier(device)
-        self.fragments: list[Fragment] = []
-        self._by_key: dict[tuple[int, str], Fragment] = {}
-        self._groups: list[list[Fragment]] = []   # what each reload op brings back
-        self._buffer: torch.Tensor | None = None
-        self._pending: list = []            # copy-back events the step must wait for
-        self.provisional = False            # offload everything until a plan is set
+        self.runtime = runtime
+        self._copier = _CudaCopier(device) if device.type == "cuda" else _SimCopier()
+        self.slots = [Slot(c) for c in flat.chunks]
+        self.tiers = [RESIDENT] * len(self.slots)
+        self._groups: list[list[Slot]] = []    # what each reload op brings back
+        self._pending: list = []               # copy-back events the step waits for
+        self.provisional = False               # tier 1 everywhere until a plan is set
+        self.budget: float = float("inf")
+        # CUDA: the allocator's count, read before each in-graph reload (the plan is a model;
+        # a reload that would go over the budget now is left to the step). Tests set a model.
+        self.meter: Callable[[], int] | None = (
+            (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else None)
         self.stats = {"steps": 0, "d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0,
-                      "reloaded_at_step": 0}
+                      "streamed_at_step": 0, "deferred_by_meter": 0}
         self.last_step: dict[str, int] = {}
-        self._step_counts = self._zero_counts()
-        optimizer.register_state_dict_post_hook(self._state_dict_hook)
-        optimizer.register_load_state_dict_post_hook(self._after_load)
+        self._counts = self._zero_counts()
+        self.step_starts: list[int] = []   # CUDA: device bytes at profiled steps' start, no state
+        if flat.inner is not None:
+            flat.facade.register_state_dict_post_hook(self._state_dict_hook)
+            flat.on_load.append(self._after_load)
 
-    # -- what can move ------------------------------------------------------------------------
-    def _state(self, pid: int) -> dict:
-        return self.optimizer.state.get(lookup(pid).shard, {})
+    # -- placement ---------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self.provisional or any(self.tiers)
 
-    def movable(self) -> list[tuple[int, str, int]]:
-        """(pid, key, bytes) of every state tensor that can leave the device: on the device,
-        not a scalar, owning its whole contiguous storage. Registry order, keys sorted: the
-        same on every rank (shards have the same size everywhere)."""
-        out = []
-        for e in self.registry:
-            for key, t in sorted(self._state(e.pid).items()):
-                if _movable(t, self.device):
-                    out.append((e.pid, key, t.numel() * t.element_size()))
-        return out
+    def tier(self, slot: Slot) -> int:
+        return STATE if self.provisional else self.tiers[slot.chunk.index]
 
-    def provisional_bytes(self) -> int:
-        """Bytes kept off the device by the provisional offload (what the profiles miss)."""
-        return sum(f.nbytes for f in self.fragments) if self.provisional else 0
-
-    def step_bytes(self) -> int:
-        """Memory the optimizer step holds, all state on the device: shards, their gradients,
-        the state, and the step's temporaries, estimated as one state tensor per parameter
-        where torch's optimizers run multi-tensor (`foreach`, their default on CUDA) and the
-        largest one otherwise (a loop over parameters)."""
-        shards = sum(_nbytes(e.shard) for e in self.registry)
-        grads = sum(_nbytes(e.shard) for e in self.registry if e.shard.requires_grad)
-        per_param = [[_nbytes(t) for t in self._state(e.pid).values()
-                      if isinstance(t, torch.Tensor) and t.device == self.device]
-                     for e in self.registry]
-        state = sum(map(sum, per_param))
-        largest = [max(b, default=0) for b in per_param]
-        workspace = sum(largest) if self.device.type == "cuda" else max(largest, default=0)
-        return shards + grads + state + workspace
-
-    def held_bytes(self) -> int:
-        """What the step holds outside graph values (the CPU memory model's runtime source):
-        optimizer state resident on the device and accumulated shard gradients."""
-        seen, total = set(), 0
-        for e in self.registry:
-            tensors = [t for t in self._state(e.pid).values() if isinstance(t, torch.Tensor)]
-            if e.shard.grad is not None:
-                tensors.append(e.shard.grad)
-            for t in tensors:
-                if t.device != self.device:
-                    continue
-                s = t.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-        return total
-
-    # -- plan -----------------------------------------------------------------------------------
-    def set_plan(self, fragments: Iterable[tuple[int, str]]) -> None:
-        """Keep `fragments` on the host between steps (replaces any previous plan)."""
+    def set_plan(self, tiers: dict[int, int], budget: float = float("inf")) -> None:
+        """Chunk index -> tier (missing: resident). Brings everything back first."""
+        self.reload_all(count=False)
+        self._copier.wait(self._pending)
+        self._pending = []
         self.provisional = False
-        self.before_step(count=False)   # everything back on the device
-        movable = {(pid, key): n for pid, key, n in self.movable()}
-        wanted = list(fragments)
-        for pid, key in wanted:
-            if (pid, key) not in movable:
-                raise RuntimeError(f"deepcompile offload_optimizer: state {key!r} of "
-                                   f"{lookup(pid).name} is not a movable tensor on {self.device}")
-        offsets, total = [], 0
-        for pid, key in wanted:
-            offsets.append(total)
-            total += -(-movable[(pid, key)] // _ALIGN) * _ALIGN
-        self._buffer = self._copier.host_buffer(total) if wanted else None
-        self.fragments, self._by_key, self._groups = [], {}, []
-        for (pid, key), off in zip(wanted, offsets):
-            t = self._state(pid)[key]
-            n = movable[(pid, key)]
-            host = self._buffer[off:off + n].view(t.dtype).view(t.shape)
-            frag = Fragment(pid, key, lookup(pid).name, n, host)
-            self.fragments.append(frag)
-            self._by_key[(pid, key)] = frag
+        self.budget = budget
+        self.tiers = [tiers.get(s.chunk.index, RESIDENT) for s in self.slots]
+        self._groups = []
+
+    def go_provisional(self) -> None:
+        """Back to the provisional placement now (a re-plan is coming: the step changed under
+        the plan): every chunk's state leaves the device, and reload ops do nothing."""
+        self._copier.wait(self._pending)
+        self._pending = []
+        self.provisional = True
+        self.step_starts = []
+        for s in self.slots:
+            self._offload(s)
+
+    def add_reload_group(self, chunks: Iterable[int]) -> int:
+        """Register the chunks one reload op brings back; returns the op's group id."""
+        self._groups.append([self.slots[i] for i in chunks])
+        return len(self._groups) - 1
 
     def plan_state(self) -> dict:
-        """The plan as data (`restore_plan_state`): fragments, reload groups, provisional."""
-        return {"fragments": [(f.pid, f.key) for f in self.fragments],
-                "groups": [[(f.pid, f.key) for f in g] for g in self._groups],
+        """The plan as data (`restore_plan_state`): tiers, reload groups, provisional."""
+        return {"tiers": list(self.tiers), "budget": self.budget,
+                "groups": [[s.chunk.index for s in g] for g in self._groups],
                 "provisional": self.provisional}
 
     def restore_plan_state(self, state: dict) -> None:
-        """Back to a plan taken by `plan_state` (a reverted pass's plan is dropped)."""
+        """Back to a plan taken by `plan_state` (a reverted pass's plan is dropped; at a step
+        boundary: `after_step` then offloads what the restored plan keeps on the host)."""
         if state == self.plan_state():
             return
-        self.set_plan(state["fragments"])
+        self.set_plan(dict(enumerate(state["tiers"])), state["budget"])
         for group in state["groups"]:
             self.add_reload_group(group)
         self.provisional = state["provisional"]
 
-    def add_reload_group(self, fragments: Iterable[tuple[int, str]]) -> int:
-        """Register the fragments one reload op brings back; returns the op's group id."""
-        self._groups.append([self._by_key[f] for f in fragments])
-        return len(self._groups) - 1
+    # -- what can move (compiler/autoplan.py) -----------------------------------------------------
+    def movable(self) -> list[tuple[int, int]]:
+        """(chunk index, device bytes) of every chunk whose optimizer state can leave the
+        device: none where the optimizer steps parameter by parameter (`FlatState.inner` is
+        None: [Note: flat step] in runtime/flat.py)."""
+        return [(s.chunk.index, n) for s in self.slots if (n := self.state_bytes(s))]
 
-    # -- moving ---------------------------------------------------------------------------------
-    def after_step(self) -> None:
-        """After the optimizer step: offload every planned fragment (start the copies)."""
-        self._copier.collect()
-        if self.provisional and not self.fragments:
-            self.set_plan([(pid, key) for pid, key, _ in self.movable()])
-            self.provisional = True
-        for frag in self.fragments:
-            if frag.offloaded:
-                continue
-            t = self._state(frag.pid)[frag.key]
-            self._copier.to_host(frag.host, t)
+    def step_bytes(self) -> int:
+        """Device bytes of the optimizer step with all optimizer state on the device."""
+        return self.step_base() + sum(self.state_bytes(s) for s in self.slots)
+
+    # -- what the device holds ------------------------------------------------------------------
+    def state_bytes(self, slot: Slot) -> int:
+        inner = self.flat.inner
+        if inner is None:
+            return 0
+        return sum(device_bytes(t.numel() * t.element_size(), self.device)
+                   for t in slot.tensors(inner).values())
+
+    def profile_offset(self) -> int:
+        """Device bytes the profiled steps did not hold that an all-resident step would: the
+        state of the chunks offloaded while profiling."""
+        return sum(self.state_bytes(s) for s in self.slots if self.tier(s) >= STATE)
+
+    def resident_state_bytes(self) -> int:
+        return sum(self.state_bytes(s) for s in self.slots if not s.offloaded)
+
+    def step_base(self) -> int:
+        """The device's bytes during the optimizer step with no optimizer state on it: what
+        it held when the profiled steps started (CUDA: the allocator's count before the fold,
+        measured; the CPU: modelled), less their resident state, plus one chunk's flat
+        gradient (the fold holds a chunk's flat gradient and its shards' gradients at once)."""
+        fold = max((device_bytes(c.nbytes, self.device) for c in self.flat.chunks), default=0)
+        start = max(self.step_starts, default=None)
+        if start is None:
+            start = self.modeled_step_start()
+        return start + fold
+
+    def modeled_step_start(self) -> int:
+        """The CPU model of the device's bytes when the step starts, without optimizer state:
+        every shard, the folded flat gradients, ZeRO-1/2's replicas, the runtime's buffers."""
+        rt = self.runtime
+        total = sum(c.nbytes for c in self.flat.chunks) * 2   # masters, flat gradients
+        if rt is not None:
+            chunked = {e.pid for c in self.flat.chunks for e in c.entries}
+            for e in rt.registry:
+                if e.pid not in chunked:
+                    total += e.shard.numel() * e.shard.element_size()
+                if e.replica is not None:
+                    total += e.padded_numel * e.compute_dtype.itemsize
+            total += rt.kept.held_bytes() + rt.accum.held_bytes()
+        return total
+
+    def layout_signature(self) -> list:
+        """The chunks as (first parameter, parameters): a cached plan names chunks by index."""
+        return [[c.entries[0].name, len(c.entries)] for c in self.flat.chunks]
+
+    def held_bytes(self) -> int:
+        """The CPU memory model's runtime source (on CUDA the allocator counts these): the
+        optimizer state on the device, the shards' gradients and the flat gradients."""
+        total = 0
+        inner = self.flat.inner
+        for s in self.slots:
+            c = s.chunk
+            if inner is not None:
+                total += sum(t.untyped_storage().nbytes() for t in s.tensors(inner).values())
+            total += c.grad.untyped_storage().nbytes()
+            total += sum(g.untyped_storage().nbytes() for sh in c.shards
+                         if (g := sh.grad) is not None)
+        return total
+
+    # -- moving ------------------------------------------------------------------------------
+    def _offload(self, slot: Slot) -> None:
+        inner = self.flat.inner
+        tensors = slot.tensors(inner)
+        if slot.offloaded or not tensors:
+            return
+        if not slot.host:
+            slot.host = {k: self._copier.host_buffer(t) for k, t in tensors.items()}
+        pairs = [(slot.host[k], t) for k, t in tensors.items()]
+        slot.saved = self._copier.to_host(pairs)
+        for t in tensors.values():
             t.untyped_storage().resize_(0)
-            frag.offloaded = True
-            self._step_counts["d2h_bytes"] += frag.nbytes
+        slot.offloaded = True
+        self._counts["d2h_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def reload(self, fragments: list[Fragment], *, in_graph: bool) -> None:
-        """Bring `fragments` back where offloaded (start the copies)."""
-        for frag in fragments:
-            if not frag.offloaded:
-                continue
-            t = self._state(frag.pid)[frag.key]
-            t.untyped_storage().resize_(frag.nbytes)
-            frag.ready = self._copier.to_device(t, frag.host)
-            if frag.ready is not None:
-                self._pending.append(frag.ready)
-            frag.offloaded = False
-            self._step_counts["h2d_bytes"] += frag.nbytes
-            self._step_counts["reloaded_in_graph" if in_graph else "reloaded_at_step"] += 1
+    def _reload(self, slot: Slot) -> object:
+        if not slot.offloaded:
+            return None
+        tensors = slot.tensors(self.flat.inner)
+        for t in tensors.values():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        slot.loaded = self._copier.to_device([(t, slot.host[k]) for k, t in tensors.items()],
+                                             after=slot.saved)
+        slot.offloaded = False
+        self._counts["h2d_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        return slot.loaded
 
     def reload_group(self, group: int) -> None:
-        self.reload(self._groups[group], in_graph=True)
+        """A `reload_state` op: bring the group's chunks back, unless the device is fuller now
+        than the plan expected (CUDA's count; then the step streams them in)."""
+        slots = [s for s in self._groups[group] if s.offloaded]
+        if not slots or self.provisional:
+            return
+        if self.meter is not None and self.budget != float("inf"):
+            need = sum(self.state_bytes(s) for s in slots)
+            if self.meter() + need > self.budget:
+                self._counts["deferred_by_meter"] += len(slots)
+                return
+        for s in slots:
+            self._pending.append(self._reload(s))
+            self._counts["reloaded_in_graph"] += 1
 
-    def reload_all(self) -> None:
-        self.reload(self.fragments, in_graph=False)
+    def reload_all(self, count: bool = True) -> None:
+        for s in self.slots:
+            ev = self._reload(s)
+            if ev is not None:
+                self._pending.append(ev)
 
-    def before_step(self, count: bool = True) -> None:
-        """Before the optimizer step: reload what no graph reloaded (exposed), and make the
-        compute stream wait for every copy back."""
-        self.reload_all()
+    # -- the optimizer step ------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the gradients are folded: while the plan is provisional, the device's count
+        less the state on it is the base the plan's step starts from (CUDA)."""
+        if self.meter is not None and self.provisional:
+            self.step_starts.append(self.meter() - self.resident_state_bytes())
+
+    def run_step(self) -> None:
+        """The inner optimizer's step over every chunk (gradients folded, hyperparameters
+        synced): resident chunks in one call, offloaded ones streamed through the device."""
+        flat = self.flat
         self._copier.wait(self._pending)
         self._pending = []
-        if count and self.fragments:
+        ready = [s.chunk for s in self.slots if not s.offloaded]
+        with record_function("deepcompile.optimizer_step"):
+            flat.step(ready)
+        streamed = [s for s in self.slots if s.offloaded]
+        if not streamed:
+            return
+        with record_function("deepcompile.optimizer_step_streamed"):
+            events = [self._reload(s) for s in streamed[:LOOKAHEAD + 1]]
+            for i, s in enumerate(streamed):
+                self._copier.wait([events[i]])
+                flat.step([s.chunk])
+                self._offload(s)
+                j = i + LOOKAHEAD + 1
+                if j < len(streamed):
+                    events.append(self._reload(streamed[j]))
+        self._counts["streamed_at_step"] += len(streamed)
+
+    def after_step(self) -> None:
+        """After the optimizer step: every chunk at tier >= 1 leaves the device (the copies
+        overlap the next forward); the step's figures are recorded."""
+        self._copier.collect()
+        if self.active:
+            for s in self.slots:
+                if self.tier(s) >= STATE:
+                    self._offload(s)
             self.stats["steps"] += 1
-            for k, v in self._step_counts.items():
+            for k, v in self._counts.items():
                 self.stats[k] += v
-            self.last_step = dict(self._step_counts)
-        self._step_counts = self._zero_counts()
+            self.last_step = dict(self._counts)
+        self._counts = self._zero_counts()
 
     @staticmethod
     def _zero_counts() -> dict[str, int]:
-        return {"d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0, "reloaded_at_step": 0}
+        return {"d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0, "streamed_at_step": 0,
+                "deferred_by_meter": 0}
 
     def summary(self) -> dict:
         """What is offloaded and what moved: for the report."""
         self._copier.collect(block=True)
         sec = dict(self._copier.seconds)
         copy_s = sec["d2h"] + sec["h2d"]
-        # On the CPU the copies are synchronous: all of their time is exposed. On CUDA the
-        # compute stream is blocked only while it waits for copies back before the step.
+        # the CPU's copies are synchronous: all of their time is exposed; on CUDA the compute
+        # stream is blocked only while it waits for copies back
         exposed = sec["stall"] if self._copier.cuda else copy_s
+        chunks = [{"chunk": s.chunk.index, "tier": TIER_NAMES[self.tier(s)],
+                   "params": [e.name for e in s.chunk.entries][:3] + (
+                       ["..."] if len(s.chunk.entries) > 3 else []),
+                   "state_bytes": self.state_bytes(s), "offloaded": s.offloaded}
+                  for s in self.slots if self.tier(s) > RESIDENT]
         return {
-            "fragments": [{"param": f.name, "key": f.key, "bytes": f.nbytes,
-                           "offloaded": f.offloaded} for f in self.fragments],
-            "offloaded_bytes": sum(f.nbytes for f in self.fragments),
-            "host_buffer_bytes": 0 if self._buffer is None else self._buffer.numel(),
+            "chunks": chunks,
+            "offloaded_bytes": sum(c["state_bytes"] for c in chunks),
+            "host_buffer_bytes": sum(t.numel() * t.element_size() for s in self.slots
+                                     for t in s.host.values()),
             "pinned": self._copier.cuda,
             "last_step": self.last_step, "totals": dict(self.stats),
             "measured_copy_s": copy_s, "measured_exposed_s": exposed,
             "measured_hidden_s": max(copy_s - exposed, 0.0),
         }
 
-    # -- optimizer state dict -------------------------------------------------------------------
+    # -- optimizer state dict ------------------------------------------------------------------
     def _state_dict_hook(self, optimizer, state_dict):
-        off = [f for f in self.fragments if f.offloaded]
+        off = [s for s in self.slots if s.offloaded]
         if not off:
             return state_dict
         self._copier.host_sync()
-        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        for f in off:
-            i = index[id(lookup(f.pid).shard)]
-            # the packed per-parameter dict IS `optimizer.state[p]`: copy it, never edit it
-            state_dict["state"][i] = {**state_dict["state"][i], f.key: f.host.clone()}
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
+                                                 for p in g["params"])}
+        for s in off:
+            c = s.chunk
+            for shard, off_, in zip(c.shards, c.offsets):
+                i = index[id(shard)]
+                n = shard.numel()
+                # the packed per-parameter dict IS `optimizer.state[p]`: copy it, never edit it
+                state_dict["state"][i] = {**state_dict["state"][i],
+                                          **{k: h[off_:off_ + n] for k, h in s.host.items()}}
         return state_dict
 
-    def _after_load(self, optimizer) -> None:
-        # load_state_dict replaced the state tensors with new, resident ones; on the CPU they
-        # may be the loaded tensors themselves, whose storage (from the file) cannot be resized
-        for state in optimizer.state.values():
-            for key, t in state.items():
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device == self.device \
-                        and not t.untyped_storage().resizable():
-                    state[key] = t.clone()
+    def _after_load(self) -> None:
+        # the flat state was replaced by resident tensors: what was offloaded is no more
         self._pending = []
-        for f in self.fragments:
-            f.offloaded, f.ready = False, None
-        self.after_step()
-
-
-def _movable(t: object, device: torch.device) -> bool:
-    return (isinstance(t, torch.Tensor) and t.device == device and t.dim() > 0
-            and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().resizable()
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+        for s in self.slots:
+            s.offloaded, s.loaded, s.saved = False, None, None
+        if self.active:
+            for s in self.slots:
+                if self.tier(s) >= STATE:
+                    self._offload(s)
 
 
 # -- the op the pass inserts into backward graphs -------------------------------------------------
 @torch.library.custom_op(f"{ops.NAMESPACE}::reload_state", mutates_args=())
 def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
-    """Start copying reload group `group` (optimizer state fragments of the parameters `pids`,
-    registered by the pass with `add_reload_group`) back to the device, in the last micro-step
-    of the accumulation window only (the state is needed at the optimizer step). `after`
-    orders the op after the node that produced it; no output, so it is registered as
-    side-effecting (FX and Inductor keep it)."""
+    """Start copying reload group `group` (the optimizer state of chunks registered by the pass
+    with `add_reload_group`; `pids` name a parameter of the engine) back to the device, in the
+    last micro-step of the accumulation window only (the state is needed at the optimizer
+    step). `after` orders the op after the node that produced it; no output, so it is
+    registered as side-effecting (FX and Inductor keep it)."""
     runtime = lookup(pids[0]).runtime()
     if runtime is None or not runtime.step.last_micro_step:
         return

@@ -100,6 +100,9 @@ class EngineRuntime:
         self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
         self.offload: Any = None          # runtime/offload.py, set by the engine
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
+        # data pointers of the flat buffers the shards are views of (the CPU memory model
+        # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
+        self.flat_storages: frozenset[int] = frozenset()
         self._warned_unused = False
         registry.bind(self)
 
