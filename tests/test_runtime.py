@@ -236,4 +236,12 @@ def test_host_work_per_step_does_not_grow_with_depth(config):
     print(f"\n[host] {config}: deepcompile calls per step: {r2['calls']} at "
           f"{r2['params']} parameters, {r8['calls']} at {r8['params']}")
     assert r8["params"] > 3 * r2["params"]
-    assert r8["by_function"] == r2["by_function"]
+    # Whether selective_unshard accumulates a kept parameter's gradient locally or reduces it
+    # every micro-step is a timing decision (the cost model), so the two plans can differ by a
+    # call or two per graph call (marking accumulators); a Python call per parameter would add
+    # one per extra parameter (54 more at 8 layers) in each place it ran
+    diff = {f: (r2["by_function"].get(f, 0), r8["by_function"].get(f, 0))
+            for f in set(r2["by_function"]) | set(r8["by_function"])
+            if r2["by_function"].get(f, 0) != r8["by_function"].get(f, 0)}
+    assert r8["calls"] <= r2["calls"] + 8, diff
+    assert all(b - a <= 4 for a, b in diff.values()), diff
