@@ -20,6 +20,7 @@ what it found, so every rank takes the same path.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import statistics
 import time
@@ -32,7 +33,9 @@ from .. import _compat
 from ..passes import PassContext, get_pass
 from ..runtime import memory
 from ..runtime import registry as _registry
+from ..runtime.guardrails import FP_MASK, FP_MUL, DivergenceError, Guardrails, digest
 from . import cache as _cache
+from . import families as _families
 from .cost import CostModel, LinearCostModel, calibrate
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .profiler import GraphProfile, NodeProfile, profile_run
@@ -68,14 +71,21 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
 
 
 class Pipeline:
-    def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict):
+    def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict,
+                 guard: Guardrails | None = None):
         self.runtime = runtime
         self.registry = runtime.registry
         self.comm = runtime.comm
         self.config = config
         self.device = device
         self.fingerprint = engine_fingerprint
-        self.slots: dict[str, GraphSlot] = {}
+        self.slots: dict[str, GraphSlot] = {}    # every graph: representatives and members
+        # [Note: shape families] in compiler/families.py
+        self._families: dict[tuple, int] = {}           # (frame, parameter ids) -> family index
+        self.reps: dict[tuple[int, str], GraphSlot] = {}  # (family, kind) -> representative
+        # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
+        self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
+        self.trace = self.guard.trace
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
@@ -99,17 +109,65 @@ class Pipeline:
         self._calibrate_if_needed()
 
     # -- slots ------------------------------------------------------------------------------
-    def add_slot(self, graph_index: int, kind: str, gm: fx.GraphModule) -> GraphSlot:
-        key = f"g{graph_index}.{kind}"
-        if key in self.slots:  # a recompilation of the same Dynamo graph index
-            key = f"{key}{sum(k.startswith(key) for k in self.slots)}"
-        slot = GraphSlot(key, graph_index, kind, gm, self.run)
+    def family_of(self, frame_id: int | None, pids: tuple[int, ...]) -> int:
+        """The family index of a Dynamo graph traced from frame `frame_id` over the parameters
+        `pids` (in its input order): a recompilation with the same parameters (a new input
+        shape, or another guard) joins the family of the first graph."""
+        key = (frame_id, pids)
+        if key not in self._families:
+            self._families[key] = len(self._families)
+        return self._families[key]
+
+    def add_slot(self, family: int, kind: str, gm: fx.GraphModule,
+                 params: list[str] | tuple[str, ...] = ()) -> GraphSlot:
+        rep = self.reps.get((family, kind))
+        if rep is not None:
+            # another shape of a graph the family has: it runs the family's plan
+            key = f"{rep.key}~{len(rep.members) + 1}"
+            slot = GraphSlot(key, family, kind, gm, self.run)
+            slot.rep, slot.training = rep, rep.training
+            slot.original = _families.snapshot(gm)
+            rep.members.append(slot)
+            self.slots[key] = slot
+            self._transplant(slot)
+            log.info("deepcompile: graph %s compiled (another shape of %s); it runs %s's plan",
+                     key, rep.key, rep.key)
+            return slot
+        key = f"g{family}.{kind}"
+        slot = GraphSlot(key, family, kind, gm, self.run)
+        slot.training = kind != "inference"   # eval / no_grad graphs are never planned for
+        slot.original = _families.snapshot(gm)
+        self.reps[(family, kind)] = slot
         self.slots[key] = slot
-        if self.phase is Phase.STEADY and self.config.passes:
-            log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
-                        "recompilation, e.g. for a new input shape); it runs with insertion "
-                        "only, without the passes %s", key, ", ".join(self.config.passes))
+        names = list(params)
+        self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
+            f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
+            {"phase": "compile", "step": self.runtime.step.optimizer_steps,
+             "micro": self.runtime.step.micro_step, "graph": key})
+        if self.phase is Phase.STEADY and self.config.passes and slot.training:
+            log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
+                        "parameters); it runs with insertion only, without the passes %s", key,
+                        ", ".join(self.config.passes))
         return slot
+
+    def _transplant(self, member: GraphSlot) -> None:
+        """The member runs its representative's current plan ([Note: shape families])."""
+        rep = member.rep
+        try:
+            gm, to_rep = _families.transplant(rep.original, rep.gm, member.original)
+        except _families.TransplantError as e:
+            raise RuntimeError(
+                f"deepcompile: graph {member.key}, compiled for other inputs of the code of "
+                f"{rep.key}, cannot run {rep.key}'s plan ({e}); the ranks that run {rep.key} "
+                "would issue other collectives. Report this with the model; as a workaround, "
+                "give every rank inputs of one shape (pad), or leave out the passes.") from e
+        member.gm, member.to_rep = gm, to_rep
+        member.changed()
+
+    def _planning(self) -> dict[str, GraphSlot]:
+        """The graphs the passes plan for: the training graphs' representatives."""
+        return {k: s for k, s in self.slots.items() if s.rep is None and s.training}
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
@@ -117,17 +175,28 @@ class Pipeline:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
         low = self._lowered(slot, last)
+        tr = self.trace   # [Note: divergence check] in runtime/guardrails.py
+        tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
+        tr.calls.append(low)
         full, accs = low.prepare(args)
         args.clear()   # boxed calling convention: the list is ours; inputs die at last use
-        if self.phase is Phase.PROFILE:
-            self._order_now.append(slot.key)
-            out, prof = profile_run(low.gm, full, slot=slot.key, version=slot.version,
-                                    name_of=_param_name, runtime_bytes=self._runtime_bytes,
-                                    uncounted=low.uncounted, transient=low.transient)
+        if self.phase is Phase.PROFILE and slot.training:
+            target = slot.rep or slot   # a member's runs are its representative's
+            self._order_now.append(target.key)
+            try:
+                out, prof = profile_run(low.gm, full, slot=target.key, version=slot.version,
+                                        name_of=_param_name, runtime_bytes=self._runtime_bytes,
+                                        uncounted=low.uncounted, transient=low.transient)
+            except BaseException:
+                self.guard.failed_graph = slot.key
+                raise
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
+            if slot.rep is not None:
+                prof = _families.fold_to_rep(prof, slot.to_rep, target.gm, _param_name)
+                prof.version = target.version
             if self.perturb is not None:
                 self.perturb(prof)
-            slot.pending.append(prof)
+            target.pending.append(prof)
             return low.finish(out, accs)
         # [Note: first call] A graph's first call runs inside the first invocation of the graph
         # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace) fails; a
@@ -139,23 +208,39 @@ class Pipeline:
         if have is None or have[0] != tag:
             have = slot.compiled[last] = (tag, self._compile(slot, low, full, final))
         t0 = time.perf_counter()
-        with _compat.below_autograd():
-            if memory.TRACKER is None:
-                out = have[1](full)
-            else:   # tests: what the graph gathers, and when it frees it
-                with memory.watch():
+        try:
+            with _compat.below_autograd():
+                if memory.TRACKER is None:
                     out = have[1](full)
+                else:   # tests: what the graph gathers, and when it frees it
+                    with memory.watch():
+                        out = have[1](full)
+        except BaseException:
+            self.guard.failed_graph = slot.key   # named in the error (runtime/guardrails.py)
+            raise
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
 
     def _lowered(self, slot: GraphSlot, last: bool) -> Lowered:
         have = slot.lowered.get(last)
         if have is None or have[0] != slot.version:
-            have = slot.lowered[last] = (slot.version, lower(slot.gm, self.runtime, last=last))
+            low = lower(slot.gm, self.runtime, last=last)
+            # what one run issues, for the cross-rank fingerprint and its messages
+            low.digest = _families.comm_digest(slot.gm, last)
+            low.graph_key = slot.key
+            low.describe = _families.describe(slot.gm)
+            have = slot.lowered[last] = (slot.version, low)
         return have[1]
 
     def _compile(self, slot: GraphSlot, low: Lowered, args: list[Any], final: bool) -> Callable:
         gm = low.gm
+        if self.config.compiler == "inductor" and final and _dynamic(gm):
+            # [Note: dynamic graphs run as FX] Inductor here compiles for the example inputs'
+            # sizes (static fakes): code for one shape, wrong for the next. A graph with dynamic
+            # sizes (a new input shape made Dynamo recompile) runs as FX code instead.
+            log.warning("deepcompile: graph %s has dynamic shapes; it runs as FX code, not "
+                        "compiled by Inductor", slot.key)
+            return _compat.boxed_fx(gm)
         if self.config.compiler == "inductor" and final:
             log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
             return _compat.inductor_compile_graph(gm, list(args))
@@ -240,7 +325,7 @@ class Pipeline:
         self._enter(Phase.STEADY)
 
     def _context(self, decisions: dict[str, Any] | None = None) -> PassContext:
-        return PassContext(slots=self.slots, profiles=self.latest_profiles(), order=self.order,
+        return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget,
                            world_size=self.comm.world,
@@ -253,9 +338,12 @@ class Pipeline:
         before = summarize(ctx.profiles, self.order, self.memory_budget)
         if decisions is None:
             decisions = p.plan(ctx)
+            self._agree_decisions(name, decisions)
         changed = list(p.apply(ctx, decisions) or [])
         for key in changed:
             self.slots[key].changed()
+            for member in self.slots[key].members:   # every shape runs the new plan
+                self._transplant(member)
         return {"pass": name, "decisions": decisions, "changed": changed, "before": before}
 
     def _log_pass(self, entry: dict) -> None:
@@ -292,7 +380,8 @@ class Pipeline:
                                       nodes=[NodeProfile(**{**vars(n), "start_s": 0.0})
                                              for n in nodes])
             slot.pending = []
-        shape = [(k, p.version, len(p.nodes)) for k, p in local.items()]
+        shape = [(k, p.version, len(p.nodes), digest(" ".join(f"{n.name}:{n.op}" for n in p.nodes)))
+                 for k, p in local.items()]
         mine = (shape, self.order)
         for rank, other in enumerate(self.comm.all_gather_object(mine)):
             if other != mine:
@@ -315,6 +404,25 @@ class Pipeline:
             i += 1
         return local
 
+    def _agree_decisions(self, name: str, decisions: Any) -> None:
+        """A pass plans from what every rank holds alike (PassContext): the same decisions on
+        every rank, or the ranks would rewrite their graphs differently. Checked (one small
+        all-gather per pass planned), so that a pass that plans from local timings fails on
+        every rank instead of hanging collectives."""
+        if self.comm.world == 1:
+            return
+        mine = digest(json.dumps(decisions, sort_keys=True, default=str))
+        every = self.comm.all_gather_object(mine)
+        if len(set(every)) > 1:
+            groups: dict[int, list[int]] = {}
+            for r, d in enumerate(every):
+                groups.setdefault(d, []).append(r)
+            raise DivergenceError(
+                f"deepcompile: pass {name!r} planned differently on different ranks (ranks "
+                f"grouped by plan: {sorted(groups.values())}); a pass must plan from the agreed "
+                "profiles and the PassContext only, never from this rank's own timings or state. "
+                "The engine stops on every rank.")
+
     def _agreed_budget(self) -> float:
         budget = self.config.memory_budget
         if budget is None:
@@ -334,7 +442,8 @@ class Pipeline:
     def _cache_key(self) -> tuple[str, dict]:
         parts = {
             **self.fingerprint,
-            "graphs": {k: _cache.graph_signature(s.gm, _param_name) for k, s in sorted(self.slots.items())},
+            "graphs": {k: _cache.graph_signature(s.gm, _param_name)
+                       for k, s in sorted(self._planning().items())},
         }
         return _cache.digest(parts), parts
 
@@ -383,3 +492,16 @@ class Pipeline:
         path = _cache.save(self.config.cache_dir, key, plan)
         self.cache_info["path"] = str(path)
         log.info("deepcompile: plan saved to %s", path)
+
+
+def _dynamic(gm: fx.GraphModule) -> bool:
+    """Whether the graph takes symbolic sizes (Dynamo compiled it with dynamic shapes)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            break
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape):
+            return True
+    return False
