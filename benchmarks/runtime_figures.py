@@ -101,6 +101,27 @@ class _CopyCounter:
         return run
 
 
+def python_calls(fn) -> dict[str, int]:
+    """{"module.py:function": calls} of deepcompile's own Python functions while `fn()` runs
+    (sys.setprofile; generated code and torch's own Python are not deepcompile's)."""
+    import deepcompile
+
+    root = os.path.dirname(deepcompile.__file__)
+    counts: dict[str, int] = {}
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            key = f"{os.path.relpath(frame.f_code.co_filename, root)}:{frame.f_code.co_name}"
+            counts[key] = counts.get(key, 0) + 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
 def _worker(rank: int, world: int, port: int, what: str, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -118,7 +139,6 @@ def _worker(rank: int, world: int, port: int, what: str, args, queue) -> None:
 def _measure(rank: int, world: int, what: str, a) -> dict:
     import deepcompile
 
-    root = os.path.dirname(deepcompile.__file__)
     engine = deepcompile.initialize(
         _model(a.layers_now), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         config={"zero_stage": a.stage, "compiler": a.compiler_now, "passes": tuple(a.passes),
@@ -139,18 +159,7 @@ def _measure(rank: int, world: int, what: str, a) -> dict:
     res = {"layers": a.layers_now, "params": n_params, "compiler": a.compiler_now,
            "phase": engine.report().phase}
     if what == "host":
-        counts: dict[str, int] = {}
-
-        def prof(frame, event, arg):
-            if event == "call" and frame.f_code.co_filename.startswith(root):
-                key = f"{os.path.relpath(frame.f_code.co_filename, root)}:{frame.f_code.co_name}"
-                counts[key] = counts.get(key, 0) + 1
-
-        sys.setprofile(prof)
-        try:
-            step()
-        finally:
-            sys.setprofile(None)
+        counts = python_calls(step)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
             step()
         custom = [e.name for e in p.events() if e.name.startswith("deepcompile::")]

@@ -20,6 +20,10 @@ cut into windows of `--seq-len`, shuffled by a DistributedSampler; the position 
 the LR schedule (linear warm-up, cosine decay) and the step are saved with each checkpoint
 (`client_state`) and restored by `--resume`. Logged every `--log-every` steps (rank 0): loss
 (mean over ranks), learning rate, tokens/s (all ranks), peak memory; a progress bar with tqdm.
+`engine.metrics()` every step to TensorBoard (`--tensorboard DIR`) and/or W&B (`--wandb
+PROJECT`): step time, tokens/s, FLOP/s and MFU (GPUs whose peak is known), exposed
+communication, peak memory, collectives per step. `--plot-dir DIR` traces one steady step and
+writes the report and its pictures.
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir if it holds one")
     p.add_argument("--save-pretrained", default=None, help="write the final model here (HF format)")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write engine.metrics() every step as TensorBoard scalars (rank 0; "
+                        "pip install -c constraints.txt -e '.[tensorboard]')")
+    p.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="log engine.metrics() to Weights & Biases (rank 0; pip install wandb)")
+    p.add_argument("--plot-dir", default=None, metavar="DIR",
+                   help="trace one steady step and, at the end, write the report and its "
+                        "pictures there (engine.plot; needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-after", type=int, default=None,
                    help="leave after this many steps of this launch, as if preempted (tests resume)")
@@ -153,6 +165,42 @@ def peak_memory(device: torch.device) -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
 
 
+class MetricsSink:
+    """engine.metrics() to TensorBoard and/or W&B, on rank 0 (what a training script logs)."""
+
+    KEYS = ("step_s", "tokens_per_s", "flops_per_s", "mfu", "exposed_comm_s",
+            "exposed_comm_s_measured", "peak_memory_bytes", "collectives_per_step")
+
+    def __init__(self, args, rank: int) -> None:
+        self.tb = self.run = None
+        if rank != 0:
+            return
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter   # needs the tensorboard package
+            self.tb = SummaryWriter(args.tensorboard)
+        if args.wandb:
+            import wandb
+            self.run = wandb.init(project=args.wandb, config=vars(args))
+
+    def log(self, step: int, metrics: dict, loss: float | None, lr: float) -> None:
+        values = {f"deepcompile/{k}": metrics[k] for k in self.KEYS if metrics.get(k) is not None}
+        values["train/lr"] = lr
+        if loss is not None:
+            values["train/loss"] = loss
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.add_text("deepcompile/phase", metrics["phase"], step)
+        if self.run is not None:
+            self.run.log({**values, "deepcompile/phase": metrics["phase"]}, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.run is not None:
+            self.run.finish()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, rank, world = setup()
@@ -204,6 +252,8 @@ def main(argv=None) -> int:
         except ImportError:
             pass
     data = batches(loader, sampler, epoch, position)
+    sink = MetricsSink(args, rank)
+    traced = False
     pending = None
     tokens_since, t_since = 0, time.perf_counter()
     launched = 0
@@ -217,10 +267,14 @@ def main(argv=None) -> int:
             engine.backward(loss)
             losses.append(loss.detach())
             tokens_since += ids.numel() * world
+        if args.plot_dir and not traced and engine.phase == "steady":
+            traced = engine.trace_next_step()   # this step, for the timeline of --plot-dir
         engine.step()
         scheduler.step()
         step += 1
         launched += 1
+        metrics = engine.metrics()   # cheap: every step
+        mean = None
         if step % args.log_every == 0 or step == args.steps:
             mean = torch.stack(losses).mean().float()
             dist.all_reduce(mean)
@@ -235,6 +289,7 @@ def main(argv=None) -> int:
                 else:
                     print(line, flush=True)
             tokens_since, t_since = 0, time.perf_counter()
+        sink.log(step, metrics, mean, scheduler.get_last_lr()[0])
         if bar is not None:
             bar.update(1)
         if args.ckpt_dir and ((args.save_every and step % args.save_every == 0)
@@ -246,6 +301,12 @@ def main(argv=None) -> int:
         pending.result()
     if args.save_pretrained:
         engine.save_pretrained(args.save_pretrained)
+    sink.close()
+    if args.plot_dir:
+        paths = engine.plot(args.plot_dir)   # every rank (collective); rank 0 writes
+        if rank == 0:
+            print(engine.report(), flush=True)
+            print("wrote " + ", ".join(paths), flush=True)
     if bar is not None:
         bar.close()
     if rank == 0:

@@ -142,8 +142,8 @@ def test_ours_systems_keep_what_their_stage_promises():
     for name, s in systems.SYSTEMS.items():
         if s.kind == "ours" and s.stage < 3:
             cfg = systems.ours_config(s, compiler="fx", gas=1, dtype="float32")
-            default = Config(zero_stage=s.stage).passes
-            assert set(default) <= set(Config(**cfg).passes), (name, cfg["passes"], default)
+            passes = Config(**cfg).passes
+            assert passes == "auto" or "bucket_reduce" in passes, (name, cfg["passes"])
 
 
 def test_deepspeed_systems_say_how_to_install(monkeypatch):

@@ -163,6 +163,7 @@ def test_config_dict_and_dataclass_equivalent():
          "max_grad_norm": 1, "param_dtype": "bf16", "reduce_dtype": None, "passes": []}
     cfg = Config.from_dict(d)
     assert cfg == Config(zero_stage=3, compiler="fx", gradient_accumulation_steps=4,
-                         max_grad_norm=1.0, param_dtype=torch.bfloat16)
+                         max_grad_norm=1.0, param_dtype=torch.bfloat16, passes=())
     assert Config.from_dict(cfg.to_dict()) == cfg
-    assert Config() == Config.from_dict({})
+    assert Config() == Config.from_dict({}) == Config.from_dict({"passes": "auto"})
+    assert Config.from_dict(Config().to_dict()) == Config()

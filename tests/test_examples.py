@@ -69,3 +69,27 @@ def test_hf_trainer_example(tmp_path):
     assert "done at step 2" in out
     assert (tmp_path / "final" / "model.safetensors").exists()
     assert (tmp_path / "checkpoint-2" / "deepcompile" / "deepcompile-checkpoint.json").exists()
+
+
+def test_train_llama_logs_metrics_and_draws(tmp_path):
+    """--tensorboard: engine.metrics() every step as TensorBoard scalars; --plot-dir: one
+    steady step traced, the report and its pictures written."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("matplotlib")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = _torchrun("train_llama.py", "--model", "tiny", "--compiler", "fx", "--steps", "26",
+                    "--seq-len", "32", "--tensorboard", str(tmp_path / "tb"),
+                    "--plot-dir", str(tmp_path / "plots"))
+    assert "done at step 26" in out and "passes chosen (auto)" in out
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for key in ("step_s", "tokens_per_s", "flops_per_s", "exposed_comm_s", "peak_memory_bytes",
+                "collectives_per_step"):
+        assert f"deepcompile/{key}" in tags, tags
+    assert len(acc.Scalars("deepcompile/step_s")) == 26
+    assert "deepcompile/exposed_comm_s_measured" in tags   # the traced steady step
+    for name in ("memory.png", "timeline.png", "passes.png", "steps.png", "report.json",
+                 "trace.json"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0, name

@@ -77,7 +77,7 @@ def _engine(group, **config):
     from deepcompile.engine import Engine
 
     cfg = {"compiler": "fx", "warmup_steps": 1, "collective_timeout_s": T,
-           "startup_timeout_s": 120.0, **config}
+           "startup_timeout_s": 120.0, "passes": (), "measure_steps": 0, **config}
     return Engine(Faulty(), functools.partial(torch.optim.SGD, lr=0.05), Config(**cfg), group)
 
 

@@ -1,8 +1,8 @@
 """GPU checks (NCCL, CUDA events, memory_allocated); skipped without CUDA.
 
 Run on a machine with one GPU:  python -m pytest tests/test_gpu.py -q -s
-World size 1 still gathers and reduces through NCCL. Not yet run (no GPU in the session that
-wrote it).
+At world size 1 nothing is communicated: a gather is the local shard (a view, or a cast under
+param_dtype) and a reduction the local gradient; the comm counters stay at 0.
 """
 
 from __future__ import annotations
@@ -76,21 +76,23 @@ def test_parity_on_one_gpu(nccl, compiler, passes):
     state = engine.full_state_dict()
     for name, p in ref.named_parameters():
         assert (state[name] - p.detach().cpu()).abs().max().item() < 1e-4, name
-    assert engine.comm_stats()["all_gather"]["count"] > 0
+    stats = engine.comm_stats()   # world size 1: no collective at all
+    assert stats["all_gather"]["count"] == stats["reduce_scatter"]["count"] == 0, stats
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_zero12_parity_on_one_gpu(nccl, compiler, stage):
-    """ZeRO-1/2 (bucket_reduce by default): parity; one all-gather (replica refresh) per step."""
+    """ZeRO-1/2 (bucket_reduce by default): parity; at world size 1 no collective (the replica
+    refresh is a local copy of the shard)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     engine, losses = _train({"compiler": compiler, "zero_stage": stage, "warmup_steps": 1})
     ref, ref_losses = _reference()
     print(f"ZeRO-{stage} {compiler}: max |dloss| "
           f"{max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4
-    assert engine.comm_stats()["all_gather"]["count"] == len(losses)
-    assert engine.comm_stats()["reduce_scatter"]["count"] > 0
+    assert engine.comm_stats()["all_gather"]["count"] == 0
+    assert engine.comm_stats()["reduce_scatter"]["count"] == 0
     state = engine.full_state_dict()
     for name, p in ref.named_parameters():
         assert (state[name] - p.detach().cpu()).abs().max().item() < 1e-4, name
@@ -112,7 +114,8 @@ def test_offload_optimizer_parity_and_budget(nccl):
     without offloading; the measured CUDA profile after planning stays within the budget; the
     reloads ran on the copy stream and the step waited for them."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    base = {"compiler": "fx", "warmup_steps": 1, "passes": ("offload_optimizer",)}
+    base = {"compiler": "fx", "warmup_steps": 1, "passes": ("offload_optimizer",),
+            "measure_steps": 0}
     plain, plain_losses = _train({"compiler": "fx", "warmup_steps": 1})
     unbounded, _ = _train(base)
     d = next(p for p in unbounded.report().to_dict()["passes"]

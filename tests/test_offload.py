@@ -390,10 +390,10 @@ def _ckpt_run(rank, world, config, steps, save_at=None, load=None, ckpt=None):
 
 
 def _checkpoint_job(rank, world, tmp, budget):
-    plain = {"compiler": "fx", "warmup_steps": 1}
+    plain = {"compiler": "fx", "warmup_steps": 1, "passes": (), "measure_steps": 0}
     offloaded = {**plain, "passes": ("offload_optimizer",), "memory_budget": budget}
     out = {}
-    zero1 = {**plain, "zero_stage": 1}   # the replicated parameters follow the loaded shards
+    zero1 = {**plain, "zero_stage": 1, "passes": ("bucket_reduce",)}   # the replicated parameters follow the loaded shards
     for name, config in (("plain", plain), ("offload", offloaded), ("zero1", zero1)):
         ckpt = f"{tmp}/{name}"
         whole = _ckpt_run(rank, world, config, 6, save_at=4, ckpt=ckpt)

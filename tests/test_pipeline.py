@@ -105,7 +105,7 @@ def _profile_job(rank, world):
     from deepcompile.compiler.liveness import static_live_bytes
 
     engine, per_step = _train(rank, world, "llama", {"compiler": "fx", "warmup_steps": 2,
-                                                     "profile_steps": 3}, steps=12)
+                                                     "profile_steps": 3, "passes": ()}, steps=12)
     pipe = engine._pipeline
     out = {"per_step": per_step, "timings": pipe.timings, "slots": {},
            "runs_per_step": {k: pipe.order.count(k) for k in pipe.slots}}
@@ -179,7 +179,7 @@ def _pass_job(rank, world, perturb_rank):
                 n.time_s *= 50.0
 
     engine, _ = _train(rank, world, "llama", {
-        "compiler": "fx", "warmup_steps": 1, "profile_steps": 1,
+        "compiler": "fx", "warmup_steps": 1, "profile_steps": 1, "measure_steps": 0,
         "passes": ("test_slowest", "test_hoist")}, steps=5,
         perturb=perturb if rank == perturb_rank else None)
     report = engine.report()
@@ -227,7 +227,7 @@ def test_reprofile_after_a_pass_is_visible(with_passes):
 def _cache_job(rank, world, cache_dir, config_extra):
     engine, per_step = _train(rank, world, "mlp", {
         "compiler": "fx", "warmup_steps": 1, "profile_steps": 1, "cache_dir": cache_dir,
-        "passes": ("test_hoist",), **config_extra}, steps=4)
+        "measure_steps": 0, "passes": ("test_hoist",), **config_extra}, steps=4)
     rep = engine.report().to_dict()
     return {"phases": [s["phase"] for s in per_step], "cache": rep["cache"],
             "versions": {s["slot"]: s["version"] for g in rep["graphs"] for s in g["slots"]},
@@ -253,7 +253,7 @@ def test_plan_cache_skips_profiling_and_rejects_stale_plans(tmp_path):
 # --------------------------------------------------------------------------------- trace
 def _trace_job(rank, world, path):
     engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1}, steps=3)
+                                            "profile_steps": 1, "passes": ()}, steps=3)
     engine.export_trace(path)
     collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
                       if n.kind != "compute")
@@ -280,7 +280,7 @@ def test_export_trace(tmp_path):
 # ------------------------------------------------------------ what torch.profiler sees
 def _profiler_job(rank, world):
     engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1,
+                                            "profile_steps": 1, "measure_steps": 0,
                                             "passes": ("prefetch", "bucket_reduce")}, steps=4)
     batch = _models.local_batch("mlp", 99, rank, world)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -255,7 +255,7 @@ def _budget_job(rank, world, budget):
     model = _models.build_model("llama")
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
-                                            "passes": ("prefetch", "bucket_reduce"),
+                                            "passes": ("prefetch", "bucket_reduce"), "measure_steps": 0,
                                             "memory_budget": budget})
     for step in range(4):
         engine.backward(_models.loss_of(engine(**_models.local_batch("llama", step, rank, world))))
@@ -313,7 +313,7 @@ def _cross_graph_job(rank, world):
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("prefetch",)})
+                                            "passes": ("prefetch",), "measure_steps": 0})
     for step in range(4):
         before = engine.comm_stats()
         for micro in range(2):
@@ -398,7 +398,7 @@ def _inductor_code_job(rank, world):
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
-                                            "passes": ("test_prefetch_nofuse",
+                                            "measure_steps": 0, "passes": ("test_prefetch_nofuse",
                                                        "test_bucket_nofuse")})
     x = torch.randn(4, 16)
 
@@ -493,7 +493,7 @@ def _two_engines_one_cache(rank: int, world: int, cache_dir: str) -> list[dict]:
         engine = deepcompile.initialize(
             model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
             config={"compiler": "fx", "warmup_steps": 1, "cache_dir": cache_dir,
-                    "passes": ("prefetch", "bucket_reduce")})
+                    "passes": ("prefetch", "bucket_reduce"), "measure_steps": 0})
         misses = 0
         for step in range(4):
             batch = _models.local_batch("graph_break", step, rank, world)

@@ -14,8 +14,8 @@ gradient: no collective runs, and the passes find nothing to plan.
 from __future__ import annotations
 
 import functools
-import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from _dist import run_distributed
 from _train import (Jobs, _one_scenario, compare_to_reference, max_param_deviation,
                     mean_losses, scenario)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 ALL = ("prefetch", "bucket_reduce", "selective_unshard")
 
 
@@ -188,12 +189,13 @@ def _host_calls_job(rank, world, model_name, config):
     counted with sys.setprofile: calls whose code lives in the deepcompile package. Generated
     code (FX, Inductor) and torch's own Python are not deepcompile's and are not counted."""
     import deepcompile
+    from runtime_figures import python_calls
 
-    root = os.path.dirname(deepcompile.__file__)
     engine = deepcompile.initialize(_models.build_model(model_name),
                                     optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                     config={"compiler": "fx", "gradient_accumulation_steps": 2,
-                                            "max_grad_norm": 1.0, "warmup_steps": 1, **config})
+                                            "max_grad_norm": 1.0, "warmup_steps": 1,
+                                            "measure_steps": 0, **config})
     micro = 0
 
     def step():
@@ -207,18 +209,7 @@ def _host_calls_job(rank, world, model_name, config):
     for _ in range(6):   # warm-up, profile, a re-profile per pass, steady (compiles)
         step()
     assert engine.report().phase == "steady"
-    counts: dict[str, int] = {}
-
-    def prof(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            key = f"{os.path.relpath(frame.f_code.co_filename, root)}:{frame.f_code.co_name}"
-            counts[key] = counts.get(key, 0) + 1
-
-    sys.setprofile(prof)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
+    counts = python_calls(step)
     return {"calls": sum(counts.values()), "by_function": counts,
             "params": len(engine._registry)}
 

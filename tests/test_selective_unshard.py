@@ -491,7 +491,7 @@ def _stale_job(rank, world):
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("selective_unshard",)})
+                                            "passes": ("selective_unshard",), "measure_steps": 0})
     micro, checks = 0, []
 
     def step():
@@ -564,7 +564,7 @@ def _inductor_ownership_job(rank, world, steps):
                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
                                             "gradient_accumulation_steps": 2,
-                                            "passes": ("selective_unshard",)})
+                                            "passes": ("selective_unshard",), "measure_steps": 0})
     losses, stale = [], []
     for step in range(steps):
         _, local = _batches(step, rank, world)

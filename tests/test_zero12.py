@@ -310,11 +310,10 @@ def test_memory_per_rank(job, sc):
 def test_config_stages_and_default_passes():
     from deepcompile import Config
 
-    assert Config(zero_stage=1).passes == ("bucket_reduce",)
-    assert Config(zero_stage=2).passes == ("bucket_reduce",)
-    assert Config(zero_stage=3).passes == () == Config().passes
+    for stage in (1, 2, 3):   # the passes are chosen from the profile at every stage
+        assert Config(zero_stage=stage).passes == "auto" == Config(zero_stage=stage, passes=None).passes
     assert Config(zero_stage=1, passes=()).passes == ()
-    assert Config(zero_stage=2, profile_steps=0).passes == ()
+    assert Config(zero_stage=2, profile_steps=0).passes == "auto"   # then nothing is chosen
     assert Config.from_dict(Config(zero_stage=1).to_dict()) == Config(zero_stage=1)
     with pytest.raises(ValueError, match="profile_steps"):
         Config(zero_stage=1, passes=("bucket_reduce",), profile_steps=0)

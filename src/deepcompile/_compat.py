@@ -247,6 +247,16 @@ def nonfinite_check_and_unscale_(grads: list, found: torch.Tensor, inv_scale: to
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
 
 
+def is_op_overload(target) -> bool:
+    """Whether an FX node's target is an aten/custom op overload (`torch._ops.OpOverload`)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording in this process (a second one cannot start)."""
+    return torch.autograd.profiler._is_profiler_enabled
+
+
 # --- tensor subclasses ---------------------------------------------------------------------------
 
 def disable_torch_function_subclass():

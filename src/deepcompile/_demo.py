@@ -83,7 +83,7 @@ class DemoArgs:
     per_rank_batch: int = 4
     seq_len: int = 32
     lr: float = 3e-3
-    passes: tuple[str, ...] = ("prefetch", "bucket_reduce")
+    passes: tuple[str, ...] | str = "auto"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> Non
         global_size = args.per_rank_batch * world
         if rank == 0:
             print(f"[demo] {world} ranks ({'nccl' if args.device == 'cuda' else 'gloo'}), "
-                  f"compiler={args.compiler}, passes={','.join(args.passes) or 'none'}, "
+                  f"compiler={args.compiler}, passes={args.passes if isinstance(args.passes, str) else ','.join(args.passes) or 'none'}, "
                   f"{args.steps} steps x {args.grad_accum} micro-steps, "
                   f"global batch {global_size} x {args.seq_len} tokens, "
                   f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)

@@ -2,6 +2,8 @@
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
                      [--passes P1,P2]
+    deepcompile report FILE [--plot DIR] [--json]
+    deepcompile bench --replot JSON [JSON ...] [--out PNG]
     deepcompile consolidate CKPT OUT [--dtype float32|bfloat16|float16] [--max-shard-size SIZE]
     deepcompile bench [--workloads W ...] [--systems S ...] [--launches N] [--steps N]
                       [--warmup N] [--nproc N] [--device cpu|cuda] [--compiler inductor|fx]
@@ -65,8 +67,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="micro-steps per optimizer step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model's random weights (default: %(default)s)")
-    p.add_argument("--passes", default="prefetch,bucket_reduce", metavar="P1,P2",
-                   help="optimization passes, comma-separated, in order; '' for insertion only "
+    p.add_argument("--passes", default="auto", metavar="P1,P2",
+                   help="'auto' (chosen from the profile, as Config's default) or optimization "
+                        "passes, comma-separated, in order; '' for insertion only "
                         "(default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="'auto' (default) uses CUDA GPUs with NCCL when available, else CPU with "
@@ -87,10 +90,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if nproc is None:
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     compiler = args.compiler or ("inductor" if device == "cuda" else "fx")
-    passes = tuple(p.strip() for p in args.passes.split(",") if p.strip())
+    passes = "auto" if args.passes.strip() == "auto" else \
+        tuple(p.strip() for p in args.passes.split(",") if p.strip())
     from .passes import known_passes
 
-    unknown = [p for p in passes if p not in known_passes()]
+    unknown = [p for p in passes if p not in known_passes()] if passes != "auto" else []
     if unknown:
         raise SystemExit(f"deepcompile demo: unknown pass(es) {', '.join(unknown)}; "
                          f"known: {', '.join(known_passes())}")
@@ -141,12 +145,30 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="seconds one launch may take before it is stopped and reported as "
                         "failed (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="list workloads and systems, and exit")
+    p.add_argument("--replot", nargs="+", metavar="JSON", default=None,
+                   help="redraw the chart of saved results (bench.json) and exit; with several "
+                        "files a later run's (workload, system) supersedes an earlier one's "
+                        "(drawn hatched); written next to the last file as <stem>.png, or to "
+                        "--out")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import output, systems, workloads
 
+    if args.replot:
+        import json
+        from pathlib import Path
+
+        results = [json.loads(Path(f).read_text()) for f in args.replot]
+        last = Path(args.replot[-1])
+        png = Path(args.out) if args.out else last.with_suffix(".png")
+        reason = output.chart(output.supersede(results) if len(results) > 1 else results[0], png)
+        if reason is not None:
+            print(f"deepcompile bench --replot: {reason}", file=sys.stderr)
+            return 1
+        print(f"[bench] wrote {png}")
+        return 0
     if args.list:
         print("workloads:")
         for name, w in workloads.WORKLOADS.items():
@@ -191,6 +213,49 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(output.markdown(result))
     for path in paths.values():
         print(f"[bench] wrote {path}")
+    return 0
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="print a saved report (engine.save_report) and draw its pictures",
+        description=(
+            "Read a report saved by engine.save_report(path) (or engine.plot(dir)'s "
+            "report.json), print its tables (the passes chosen and why, each pass kept or "
+            "reverted, every collective of a step where it runs, asynchronous time explained), "
+            "and with --plot DIR draw its pictures (memory over the step per rank with the "
+            "budget, the traced step's compute/communication timeline, each pass before and "
+            "after, step time through warm-up, profiling and the final compile). Drawing "
+            "needs matplotlib: pip install -c constraints.txt -e '.[plot]'"),
+    )
+    p.add_argument("file", metavar="FILE", help="the report JSON")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write the PNGs into DIR")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from .report import Report
+
+    with open(args.file) as f:
+        data = json.load(f)
+    report = Report.from_dict(data)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
+    if args.plot:
+        from .report.figures import MissingPlotting, plot_report
+
+        try:
+            paths = plot_report(report, args.plot)
+        except MissingPlotting as e:
+            print(str(e), file=sys.stderr)
+            return 1
+        for path in paths:
+            print(f"[report] wrote {path}")
     return 0
 
 
@@ -270,8 +335,8 @@ In a training script:
 launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
 """
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_bench,
-                                                                       _add_consolidate)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_demo, _add_bench, _add_report, _add_consolidate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,12 +54,18 @@ class Config:
     max_grad_norm: global-norm clipping over all shards when set (> 0).
     param_dtype: compute dtype of gathered parameters (masters stay fp32); None = as loaded.
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
-    passes: optimization passes by name, applied in order; () = insertion only; None (the
-        default) = ("bucket_reduce",) at stages 1 and 2 (bucketed, overlapped reduce-scatters
-        are part of what these stages promise; () when profile_steps is 0), () at stage 3.
+    passes: "auto" (the default; None means the same): the pipeline chooses the passes and
+        their order from the first profile and the memory budget, and says why in the report
+        (compiler/autoplan.py); or optimization passes by name, applied in the order given;
+        () = insertion only. Either way, a pass whose measured steps are slower than before
+        (or whose re-profiled peak exceeds the budget) is reverted.
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
+    measure_steps: after each pass that changed a graph, optimizer steps timed with the new
+        graphs and as many with the graphs from before it, interleaved (after one step of each
+        that settles freshly made code); a pass whose steps are all slower than before is
+        reverted (compiler/autoplan.py). 0: passes are judged on memory only.
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
         None: 90% of device memory on CUDA, unbounded on CPU.
     cache_dir: directory of the plan cache (profiles and decisions); None: no cache.
@@ -94,9 +100,10 @@ class Config:
     max_grad_norm: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    passes: tuple[str, ...] | None = None
+    passes: tuple[str, ...] | str | None = "auto"
     warmup_steps: int = 2
     profile_steps: int = 1
+    measure_steps: int = 3
     memory_budget: int | float | None = None
     cache_dir: str | None = None
     loss_scale: float | str | None = None
@@ -128,18 +135,22 @@ class Config:
             set_(self, "max_grad_norm", float(norm))
         set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
-        passes = self.passes
-        if passes is None:
-            passes = ("bucket_reduce",) if self.zero_stage < 3 and self.profile_steps != 0 else ()
-        if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+        passes = "auto" if self.passes is None else self.passes
+        if isinstance(passes, str):
+            if passes != "auto":
+                raise ValueError(f"Config.passes: {passes!r} is not allowed; allowed: 'auto', "
+                                 "None (the same) or a sequence of pass names")
+        elif not all(isinstance(p, str) for p in passes):
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
-                             "allowed: a sequence of pass names")
-        set_(self, "passes", tuple(passes))
-        for key in ("warmup_steps", "profile_steps"):
+                             "allowed: 'auto' or a sequence of pass names")
+        else:
+            passes = tuple(passes)
+        set_(self, "passes", passes)
+        for key in ("warmup_steps", "profile_steps", "measure_steps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Config.{key}: {v!r} is not allowed; allowed: an integer >= 0")
-        if self.passes and self.profile_steps == 0:
+        if self.passes and not self.auto_passes and self.profile_steps == 0:
             raise ValueError("Config.profile_steps: 0 is not allowed with passes; the passes plan "
                              "from profiles (allowed: an integer >= 1, or passes=())")
         budget = self.memory_budget
@@ -185,14 +196,24 @@ class Config:
             raise ValueError(f"Config.on_nonfinite: {self.on_nonfinite!r} is not allowed; "
                              f"allowed: {', '.join(map(repr, _NONFINITE))}")
         from .passes import known_passes  # late: passes may import config
-        unknown = [p for p in self.passes if p not in known_passes()]
+        unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:
             raise ValueError(f"Config.passes: unknown pass {unknown[0]!r}; "
                              f"known: {', '.join(known_passes()) or '(none registered)'}")
-        if "offload_optimizer" in self.passes and self.warmup_steps == 0:
+        if "offload_optimizer" in self.pass_list and self.warmup_steps == 0:
             raise ValueError("Config.warmup_steps: 0 is not allowed with offload_optimizer; the "
                              "optimizer state it plans for exists after the first optimizer "
                              "step (allowed: an integer >= 1)")
+
+    @property
+    def auto_passes(self) -> bool:
+        """The pipeline chooses the passes (`passes="auto"`)."""
+        return self.passes == "auto"
+
+    @property
+    def pass_list(self) -> tuple[str, ...]:
+        """The passes named in the config (none when they are chosen automatically)."""
+        return () if self.auto_passes else self.passes
 
     @property
     def loss_scaling(self) -> str | None:
@@ -253,5 +274,5 @@ class Config:
         d = dataclasses.asdict(self)
         for k in ("param_dtype", "reduce_dtype"):
             d[k] = None if d[k] is None else str(d[k]).removeprefix("torch.")
-        d["passes"] = list(self.passes)
+        d["passes"] = "auto" if self.auto_passes else list(self.passes)
         return d

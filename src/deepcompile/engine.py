@@ -108,11 +108,15 @@ class Engine:
         self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
                                   engine_fingerprint=self._fingerprint(), guard=self._rails)
-        if "offload_optimizer" in config.passes:
+        if "offload_optimizer" in config.pass_list:
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
             self._runtime.count_offload_bytes = True
             self._offload.provisional = True   # until planned, all movable state leaves
+        elif config.auto_passes and self._pipeline.memory_budget != float("inf"):
+            # auto may choose offload_optimizer from the profile: the state is in the budget
+            # (profiled on the device: name the pass to profile with it offloaded)
+            self._runtime.count_offload_bytes = True
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         self._compiled = torch.compile(module, backend=self._backend)
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
@@ -126,6 +130,11 @@ class Engine:
             self._scaler is not None and self._scaler.dynamic)
         self._loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self.nonfinite_skipped = 0
+        from .metrics import StepMetrics
+        from .report.steptrace import StepTracer
+
+        self._metrics = StepMetrics(self)
+        self._tracer = StepTracer(self._pipeline, self.device)
         self._micro_steps = 0
         self._forwards = 0          # forwards with grad since the last backward
         self._optimizer_steps = 0
@@ -148,6 +157,8 @@ class Engine:
                                   "call engine.step() after every micro-step or after the last")
             self._forwards += 1
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
+        if torch.is_grad_enabled():
+            self._metrics.count_tokens(args, kwargs)
         try:
             return self._compiled(*args, **kwargs)
         except BaseException as e:
@@ -206,6 +217,9 @@ class Engine:
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps
         self._pipeline.end_step()
+        self._metrics.end_step()
+        if self._pipeline.tracing is not None:   # engine.trace_next_step()
+            self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
         self._offload.after_step()    # planned fragments leave the device until the next step
         if steady:
             self._rails.enter_steady()   # the final compiles are done: Config.collective_timeout_s
@@ -339,11 +353,58 @@ class Engine:
         return Report.build(self)
 
     def export_trace(self, path: str | os.PathLike) -> str:
-        """Write a Chrome-trace JSON of the latest profiled step (every rank's compute and
-        communication lanes). Collective: call it on every rank; rank 0 writes the file."""
+        """Write a Chrome-trace JSON (Perfetto, chrome://tracing): every rank's lanes of the
+        step traced by `trace_next_step()` (real timestamps, collectives labelled with their
+        modules, exposed waits), or of the latest profiled step when none was traced, with a
+        memory counter track. Collective: call it on every rank; rank 0 writes the file."""
         from .report.trace import export_trace
 
         return export_trace(self, path)
+
+    @property
+    def phase(self) -> str:
+        """Where the engine is: "warmup", "profile", "measure" or "steady" (planning over)."""
+        return self._pipeline.phase.value
+
+    def metrics(self, peak_flops: float | None = None) -> dict[str, Any]:
+        """Figures of the last optimizer step: step time, tokens/s, FLOPs and MFU (where the
+        device's peak is known, or `peak_flops` is given), exposed communication, peak memory,
+        collectives (metrics.py). Cheap: call it every step (e.g. for TensorBoard)."""
+        return self._metrics.metrics(peak_flops)
+
+    def trace_next_step(self) -> bool:
+        """Record the next optimizer step (until `step()` returns) with torch.profiler, for
+        `export_trace`, `plot` and the measured exposed communication in `metrics()`; call it
+        on every rank, between steps. False when another profiler is recording."""
+        return self._tracer.start()
+
+    def save_report(self, path: str | os.PathLike) -> str:
+        """Write `report()` as JSON with every rank's data for the pictures (memory curves,
+        traced step, step times): `deepcompile report FILE --plot DIR` reads it. Collective:
+        call it on every rank; rank 0 writes the file."""
+        from .report.figures import gather_report
+
+        report = gather_report(self)
+        if self._comm.rank == 0:
+            report.save(path)
+        return str(path)
+
+    def plot(self, directory: str | os.PathLike) -> list[str]:
+        """Draw the pictures of this engine into `directory` (PNG, matplotlib: the `plot`
+        extra): memory over the profiled step per rank with the budget, the traced step's
+        compute/communication timeline (`trace_next_step()`), each pass before and after, step
+        time through warm-up, profiling and the final compile; writes report.json and
+        trace.json there too. Collective: call it on every rank; rank 0 writes."""
+        from .report.figures import gather_report, plot_report
+
+        report = gather_report(self)
+        paths: list[str] = []
+        if self._comm.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            paths.append(report.save(os.path.join(directory, "report.json")))
+            paths += plot_report(report, directory)
+        self.export_trace(os.path.join(directory, "trace.json"))
+        return paths
 
     def _fingerprint(self) -> dict:
         """What determines a plan besides the graphs (the plan cache's key)."""

@@ -181,9 +181,41 @@ def _pair(d: dict[str, float]) -> str:
 
 # ---- chart --------------------------------------------------------------------------------------
 
+def supersede(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several bench results as one (`deepcompile bench --replot a.json b.json`): a later run's
+    (workload, system) replaces an earlier one's, which stays in the chart marked superseded."""
+    merged = {"meta": dict(results[-1]["meta"]), "results": []}
+    workloads: dict[str, Any] = {}
+    for i, res in enumerate(results):
+        workloads.update(res["meta"]["workloads"])
+        later = {(e["workload"], e["system"]) for r in results[i + 1:] for e in r["results"]
+                 if e["status"] == "ok"}
+        for e in res["results"]:
+            e = dict(e)
+            if (e["workload"], e["system"]) in later:
+                e["superseded"] = "by a later run"
+            merged["results"].append(e)
+    merged["meta"]["workloads"] = workloads
+    merged["meta"]["command"] = " + ".join(r["meta"]["command"] for r in results)
+    return merged
+
+
+_PANELS = (
+    ("step time, ms (median of launches; min-max)", lambda e: e["step_ms"]["median"], "{:.1f}"),
+    ("collectives per optimizer step", lambda e: e["collectives"]["count"], "{:.0f}"),
+    ("memory per rank, MiB",
+     lambda e: (e["memory"].get("cuda_max_allocated") or e["memory"].get("steady_peak_rss") or 0)
+     / MIB, "{:.0f}"),
+    ("one-time cost, s (launch 1)",
+     lambda e: e["one_time_s"]["first_launch"], "{:.1f}"),
+)
+
+
 def chart(result: dict[str, Any], path: Path) -> str | None:
-    """Median step time per system and workload, [min, max] whiskers; None when written, else
-    why not (matplotlib missing, nothing ran)."""
+    """Per workload, one row of panels: step time (with [min, max] whiskers), collectives per
+    optimizer step, memory per rank and one-time cost, every bar with its value; a superseded
+    entry is hatched and says so. None when written, else why not (matplotlib missing,
+    nothing ran)."""
     try:
         import matplotlib
 
@@ -192,38 +224,47 @@ def chart(result: dict[str, Any], path: Path) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install -c constraints.txt -e '.[bench]')"
     meta = result["meta"]
-    workloads = [w for w in meta["workloads"]
-                 if any(e["workload"] == w and e["status"] == "ok" for e in result["results"])]
-    if not workloads:
-        return "no system ran"
     rows_of = {w: [e for e in result["results"] if e["workload"] == w and e["status"] == "ok"]
-               for w in workloads}
-    height = 1.5 + sum(0.35 * len(r) + 0.6 for r in rows_of.values())
-    fig, axes = plt.subplots(len(workloads), 2, squeeze=False, figsize=(11, height),
-                             gridspec_kw={"width_ratios": [3, 2]},
-                             height_ratios=[len(r) + 1.5 for r in rows_of.values()])
-    for (ax, ax2), wname in zip(axes, workloads):
-        rows = rows_of[wname]
-        med = [e["step_ms"]["median"] for e in rows]
-        err = [[m - e["step_ms"]["min"] for m, e in zip(med, rows)],
-               [e["step_ms"]["max"] - m for m, e in zip(med, rows)]]
+               for w in meta["workloads"]}
+    rows_of = {w: r for w, r in rows_of.items() if r}
+    if not rows_of:
+        return "no system ran"
+    bar_h = 0.3
+    heights = [0.9 + bar_h * len(r) for r in rows_of.values()]
+    fig, axes = plt.subplots(len(rows_of), len(_PANELS), squeeze=False,
+                             figsize=(18, 1.3 + sum(heights)),
+                             gridspec_kw={"height_ratios": heights, "width_ratios": [3, 2, 2, 2]})
+    for axrow, (wname, rows) in zip(axes, rows_of.items()):
         colors = ["tab:blue" if e["kind"] == "ours" else "tab:gray" if e["kind"] == "compile"
                   else "tab:orange" for e in rows]
-        ax.barh(range(len(rows)), med, xerr=err, color=colors, capsize=3)
-        ax.set_yticks(range(len(rows)), [e["system"] for e in rows])
-        ax.invert_yaxis()
-        ax.set_title(f"{wname}: step time, ms (median of launch medians; min-max)", fontsize=9)
-        ax2.barh(range(len(rows)), [e["collectives"]["count"] for e in rows], color=colors)
-        ax2.set_yticks(range(len(rows)), [""] * len(rows))
-        ax2.invert_yaxis()
-        ax2.set_title("collectives per optimizer step", fontsize=9)
+        hatch = ["//" if e.get("superseded") else "" for e in rows]
+        labels = [e["system"] + (" (superseded)" if e.get("superseded") else "") for e in rows]
+        ys = range(len(rows))
+        for k, (ax, (title, get, fmt)) in enumerate(zip(axrow, _PANELS)):
+            vals = [get(e) for e in rows]
+            kw = {}
+            if k == 0:
+                kw["xerr"] = [[v - e["step_ms"]["min"] for v, e in zip(vals, rows)],
+                              [e["step_ms"]["max"] - v for v, e in zip(vals, rows)]]
+                kw["capsize"] = 2
+            bars = ax.barh(ys, vals, color=colors, hatch=hatch, alpha=0.9, **kw)
+            for b, v, e in zip(bars, vals, rows):
+                x = e["step_ms"]["max"] if k == 0 else v
+                ax.text(x, b.get_y() + b.get_height() / 2, " " + fmt.format(v), va="center",
+                        fontsize=7)
+            ax.set_yticks(list(ys), labels if k == 0 else [""] * len(rows), fontsize=8)
+            ax.set_ylim(len(rows) - 0.5, -0.5)
+            ax.margins(x=0.18)
+            ax.tick_params(axis="x", labelsize=7)
+            ax.set_title((f"{wname}: " if k == 0 else "") + title, fontsize=8.5)
     hw, v = meta["hardware"], meta["versions"]
     where = hw.get("gpu") or f"{hw['cpus']} CPUs ({hw.get('cpu_model') or '?'})"
     title = (f"deepcompile bench {meta['date']}: {where}, torch {v['torch']}, deepspeed "
-             f"{v['deepspeed'] or '-'}; blue: ours, orange: peers, gray: compute bound\n"
-             + textwrap.fill(meta["command"], 150))
+             f"{v['deepspeed'] or '-'}; blue: ours, orange: peers, gray: compute bound; hatched: "
+             "superseded; memory: steady RSS on the CPU, peak allocated on a GPU; one-time: "
+             "compile, profiling and planning of launch 1 (cold caches)\n" + textwrap.fill(meta["command"], 180))
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))  # room for the title
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

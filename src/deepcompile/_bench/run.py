@@ -11,15 +11,14 @@ Load-independent figures (collectives, memory, loss difference) come from every 
 collective counts must agree between launches and ranks, which the JSON records. `cpu_s` per
 launch (the ranks' CPU time, from the kernel) tells what a launch costs on a quiet machine.
 
-[Note: plan cache in the bench]
-Ours plans its passes from profiled times, which differ from launch to launch, and a different
-plan is a different final graph, which Inductor compiles afresh (30-90 s per graph on 2 CPU
-cores). So one bench run gives ours one plan cache (`Config.cache_dir`, in the run's temporary
-directory): the first launch of each system and workload profiles and plans, the later ones
-reuse that plan and hit the Inductor cache, as a user's repeated runs would. The first launch's
-first-step and one-time figures (reported apart) include profiling and planning. The Inductor
-cache (`TORCHINDUCTOR_CACHE_DIR`, default `build/inductor-cache`) is shared with the peers'
-`torch.compile`, and kept between runs: the JSON says whether it existed at the start.
+[Note: plans in the bench]
+Every launch of ours profiles and plans afresh (no shared plan cache), as separate runs of a
+user's program do: the launches show whether the same program on the same machine plans the
+same way (`plan_same_in_every_launch` in the JSON, from each launch's kept passes and per-graph
+collectives; `collectives.same_in_every_launch` from the counted step). Identical plans give
+identical final graphs, which hit the Inductor cache (`TORCHINDUCTOR_CACHE_DIR`, default
+`build/inductor-cache`, shared with the peers' `torch.compile` and kept between runs: the
+JSON says whether it existed at the start); launch 1's one-time figures are reported apart.
 """
 
 from __future__ import annotations
@@ -159,6 +158,8 @@ def _summarize(entry: dict, reference: list[float] | None, bound_ms: float | Non
                  "final": ok[0]["losses"][-1],
                  "reference_final": reference[len(ok[0]["losses"]) - 1] if reference else None},
         "info": ok[0]["info"],
+        "plan_same_in_every_launch": all(rec["info"].get("plan") == ok[0]["info"].get("plan")
+                                         for rec in ok) if "plan" in ok[0]["info"] else None,
     })
 
 
@@ -263,7 +264,7 @@ def run(args: BenchArgs, log=print) -> dict[str, Any]:
                 spec = LaunchSpec(e["system"], wname, args.nproc, args.device, args.warmup,
                                   args.steps, args.compiler,
                                   log_path=str(tmp / f"{round_}-{wname}-{e['system']}.log"),
-                                  inductor_cache=cache, plan_cache=str(tmp / "plan-cache"))
+                                  inductor_cache=cache, plan_cache=None)
                 load = _load()
                 t0, cpu0 = time.perf_counter(), _children_cpu_s()
                 ranks = launch(spec, e["world"], args.timeout_s)

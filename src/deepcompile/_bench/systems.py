@@ -21,6 +21,7 @@ from typing import Any
 # parameters gathered with the memory left, then offload what does not fit (DESIGN §4).
 CANONICAL_PASS_ORDER = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 ALL = "all"  # passes=ALL: every registered pass
+AUTO = "auto"  # passes=AUTO: the pipeline chooses (the default)
 
 DS_INSTALL = "pip install -c constraints.txt -e '.[bench]' (with DS_BUILD_OPS=0 on a CPU machine)"
 
@@ -48,6 +49,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("ours-z3+overlap+unshard", "ours", "deepcompile ZeRO-3 + prefetch + bucket_reduce "
            "+ selective_unshard", passes=("prefetch", "bucket_reduce", "selective_unshard")),
     System("ours-z3-all", "ours", "deepcompile ZeRO-3 + every registered pass", passes=ALL),
+    System("ours-z3-auto", "ours", "deepcompile ZeRO-3, passes chosen by the pipeline (the "
+           "default: passes='auto')", passes=AUTO),
+    System("ours-z1-auto", "ours", "deepcompile ZeRO-1, passes chosen by the pipeline (the "
+           "default: passes='auto')", stage=1, passes=AUTO),
     # (explicit: a system's passes replace Config's per-stage default, which is bucket_reduce
     # at stages 1/2)
     System("ours-z1", "ours", "deepcompile ZeRO-1 (optimizer state sharded) + bucket_reduce "
@@ -66,10 +71,12 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "communication: the compute bound", compile=True, single_process=True),
 )}
 
-CPU_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard", "ours-z3-all", "ours-z1",
+CPU_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard", "ours-z3-all",
+               "ours-z3-auto", "ours-z1", "ours-z1-auto",
                "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "ds-z3-compile", "ds-z1",
                "ds-deepcompile", "compile-1proc")
-CUDA_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3-all", "fsdp2", "fsdp2-compile", "ds-z3",
+CUDA_DEFAULT = ("ours-z3", "ours-z3+overlap", "ours-z3-all", "ours-z3-auto", "fsdp2",
+                "fsdp2-compile", "ds-z3",
                 "ds-deepcompile", "compile-1proc")
 
 # The committed CPU result set (`deepcompile bench` with no --workloads/--systems): every system
@@ -81,11 +88,11 @@ _MAIN_PEERS = ("fsdp2", "ddp", "ds-z3", "compile-1proc")
 CPU_MATRIX: dict[str, tuple[str, ...]] = {
     "tiny-llama": CPU_DEFAULT,
     "tiny-llama-gas4": ("ours-z3", "ours-z3+overlap", "ours-z3+overlap+unshard", "ours-z3-all",
-                        "ours-z1", "fsdp2", "fsdp2-compile", "ddp", "ds-z3", "ds-z1",
-                        "compile-1proc"),
-    "small-llama": ("ours-z3-all",) + _MAIN_PEERS,
-    "tiny-mixtral": ("ours-z3-all",) + _MAIN_PEERS,
-    "tiny-llama-b1": ("ours-z1", "ds-z1", "ddp"),
+                        "ours-z3-auto", "ours-z1", "ours-z1-auto", "fsdp2", "fsdp2-compile",
+                        "ddp", "ds-z3", "ds-z1", "compile-1proc"),
+    "small-llama": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
+    "tiny-mixtral": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
+    "tiny-llama-b1": ("ours-z1", "ours-z1-auto", "ds-z1", "ddp"),
 }
 CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
 
@@ -106,9 +113,11 @@ def get(name: str) -> System:
     return SYSTEMS[name]
 
 
-def resolved_passes(system: System) -> tuple[str, ...]:
+def resolved_passes(system: System) -> tuple[str, ...] | str:
     from ..passes import known_passes
 
+    if system.passes == AUTO:
+        return AUTO
     if system.passes != ALL:
         return tuple(system.passes)
     known = known_passes()

@@ -139,9 +139,17 @@ class _Ours(Trainer):
 
     def info(self):
         rep = self.engine.report().to_dict()
-        return {"config": {**self.config, "passes": list(self.config["passes"])},
+        passes = self.config["passes"]
+        return {"config": {**self.config, "passes": passes if isinstance(passes, str)
+                           else list(passes)},
                 "phase": rep["phase"],
-                "passes": [{"pass": p["pass"], "changed": p["changed"]} for p in rep["passes"]]}
+                # the plan's structure (what a launch planned, timings aside): compared
+                # between launches
+                "plan": {"passes": [{"pass": p["pass"], "kept": p["kept"],
+                                     "changed": p["changed"]} for p in rep["passes"]],
+                         "chosen": (rep.get("auto") or {}).get("chosen"),
+                         "collectives": {s["slot"]: [s["all_gathers"], s["reduce_scatters"]]
+                                         for g in rep["graphs"] for s in g["slots"]}}}
 
 
 class _DeepSpeed(Trainer):

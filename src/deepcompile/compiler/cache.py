@@ -20,7 +20,7 @@ from torch import fx
 from ..runtime import ops
 from .profiler import GraphProfile, NodeProfile
 
-FORMAT = 1
+FORMAT = 2   # 2: pass entries say whether the pass was kept
 
 
 def graph_signature(gm: fx.GraphModule, name_of: Callable[[int], str]) -> str:

@@ -1,20 +1,34 @@
-"""The profile-guided pipeline: phase schedule, rank agreement, passes, plan cache.
+"""The profile-guided pipeline: the phase schedule and the runner of the graph slots.
 
 Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
 
   WARMUP   `warmup_steps` steps run normally (the first one compiles).
   PROFILE  `profile_steps` steps run every graph through the profiler; at the end the local
-           profiles are agreed across ranks (per node: median over the step's runs, then MAX
-           over ranks) and the next configured pass plans from them and rewrites the graphs.
-           A pass that changed a graph is followed by another PROFILE phase, so the next pass
-           sees its effect; a pass that changed nothing is not.
+           profiles are agreed across ranks (compiler/agree.py). After the first profile, with
+           `passes="auto"`, the passes to run are chosen from it (compiler/autoplan.py).
+  ...      the next pass plans from the latest agreed profiles and rewrites the graphs
+           (compiler/planner.py); a pass that changed a graph is followed by PROFILE and
+           MEASURE, and then kept or reverted ([Note: keeping a pass] in compiler/autoplan.py);
+           a pass that changed nothing is not.
+  MEASURE  [Note: interleaved measurement] 2 + 2 x `measure_steps` steps that alternate between
+           the graphs after the pass and the graphs from before it (both lowered and compiled
+           side by side, `GraphSlot.swap`): one step each to settle freshly made code, then
+           `measure_steps` timed steps of each side, interleaved, so that a change in the
+           machine's load between two windows of time falls on both sides alike (on a shared
+           machine, consecutive windows of steps differ by 30% and more). Each step's time is
+           the slowest rank's (agreed with MAX). Steps of the side before a pass that kept
+           parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
+           redone, outside the timed steps, before the other side runs again.
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs).
 
-With `cache_dir`, the agreed profiles and the passes' decisions are stored under a key made of
-everything that determines them; a later run with the same key applies the stored decisions
-after warm-up and goes straight to STEADY. Rank 0 reads and writes the cache and broadcasts
-what it found, so every rank takes the same path.
+With `cache_dir`, the agreed profiles and the passes' decisions (reverted ones marked) are
+stored under a key made of everything that determines them; a later run with the same key
+applies the stored decisions after warm-up and goes straight to STEADY. Rank 0 reads and writes
+the cache and broadcasts what it found, so every rank takes the same path.
+
+Per step the pipeline keeps O(1) figures (`step_log`: phase and wall time of the first steps;
+`last_step`: the latest step's time and collectives) for `engine.metrics()` and the plots.
 """
 
 from __future__ import annotations
@@ -28,17 +42,21 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch.profiler import record_function
 
 from .. import _compat
-from ..passes import PassContext, get_pass
+from ..passes import PassContext
 from ..runtime import memory
 from ..runtime import registry as _registry
 from ..runtime.guardrails import FP_MASK, FP_MUL, DivergenceError, Guardrails, digest
+from . import autoplan
 from . import cache as _cache
 from . import families as _families
+from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
 from .lower import Lowered, fold_profile, lower, needs_variants
-from .profiler import GraphProfile, NodeProfile, profile_run
+from .planner import Planner, copy_graph
+from .profiler import GraphProfile, profile_run
 from .slots import GraphSlot
 
 log = logging.getLogger("deepcompile")
@@ -47,7 +65,11 @@ log = logging.getLogger("deepcompile")
 class Phase(enum.Enum):
     WARMUP = "warmup"
     PROFILE = "profile"
+    MEASURE = "measure"
     STEADY = "steady"
+
+
+STEP_LOG = 512   # steps whose phase and time are kept (the step-time plot)
 
 
 def _param_name(pid: int) -> str:
@@ -57,14 +79,21 @@ def _param_name(pid: int) -> str:
         return f"pid{pid}"
 
 
-def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float) -> dict:
-    """Step-level figures from per-graph profiles, weighted by how often each graph runs."""
+def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float,
+              after_step: list[dict] = ()) -> dict:
+    """Step-level figures from per-graph profiles, weighted by how often each graph runs, plus
+    the collectives the runtime runs after the optimizer step (`after_step`: refreshes)."""
     runs = {k: order.count(k) or 1 for k in profiles}
+    in_graphs = sum(runs[k] * p.collectives() for k, p in profiles.items())
+    outside = sum(c["count"] for c in after_step)
     return {
-        "collectives": sum(runs[k] * p.collectives() for k, p in profiles.items()),
+        "collectives": in_graphs + outside,
+        "collectives_in_graphs": in_graphs,
+        "collectives_after_step": outside,
         "comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
         "exposed_comm_s": sum(runs[k] * p.exposed_comm_s() for k, p in profiles.items()),
         "compute_s": sum(runs[k] * p.compute_s() for k, p in profiles.items()),
+        "graphs_s": sum(runs[k] * p.total_s for k, p in profiles.items()),
         "peak_bytes": max((p.peak_bytes for p in profiles.values()), default=0),
         "budget_bytes": None if budget == float("inf") else budget,
     }
@@ -89,24 +118,36 @@ class Pipeline:
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
-        self._pending_passes = list(config.passes)
-        self._awaiting: dict | None = None       # pass log entry waiting for its re-profile
-        self.pass_log: list[dict] = []
         self.order: list[str] = []               # slot keys in execution order, last profiled step
         self._order_now: list[str] = []
         self._step_order: list[str] = []
         self.cost: CostModel | None = None
-        self.memory_budget = self._agreed_budget()
+        self.memory_budget = agreed_budget(self.comm, config.memory_budget, device)
+        self.fusion, self.fusion_reason = autoplan.fusion_policy(device.type)
+        self.planner = Planner(slots=self.slots, runtime=runtime, context=self._context,
+                               summarize=self._summary)
+        self.planner.configure(config.pass_list)
+        self._awaiting: dict | None = None       # pass log entry waiting for its re-profile
+        self._ab: dict | None = None             # the interleaved measurement under way
         self.cache_info: dict[str, Any] = {"enabled": config.cache_dir is not None, "hit": False}
         self.perturb: Callable[[GraphProfile], None] | None = None  # test hook: local profiles
         self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
-                                        "calibration_s": 0.0, "passes_s": 0.0, "steady_steps_s": []}
+                                        "measured_steps_s": [], "calibration_s": 0.0,
+                                        "passes_s": 0.0, "steady_steps_s": []}
+        self.step_log: list[tuple[str, float]] = []   # (phase, seconds) of the first steps
+        self.last_step: dict[str, Any] = {"phase": None, "seconds": None}
+        self.steps = 0
+        self.tracing: list | None = None   # graph runs of a traced step (report/steptrace.py)
         # What the runtime holds outside graph values, for the CPU memory model (on CUDA the
         # allocator counts it): kept parameters, accumulators, parked gathers, and the
         # optimizer state where the offload pass plans with it (runtime/runtime.py).
         self.runtime_bytes_sources: list[Callable[[], int]] = [runtime.held_bytes]
         self._step_started = time.perf_counter()
         self._calibrate_if_needed()
+
+    @property
+    def pass_log(self) -> list[dict]:
+        return self.planner.entries
 
     # -- slots ------------------------------------------------------------------------------
     def family_of(self, frame_id: int | None, pids: tuple[int, ...]) -> int:
@@ -129,7 +170,7 @@ class Pipeline:
             slot.original = _families.snapshot(gm)
             rep.members.append(slot)
             self.slots[key] = slot
-            self._transplant(slot)
+            self._follow(slot)
             log.info("deepcompile: graph %s compiled (another shape of %s); it runs %s's plan",
                      key, rep.key, rep.key)
             return slot
@@ -145,25 +186,34 @@ class Pipeline:
             f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
             {"phase": "compile", "step": self.runtime.step.optimizer_steps,
              "micro": self.runtime.step.micro_step, "graph": key})
-        if self.phase is Phase.STEADY and self.config.passes and slot.training:
+        kept = [e["pass"] for e in self.pass_log if e.get("kept", True)]
+        if self.phase is Phase.STEADY and kept and slot.training:
             log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
                         "parameters); it runs with insertion only, without the passes %s", key,
-                        ", ".join(self.config.passes))
+                        ", ".join(kept))
         return slot
 
-    def _transplant(self, member: GraphSlot) -> None:
-        """The member runs its representative's current plan ([Note: shape families])."""
+    def _follow(self, member: GraphSlot) -> None:
+        """The member runs its representative's current plan ([Note: shape families]): checked
+        at each call (O(1)), transplanted once per version of the representative (a pass, a
+        revert, and the two sides of a measurement each make one)."""
         rep = member.rep
-        try:
-            gm, to_rep = _families.transplant(rep.original, rep.gm, member.original)
-        except _families.TransplantError as e:
-            raise RuntimeError(
-                f"deepcompile: graph {member.key}, compiled for other inputs of the code of "
-                f"{rep.key}, cannot run {rep.key}'s plan ({e}); the ranks that run {rep.key} "
-                "would issue other collectives. Report this with the model; as a workaround, "
-                "give every rank inputs of one shape (pad), or leave out the passes.") from e
-        member.gm, member.to_rep = gm, to_rep
-        member.changed()
+        face = member.faces.get(rep.version)
+        if face is None:
+            try:
+                gm, to_rep = _families.transplant(rep.original, rep.gm, member.original)
+            except _families.TransplantError as e:
+                raise RuntimeError(
+                    f"deepcompile: graph {member.key}, compiled for other inputs of the code of "
+                    f"{rep.key}, cannot run {rep.key}'s plan ({e}); the ranks that run "
+                    f"{rep.key} would issue other collectives. Report this with the model; as a "
+                    "workaround, give every rank inputs of one shape (pad), or leave out the "
+                    "passes.") from e
+            face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
+        if self.phase is Phase.STEADY:
+            member.faces = {rep.version: face}
+        member.swap(face[0], face[2])
+        member.to_rep, member.following = face[1], rep.version
 
     def _planning(self) -> dict[str, GraphSlot]:
         """The graphs the passes plan for: the training graphs' representatives."""
@@ -171,6 +221,8 @@ class Pipeline:
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if slot.rep is not None and slot.following != slot.rep.version:
+            self._follow(slot)   # its representative's plan changed
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
@@ -203,18 +255,22 @@ class Pipeline:
         # graph that first appears in steady state (a recompilation for a new shape) runs its
         # FX code once and is compiled on its second call.
         final = self.phase is Phase.STEADY and slot.calls > 1
-        tag = (slot.version, final)
-        have = slot.compiled.get(last)
-        if have is None or have[0] != tag:
-            have = slot.compiled[last] = (tag, self._compile(slot, low, full, final))
+        tag = (last, slot.version, final)
+        fn = slot.compiled.get(tag)
+        if fn is None:
+            fn = slot.compiled[tag] = self._compile(slot, low, full, final)
         t0 = time.perf_counter()
         try:
             with _compat.below_autograd():
-                if memory.TRACKER is None:
-                    out = have[1](full)
+                if self.tracing is not None:   # a traced step (report/steptrace.py)
+                    with record_function(f"deepcompile:{slot.key}"):
+                        out = fn(full)
+                    self.tracing.append((slot.key, last, slot.version))
+                elif memory.TRACKER is None:
+                    out = fn(full)
                 else:   # tests: what the graph gathers, and when it frees it
                     with memory.watch():
-                        out = have[1](full)
+                        out = fn(full)
         except BaseException:
             self.guard.failed_graph = slot.key   # named in the error (runtime/guardrails.py)
             raise
@@ -222,15 +278,15 @@ class Pipeline:
         return low.finish(out, accs)
 
     def _lowered(self, slot: GraphSlot, last: bool) -> Lowered:
-        have = slot.lowered.get(last)
-        if have is None or have[0] != slot.version:
-            low = lower(slot.gm, self.runtime, last=last)
+        key = (last, slot.version)
+        low = slot.lowered.get(key)
+        if low is None:
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last)
             # what one run issues, for the cross-rank fingerprint and its messages
             low.digest = _families.comm_digest(slot.gm, last)
             low.graph_key = slot.key
             low.describe = _families.describe(slot.gm)
-            have = slot.lowered[last] = (slot.version, low)
-        return have[1]
+        return low
 
     def _compile(self, slot: GraphSlot, low: Lowered, args: list[Any], final: bool) -> Callable:
         gm = low.gm
@@ -255,17 +311,32 @@ class Pipeline:
         """Called by the engine after every optimizer step, on every rank."""
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
-        if self.phase is Phase.WARMUP:
+        phase = self.phase
+        self.steps += 1
+        self.last_step = {"phase": phase.value, "seconds": elapsed}
+        if len(self.step_log) < STEP_LOG:
+            self.step_log.append((phase.value, elapsed))
+        if phase is Phase.WARMUP:
             self.timings["warmup_steps_s"].append(elapsed)
             self._steps_in_phase += 1
             if self._steps_in_phase >= self.config.warmup_steps:
                 self._after_warmup()
-        elif self.phase is Phase.PROFILE:
+        elif phase is Phase.PROFILE:
             self.timings["profiled_steps_s"].append(elapsed)
             self._steps_in_phase += 1
             self._step_order, self._order_now = self._order_now, []
             if self._steps_in_phase >= self.config.profile_steps:
                 self._finish_profile()
+        elif phase is Phase.MEASURE:
+            self.timings["measured_steps_s"].append(elapsed)
+            self._steps_in_phase += 1
+            ab, n = self._ab, self._steps_in_phase
+            if n > 2:   # the first step of each side settles freshly made code
+                ab["samples"][ab["side"]].append(elapsed)
+            if n >= 2 + 2 * self.config.measure_steps:
+                self._finish_measure()
+            else:
+                self._set_side("before" if n % 2 else "after")
         else:
             if len(self.timings["steady_steps_s"]) < 64:
                 self.timings["steady_steps_s"].append(elapsed)
@@ -278,6 +349,9 @@ class Pipeline:
             self._order_now = []
             for slot in self.slots.values():
                 slot.pending.clear()
+        if phase is Phase.STEADY:
+            for slot in self.slots.values():
+                slot.prune()
         log.info("deepcompile: phase %s%s", phase.value, f" ({label})" if label else "")
 
     def _after_warmup(self) -> None:
@@ -301,108 +375,93 @@ class Pipeline:
 
     def _finish_profile(self) -> None:
         self.order = list(self._step_order)  # one step's execution order
-        agreed = self._agree()
+        agreed = agree_profiles(self.comm, self.slots, self.order, self.device)
         for key, prof in agreed.items():
             self.slots[key].history.append((self._profile_label, prof))
-        if self._awaiting is not None:
-            self._awaiting["after"] = summarize(self.latest_profiles(), self.order, self.memory_budget)
-            self._log_pass(self._awaiting)
-            self._awaiting = None
+        entry = self._awaiting
+        if entry is not None:          # a pass's re-profile
+            entry["after"] = self._summary(self.latest_profiles())
+            if self.config.measure_steps > 0:
+                self._start_measure(entry)
+                return
+            self._judge(entry)
+        elif self.config.auto_passes and self.planner.chosen is None:
+            self.planner.choose(zero_stage=self.registry.zero_stage,
+                                warmup_steps=self.config.warmup_steps)
+        self._next_pass()
+
+    # -- [Note: interleaved measurement] ----------------------------------------------------
+    def _start_measure(self, entry: dict) -> None:
+        snap = self.planner.snapshot(entry)
+        faces = {}
+        for key in entry["changed"]:
+            slot = self.slots[key]
+            before = fx.GraphModule(slot.gm, copy_graph(snap.graphs[key]))
+            faces[key] = {"after": (slot.gm, slot.version), "before": (before, -slot.version - 1)}
+        kept_now = [e.pid for e in self.runtime.kept.entries]
+        self._ab = {"entry": entry, "faces": faces, "side": "after",
+                    "samples": {"after": [], "before": []},
+                    # the pass started keeping parameters: the side before it skips the refresh
+                    "suspend": bool(kept_now) and not snap.runtime["kept"]}
+        self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
+
+    def _set_side(self, side: str) -> None:
+        ab = self._ab
+        ab["side"] = side
+        for key, face in ab["faces"].items():
+            self.slots[key].swap(*face[side])
+        if ab["suspend"]:
+            if side == "before":
+                self.runtime.kept.suspend()
+            else:
+                self.runtime.kept.resume()
+
+    def _finish_measure(self) -> None:
+        ab = self._ab
+        self._set_side("after")
+        self._ab = None
+        m = self.config.measure_steps
+        agreed = agree_max(self.comm, ab["samples"]["after"] + ab["samples"]["before"],
+                           self.device)
+        entry = ab["entry"]
+        entry["after"]["measured_s"], entry["before"]["measured_s"] = agreed[:m], agreed[m:]
+        self._judge(entry)
+        self._next_pass()
+
+    def _judge(self, entry: dict) -> bool:
+        self._awaiting = None
+        return self.planner.judge(entry, self.memory_budget)
+
+    def _next_pass(self) -> None:
+        """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
+        when none is left."""
         t0 = time.perf_counter()
-        while self._pending_passes:
-            name = self._pending_passes.pop(0)
-            entry = self._run_pass(name)
+        while self.planner.queue:
+            entry = self.planner.start(self.planner.queue.pop(0))
+            self._agree_decisions(entry["pass"], entry["decisions"])   # before any graph runs
             if entry["changed"]:
                 self._awaiting = entry
                 self.timings["passes_s"] += time.perf_counter() - t0
-                self._enter(Phase.PROFILE, f"after {name}")
+                self._enter(Phase.PROFILE, f"after {entry['pass']}")
                 return
-            entry["after"] = entry["before"]
-            self._log_pass(entry)
+            self.planner.unchanged(entry)
         self.timings["passes_s"] += time.perf_counter() - t0
         if self.config.cache_dir is not None:
             self._save_plan()
         self._enter(Phase.STEADY)
 
-    def _context(self, decisions: dict[str, Any] | None = None) -> PassContext:
+    def _summary(self, profiles: dict[str, GraphProfile]) -> dict:
+        return summarize(profiles, self.order, self.memory_budget,
+                         self.runtime.after_step_collectives())
+
+    def _context(self) -> PassContext:
         return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
-                           memory_budget=self.memory_budget,
-                           world_size=self.comm.world,
-                           decisions=decisions if decisions is not None else
-                           {e["pass"]: e["decisions"] for e in self.pass_log})
-
-    def _run_pass(self, name: str, decisions: dict | None = None) -> dict:
-        p = get_pass(name)
-        ctx = self._context()
-        before = summarize(ctx.profiles, self.order, self.memory_budget)
-        if decisions is None:
-            decisions = p.plan(ctx)
-            self._agree_decisions(name, decisions)
-        changed = list(p.apply(ctx, decisions) or [])
-        for key in changed:
-            self.slots[key].changed()
-            for member in self.slots[key].members:   # every shape runs the new plan
-                self._transplant(member)
-        return {"pass": name, "decisions": decisions, "changed": changed, "before": before}
-
-    def _log_pass(self, entry: dict) -> None:
-        b, a = entry["before"], entry["after"]
-        budget = "unbounded" if b["budget_bytes"] is None else f"{b['budget_bytes'] / 2**20:.1f} MiB"
-        log.info("deepcompile pass %s: collectives %d -> %d; exposed comm %.2f ms -> %.2f ms; "
-                 "peak %.2f MiB -> %.2f MiB (budget %s); graphs changed: %s", entry["pass"],
-                 b["collectives"], a["collectives"], b["exposed_comm_s"] * 1e3,
-                 a["exposed_comm_s"] * 1e3, b["peak_bytes"] / 2**20, a["peak_bytes"] / 2**20,
-                 budget, ", ".join(entry["changed"]) or "none")
-        self.pass_log.append(entry)
+                           memory_budget=self.memory_budget, world_size=self.comm.world,
+                           decisions=self.planner.decisions(), fusion=self.fusion)
 
     def latest_profiles(self) -> dict[str, GraphProfile]:
         return {k: s.profile for k, s in self.slots.items() if s.profile is not None}
-
-    # -- rank agreement ---------------------------------------------------------------------
-    def _agree(self) -> dict[str, GraphProfile]:
-        """Median over this step's runs, then MAX over ranks; identical on every rank."""
-        local: dict[str, GraphProfile] = {}
-        for key in sorted(self.slots):
-            slot = self.slots[key]
-            if not slot.pending:
-                continue
-            runs = slot.pending
-            last = runs[-1]
-            nodes = [NodeProfile(**{**vars(n),
-                                    "time_s": statistics.median(r.nodes[i].time_s for r in runs),
-                                    "live_bytes": max(r.nodes[i].live_bytes for r in runs)})
-                     for i, n in enumerate(last.nodes)]
-            total = statistics.median(r.total_s for r in runs)
-            # this rank's own medians (start offsets from the last run), for the trace
-            slot.local = GraphProfile(slot=key, version=slot.version, nodes=nodes, total_s=total)
-            local[key] = GraphProfile(slot=key, version=slot.version, total_s=total,
-                                      nodes=[NodeProfile(**{**vars(n), "start_s": 0.0})
-                                             for n in nodes])
-            slot.pending = []
-        shape = [(k, p.version, len(p.nodes), digest(" ".join(f"{n.name}:{n.op}" for n in p.nodes)))
-                 for k, p in local.items()]
-        mine = (shape, self.order)
-        for rank, other in enumerate(self.comm.all_gather_object(mine)):
-            if other != mine:
-                raise RuntimeError(
-                    "deepcompile: ranks profiled different graphs or ran them in a different "
-                    f"order (rank {self.comm.rank}: {mine}; rank {rank}: {other}); their "
-                    "decisions would diverge and hang collectives")
-        values = [x for p in local.values() for n in p.nodes for x in (n.time_s, n.live_bytes)]
-        values += [p.total_s for p in local.values()]
-        vec = torch.tensor(values, dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
-        flat = vec.tolist()
-        i = 0
-        for p in local.values():
-            for n in p.nodes:
-                n.time_s, n.live_bytes = flat[i], int(flat[i + 1])
-                i += 2
-        for p in local.values():
-            p.total_s = flat[i]
-            i += 1
-        return local
 
     def _agree_decisions(self, name: str, decisions: Any) -> None:
         """A pass plans from what every rank holds alike (PassContext): the same decisions on
@@ -422,21 +481,6 @@ class Pipeline:
                 f"grouped by plan: {sorted(groups.values())}); a pass must plan from the agreed "
                 "profiles and the PassContext only, never from this rank's own timings or state. "
                 "The engine stops on every rank.")
-
-    def _agreed_budget(self) -> float:
-        budget = self.config.memory_budget
-        if budget is None:
-            if self.device.type != "cuda":
-                return float("inf")
-            budget = 0.9
-        if isinstance(budget, float):
-            if self.device.type != "cuda":
-                raise ValueError("Config.memory_budget: a fraction of device memory needs a "
-                                 "CUDA device; on CPU give bytes (an int) or None (unbounded)")
-            budget = budget * torch.cuda.get_device_properties(self.device).total_memory
-        vec = torch.tensor([float(budget)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(vec, op=torch.distributed.ReduceOp.MIN, count=False)
-        return vec.item()
 
     # -- plan cache -------------------------------------------------------------------------
     def _cache_key(self) -> tuple[str, dict]:
@@ -458,11 +502,8 @@ class Pipeline:
         for key_, hist in plan["profiles"].items():
             if key_ in self.slots:
                 self.slots[key_].history = [(label, _cache.profile_from_dict(p)) for label, p in hist]
-        for entry in plan["passes"]:
-            applied = self._run_pass(entry["pass"], decisions=entry["decisions"])
-            entry = {**entry, "changed": applied["changed"]}
-            self.pass_log.append(entry)
-        self._pending_passes = []
+        self.planner.chosen, self.planner.left_out = plan.get("chosen"), plan.get("left_out")
+        self.planner.replay(plan["passes"])
         self.cache_info.update(hit=True, saved_s=plan.get("profiling_overhead_s", 0.0),
                                path=str(_cache.path_for(self.config.cache_dir, key)))
         log.info("deepcompile: plan loaded from cache (%s); profiling skipped, saving about %.1f s",
@@ -472,7 +513,7 @@ class Pipeline:
     def profiling_overhead_s(self) -> float:
         t = self.timings
         normal = min(t["warmup_steps_s"][1:] or t["warmup_steps_s"] or [0.0])
-        extra = sum(max(0.0, s - normal) for s in t["profiled_steps_s"])
+        extra = sum(max(0.0, s - normal) for s in t["profiled_steps_s"] + t["measured_steps_s"])
         return extra + t["calibration_s"] + t["passes_s"]
 
     def _save_plan(self) -> None:
@@ -485,8 +526,9 @@ class Pipeline:
             "order": self.order,
             "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
                          for k, s in self.slots.items() if s.history},
-            "passes": [{"pass": e["pass"], "decisions": e["decisions"], "before": e["before"],
-                        "after": e["after"]} for e in self.pass_log],
+            "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",
+                                              "verdict")} for e in self.pass_log],
+            "chosen": self.planner.chosen, "left_out": self.planner.left_out,
             "profiling_overhead_s": self.profiling_overhead_s(),
         }
         path = _cache.save(self.config.cache_dir, key, plan)

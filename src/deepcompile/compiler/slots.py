@@ -38,13 +38,16 @@ class GraphSlot:
         self.members: list["GraphSlot"] = []      # a representative's members
         self.original: fx.GraphModule | None = None   # the graph as compiled, before any pass
         self.to_rep: dict[str, str] = {}          # a member's node -> its representative's node
+        self.faces: dict[int, tuple] = {}         # a member's plan per representative version
+        self.following: int | None = None         # the representative version it runs
         self.history: list[tuple[str, "GraphProfile"]] = []   # (label, agreed profile)
         self.local: "GraphProfile | None" = None              # this rank's latest measured profile
         self.pending: list["GraphProfile"] = []               # runs of the current profile step
-        # per variant (`last`: the window's last micro-step): (version, lowered graph), and
-        # (version, final) -> compiled code
-        self.lowered: dict[bool, tuple[int, "Lowered"]] = {}
-        self.compiled: dict[bool, tuple[tuple[int, bool], Callable]] = {}
+        # (variant, version) -> lowered graph (variant `last`: the window's last micro-step),
+        # and (variant, version, final) -> compiled code; two versions live side by side while
+        # a pass is measured against the graphs from before it (compiler/pipeline.py)
+        self.lowered: dict[tuple[bool, int], "Lowered"] = {}
+        self.compiled: dict[tuple[bool, int, bool], Callable] = {}
         self.variants: bool | None = None  # accumulates gradients locally (None: not known yet)
         self.calls = 0
         # wall time of recent unprofiled runs (compiles excluded), to check profiles against
@@ -53,6 +56,19 @@ class GraphSlot:
     @property
     def profile(self) -> "GraphProfile | None":
         return self.history[-1][1] if self.history else None
+
+    def current_lowered(self) -> "Lowered | None":
+        """The lowered graph of the current version (the last micro-step's variant first)."""
+        return self.lowered.get((True, self.version)) or self.lowered.get((False, self.version))
+
+    def swap(self, gm: fx.GraphModule, version: int) -> None:
+        """Run `gm` as version `version` from now on (an A/B measurement's other side)."""
+        self.gm, self.version, self.variants = gm, version, None
+
+    def prune(self) -> None:
+        """Forget the code of other versions than the current one."""
+        self.lowered = {k: v for k, v in self.lowered.items() if k[1] == self.version}
+        self.compiled = {k: v for k, v in self.compiled.items() if k[1] == self.version}
 
     def changed(self) -> None:
         """A pass rewrote `gm`."""

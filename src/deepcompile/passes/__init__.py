@@ -32,6 +32,8 @@ class PassContext:
     memory_budget: float                   # bytes; inf when unbounded
     world_size: int
     decisions: dict[str, Any]              # pass name -> decisions already taken
+    fusion: str = "overlap"                # "overlap" or "cap" ([Note: fusion policy] in
+                                           # compiler/autoplan.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ from . import PassContext
 
 log = logging.getLogger("deepcompile")
 
+SPLIT_MARGIN = 2.0   # [Note: fusion policy] in compiler/autoplan.py
+
 
 @dataclasses.dataclass
 class Step:
@@ -58,16 +60,21 @@ def profiled_graphs(ctx: PassContext, target) -> Iterator[tuple[str, list[Step],
 
 
 def fuses(cost_s: Callable[[int], float], members: list[Collective], nxt: Collective,
-          between_s: float, max_bytes: int, launch_s: float = 0.0) -> bool:
+          between_s: float, max_bytes: int, launch_s: float = 0.0, policy: str = "overlap",
+          split_margin: float = SPLIT_MARGIN) -> bool:
     """Whether `nxt` joins `members` in one collective, memory aside: same dtype, under the size
     cap, one collective of the summed bytes predicted cheaper than two (the latency and the
-    host's launch of one collective saved), and the compute between the group's first member
-    and `nxt` shorter than what `nxt`'s own collective would cost, on the device and on the
-    host (no member is held back longer than that)."""
+    host's launch of one collective saved), and, under the "overlap" policy, the compute
+    between the group's first member and `nxt` not clearly longer (`split_margin` times) than
+    what `nxt`'s own collective would cost on the device and on the host (no member is held
+    back much longer than that). Under "cap" a group grows to the size cap ([Note: fusion
+    policy] in compiler/autoplan.py)."""
     total = sum(m.nbytes for m in members)
-    return (nxt.dtype == members[0].dtype and total + nxt.nbytes <= max_bytes
-            and cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes) + launch_s
-            and between_s < cost_s(nxt.nbytes) + launch_s)
+    if nxt.dtype != members[0].dtype or total + nxt.nbytes > max_bytes:
+        return False
+    if not cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes) + launch_s:
+        return False
+    return policy == "cap" or between_s < split_margin * (cost_s(nxt.nbytes) + launch_s)
 
 
 def launch_s(cost, kind: str) -> float:
@@ -127,3 +134,71 @@ def replace_with_parts(graph: fx.Graph, fused: fx.Node, members: list[fx.Node]) 
     for m, part in zip(members, parts):
         m.replace_all_uses_with(part)
         graph.erase_node(m)
+
+
+def size(nbytes: float) -> str:
+    """Bytes for a report line."""
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.2f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes >= 2**10 else f"{int(nbytes)} B"
+
+
+def top(items: list[str], n: int = 3) -> str:
+    """The first `n` of `items`, and how many more."""
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def module_of(params: list[str]) -> str:
+    """The modules a group of parameters belongs to, short: their longest common module path
+    (`model.layers.0.mlp`), or the first module and how many others."""
+    mods = [p.rsplit(".", 1)[0] if "." in p else p for p in params]
+    if not mods:
+        return "?"
+    parts = [m.split(".") for m in mods]
+    common = []
+    for bits in zip(*parts):
+        if len(set(bits)) != 1:
+            break
+        common.append(bits[0])
+    if common and len(common) > 1:
+        return ".".join(common) + (f" ({len(params)} params)" if len(params) > 1 else "")
+    uniq = list(dict.fromkeys(mods))
+    return uniq[0] + (f" +{len(uniq) - 1} modules" if len(uniq) > 1 else "")
+
+
+def group_summary(decisions: dict[str, Any], key: str, what: str) -> list[str]:
+    """Report lines of a scheduling pass (`prefetch`: groups, `bucket_reduce`: buckets): per
+    graph the collectives before and after, bytes, predicted time hidden; the largest groups."""
+    lines, rows = [], []
+    before = after = 0
+    for slot, d in sorted(decisions.items()):
+        if not isinstance(d, dict):
+            continue
+        if d.get("unattainable"):
+            lines.append(f"{slot}: budget {size(d['budget_bytes'])} below the insertion-only peak "
+                         f"{size(d['insertion_peak_bytes'])}: unattainable, unchanged")
+            continue
+        groups = d.get(key, [])
+        n = sum(len(g["members"]) for g in groups)
+        if not groups and not d.get("for_next"):
+            continue
+        before += n
+        after += len(groups)
+        pred = sum(g["predicted_s"] for g in groups)
+        hidden = sum(min(g["hidden_s"], g["predicted_s"]) for g in groups)
+        ahead = d.get("for_next", [])
+        lines.append(f"{slot}: {n} {what} -> {len(groups)} "
+                     f"({size(sum(g['bytes'] for g in groups))}); predicted {pred * 1e3:.2f} ms, "
+                     f"hidden behind compute {hidden * 1e3:.2f} ms; peak {size(d['peak_before'])} "
+                     f"-> {size(d['peak_after'])}"
+                     + (f"; {len(ahead)} started at the tail for {ahead[0]['for']}" if ahead else ""))
+        rows += [(g["bytes"], slot, g) for g in groups]
+    rows.sort(key=lambda r: (-r[0], r[1]))
+    for nbytes, slot, g in rows[:3]:
+        params = g.get("params") or []
+        lines.append(f"  largest: {slot} {module_of(params)}: {len(g['members'])} members, "
+                     f"{size(nbytes)}")
+    if before:
+        lines.insert(0, f"{what} per graph run: {before} -> {after}")
+    return lines

@@ -32,7 +32,8 @@ from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
 from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
-                      profiled_graphs, replace_with_parts, unattainable, warn_unattainable)
+                      group_summary, profiled_graphs, replace_with_parts, unattainable,
+                      warn_unattainable)
 
 
 MAX_BUCKET_BYTES = 64 << 20
@@ -46,7 +47,7 @@ class Reduce(Collective):
 
 
 def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
-               max_bucket_bytes: int = MAX_BUCKET_BYTES) -> dict[str, Any]:
+               max_bucket_bytes: int = MAX_BUCKET_BYTES, policy: str = "overlap") -> dict[str, Any]:
     """The bucket plan of one graph; pure (unit-tested on synthetic graphs)."""
     n = len(steps)
     live = [s.live_bytes for s in steps]
@@ -70,7 +71,8 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
             nxt, first = reduces[k], members[0]
             # the members' gradients stay alive from where each was produced to the newcomer
             held = [(m.index, m.grad_bytes) for m in members]
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes, host)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes, host,
+                      policy)
                     and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
                             for j in range(first.index, nxt.index))):
                 members.append(nxt)
@@ -119,7 +121,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
                                   str(entry.reduce_dtype),
                                   grad_bytes=_nbytes(node.args[0].meta.get("val")),
                                   shard_bytes=entry.shard.numel() * size))
-        decision = plan_graph(steps, reduces, ctx.cost, ctx.memory_budget)
+        decision = plan_graph(steps, reduces, ctx.cost, ctx.memory_budget, policy=ctx.fusion)
         if decision["unattainable"]:
             warn_unattainable("bucket_reduce", key, decision, "reduce-scatters stay synchronous")
         for b in decision["buckets"]:
@@ -175,4 +177,8 @@ def _fake_in_flight(members: list[fx.Node]):
     return val.new_empty((numel,), dtype=entries[0].reduce_dtype)
 
 
-register_pass("bucket_reduce", plan, apply, __doc__.splitlines()[0])
+def summary(decisions: dict[str, Any]) -> list[str]:
+    return group_summary(decisions, "buckets", "reduce-scatters")
+
+
+register_pass("bucket_reduce", plan, apply, __doc__.splitlines()[0], summary=summary)

@@ -37,7 +37,7 @@ from ..runtime import ops
 from ..runtime.registry import lookup
 from . import PassContext, register_pass
 from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
-                      profiled_graphs, replace_with_parts, steps_of, unattainable,
+                      group_summary, profiled_graphs, replace_with_parts, steps_of, unattainable,
                       warn_unattainable)
 
 
@@ -48,7 +48,7 @@ Gather = Collective   # a parameter gather, as the planner sees it
 
 
 def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
-               max_fused_bytes: int = MAX_FUSED_BYTES) -> dict[str, Any]:
+               max_fused_bytes: int = MAX_FUSED_BYTES, policy: str = "overlap") -> dict[str, Any]:
     """The prefetch plan of one graph; pure (unit-tested on synthetic graphs)."""
     live = [s.live_bytes for s in steps]
     if (over := unattainable(live, budget)) is not None:
@@ -80,7 +80,8 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
             total = sum(m.nbytes for m in members)
             # the newcomer is held from the group's wait to its use, on top of the members
             # fused before it (each held from the wait to its own use)
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes, host)
+            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes, host,
+                      policy)
                     and all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:]
                                                         if j < m.index) <= budget
                             for j in range(first.index, nxt.index))
@@ -145,7 +146,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
             entry = lookup(int(node.args[1]))
             gathers.append(Gather(node.name, i, entry.padded_numel * entry.compute_dtype.itemsize,
                                   entry.pid, str(entry.compute_dtype)))
-        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget)
+        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget, policy=ctx.fusion)
         if decision["unattainable"]:
             warn_unattainable("prefetch", key, decision, "no prefetching")
         for g in decision["groups"]:
@@ -286,4 +287,8 @@ def _check_order(graph: fx.Graph) -> None:
     graph.lint()
 
 
-register_pass("prefetch", plan, apply, __doc__.splitlines()[0])
+def summary(decisions: dict[str, Any]) -> list[str]:
+    return group_summary(decisions, "groups", "gathers")
+
+
+register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary)

@@ -268,13 +268,19 @@ def summary(decisions: dict[str, Any]) -> list[str]:
         f"{rs['before']['count']} -> {rs['after']['count']} ({size(rs['before']['bytes'])} -> "
         f"{size(rs['after']['bytes'])}); predicted comm saved {d['saved_s'] * 1e3:.2f} ms",
     ]
-    for i in d["keep"]:
+    ranked = sorted(d["keep"], key=lambda i: (-i["saved_s"], i["param"]))
+    for i in ranked[:5]:
         acc = (f", gradient accumulated ({size(i['accumulator_bytes'])}, "
                f"{i['reduces_per_step']} reduce-scatters/step -> once)") if "accumulator_bytes" in i else ""
-        lines.append(f"{i['param']}: {size(i['bytes'])}, {i['gathers_per_step']} gathers/step -> "
-                     f"refresh{acc}; saves {i['saved_s'] * 1e3:.3f} ms/step")
+        lines.append(f"top: {i['param']}: {size(i['bytes'])}, {i['gathers_per_step']} gathers/step "
+                     f"-> refresh{acc}; saves {i['saved_s'] * 1e3:.3f} ms/step")
+    if len(ranked) > 5:
+        rest = ranked[5:]
+        lines.append(f"and {len(rest)} more parameters ({size(sum(i['bytes'] for i in rest))}, "
+                     f"{sum(i['saved_s'] for i in rest) * 1e3:.3f} ms/step)")
     if d["excluded_reuse"]:
-        lines.append(f"not considered (graph reuse): {', '.join(d['excluded_reuse'])}")
+        lines.append(f"not considered (graph reuse): {len(d['excluded_reuse'])} parameters, e.g. "
+                     f"{', '.join(d['excluded_reuse'][:3])}")
     return lines
 
 

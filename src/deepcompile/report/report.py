@@ -1,20 +1,134 @@
+"""What the compiler did, as data (`to_dict`, JSON) and as readable tables (`str`).
+
+[Note: where collectives run] Every collective of an optimizer step is counted where it runs:
+in each graph (its lowered code's collectives times the graph's runs per step: with gradient
+accumulation a graph runs once per micro-step), and after the optimizer step, outside the
+graphs (ZeRO-1/2's replica refresh, the kept parameters' refresh of `selective_unshard`, the
+gradient-norm all-reduce of clipping, the loss-scale overflow check). The same step is also
+counted by `engine.comm_stats()` (the `measured` column: the last optimizer step's counters),
+so the two can be compared.
+
+[Note: asynchronous time] A graph's profile splits its wall time into compute, time blocked on
+communication (synchronous collectives and waits: the exposed part) and the host time of
+launching asynchronous collectives. An asynchronous collective runs while the graph computes:
+its predicted duration (cost model) is shown apart ("in flight") and is not part of the graph's
+time. Node times are agreed as the maximum over ranks per node, so their sum can exceed the
+graph's own time (agreed as the maximum over ranks of each rank's total): the slowest rank is
+not the same at every node (the rank that arrives first at a collective waits for the other).
+"""
+
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from typing import Any
 
 from ..compiler.pipeline import summarize
 from ..compiler.profiler import collectives_launched
+from ..runtime import ops
+from ._table import table
+
+ASYNC_NOTE = ("time: the graph's profiled run (slowest rank); blocked: synchronous collectives "
+              "and waits (exposed); launch: host time starting asynchronous collectives; in "
+              "flight: their predicted duration, overlapped with compute and not part of the "
+              "time; node figures are per-node maxima over ranks, so they may add up to more "
+              "than the time")
 
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f}"
+
+
+def _async_predicted_s(slot, cost: dict | None) -> float | None:
+    """Predicted seconds of the asynchronous collectives a graph starts (cost model; the
+    bytes of each from its parameters)."""
+    if not cost:
+        return None
+    from ..compiler.cost import LinearCostModel
+    from ..runtime.registry import lookup
+
+    model = LinearCostModel.from_dict(cost)
+    total = 0.0
+    for node in slot.gm.graph.nodes:
+        kind = ops.COMM_KINDS.get(node.target) if node.op == "call_function" else None
+        if kind is None or kind in ops.BLOCKING or kind not in ops.LAUNCHES:
+            continue
+        launched = ops.LAUNCHES[kind]
+        pids = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        try:
+            entries = [lookup(int(p)) for p in pids]
+        except (RuntimeError, KeyError):
+            continue
+        nbytes = sum(e.padded_numel * (e.compute_dtype if launched == "all_gather"
+                                       else e.reduce_dtype).itemsize for e in entries)
+        total += model.collective_s(launched, nbytes)
+    return total
+
+
+def _graph_row(slot, cost: dict | None) -> dict[str, Any]:
+    p = slot.profile
+    launched = collectives_launched(slot.gm)
+    row: dict[str, Any] = {
+        "slot": slot.key, "kind": slot.kind, "version": slot.version,
+        "training": getattr(slot, "training", True),
+        "nodes": len(slot.gm.graph.nodes), "all_gathers": launched["all_gather"],
+        "reduce_scatters": launched["reduce_scatter"], "calls": slot.calls,
+        "profile": None,
+        "profiles": [{"label": label, **q.to_dict(), "comm_s": q.comm_s(),
+                      "compute_s": q.compute_s(), "peak_bytes": q.peak_bytes}
+                     for label, q in slot.history],
+    }
+    if p is not None:
+        blocked = sum(n.time_s for n in p.nodes if n.kind in ops.BLOCKING)
+        launch = sum(n.time_s for n in p.nodes if n.kind != "compute" and n.kind not in ops.BLOCKING)
+        async_n = sum(1 for n in p.nodes if n.kind != "compute" and n.kind not in ops.BLOCKING
+                      and n.kind in ops.LAUNCHES)
+        row["profile"] = {"label": slot.history[-1][0], "time_s": p.total_s,
+                          "compute_s": p.compute_s(), "blocked_s": blocked, "launch_s": launch,
+                          "async_collectives": async_n,
+                          "in_flight_s": _async_predicted_s(slot, cost),
+                          "peak_bytes": p.peak_bytes,
+                          "local_time_s": slot.local.total_s if slot.local is not None else None}
+    return row
+
+
+def step_collectives(engine, profiles: dict, order: list[str]) -> list[dict[str, Any]]:
+    """[Note: where collectives run]: one row per place (graph or after the step)."""
+    pipe = engine._pipeline
+    rows = []
+    for key in sorted(set(order) | set(profiles), key=lambda k: (k not in order, k)):
+        slot = pipe.slots.get(key)
+        if slot is None:
+            continue
+        low = slot.current_lowered()
+        runs = order.count(key)
+        if low is None:
+            launched = collectives_launched(slot.gm)
+            counts = [(k, n, None) for k, n in launched.items() if n]
+        else:
+            counts = list(low.counts)
+        for kind, n, nbytes in counts:
+            rows.append({"where": key, "what": "in the graph" + (f", x{runs} runs" if runs > 1 else ""),
+                         "kind": kind, "count": n * max(runs, 1),
+                         "bytes": None if nbytes is None else nbytes * max(runs, 1)})
+    rows += engine._runtime.after_step_collectives()
+    if engine.config.max_grad_norm is not None:
+        rows.append({"where": "after the backward", "what": "gradient-norm clipping",
+                     "kind": "all_reduce", "count": 1, "bytes": 4})
+    if engine._scaler is not None and engine.config.loss_scaling == "dynamic":
+        rows.append({"where": "after the backward", "what": "loss-scale overflow check",
+                     "kind": "all_reduce", "count": 1, "bytes": 4})
+    return rows
+
+
 @dataclasses.dataclass
 class Report:
-    """A JSON-serializable record of what deepcompile did; `str()` is a readable table."""
+    """A JSON-serializable record of what deepcompile did; `str()` is readable tables."""
 
     world_size: int
     config: dict[str, Any]
@@ -31,31 +145,34 @@ class Report:
     eager_fallback_gathers: int
     graph_reuse: list[list[str]]
     offload: dict[str, Any] | None = None   # optimizer state offloaded: what, bytes, copy time
+    auto: dict[str, Any] | None = None      # passes="auto": what was chosen, and why
+    step_collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    last_step: dict[str, Any] | None = None   # the last optimizer step, measured
+    step_log: list[list] = dataclasses.field(default_factory=list)   # (phase, s) per step
+    ranks: list[dict[str, Any]] | None = None  # per-rank data for the plots (save_report)
 
     @classmethod
     def build(cls, engine) -> "Report":
         reg, pipe = engine._registry, engine._pipeline
+        cost = pipe.cost.to_dict() if hasattr(pipe.cost, "to_dict") else None
         graphs = []
         for rec in engine._backend.records:
-            slots = []
-            for key in rec.slots:
-                slot = pipe.slots[key]
-                launched = collectives_launched(slot.gm)
-                slots.append({
-                    "slot": key, "kind": slot.kind, "version": slot.version,
-                    "nodes": len(slot.gm.graph.nodes),
-                    "all_gathers": launched["all_gather"],
-                    "reduce_scatters": launched["reduce_scatter"],
-                    "calls": slot.calls,
-                    "profiles": [{"label": label, **p.to_dict(), "comm_s": p.comm_s(),
-                                  "compute_s": p.compute_s(), "peak_bytes": p.peak_bytes}
-                                 for label, p in slot.history],
-                })
             graphs.append({"index": rec.index, "dynamo_nodes": rec.dynamo_nodes,
-                           "params": rec.params, "slots": slots})
+                           "params": rec.params,
+                           "slots": [_graph_row(pipe.slots[k], cost) for k in rec.slots]})
         budget = pipe.memory_budget
         profiles = pipe.latest_profiles()
         names = {e.pid: e.name for e in reg}
+        passes = []
+        for e in pipe.pass_log:
+            entry = {k: e.get(k) for k in ("pass", "decisions", "changed", "before", "after",
+                                           "kept", "verdict")}
+            entry["summary"] = _pass_summary(e["pass"], e["decisions"])
+            passes.append(entry)
+        auto = None
+        if engine.config.auto_passes:
+            auto = {"chosen": pipe.planner.chosen, "left_out": pipe.planner.left_out}
+        auto = {**(auto or {}), "fusion": pipe.fusion, "fusion_reason": pipe.fusion_reason}
         return cls(
             world_size=engine._comm.world,
             config=engine.config.to_dict(),
@@ -64,62 +181,127 @@ class Report:
                         "shard_numel": sum(e.shard.numel() for e in reg),
                         "replicated": reg.zero_stage < 3},
             memory_budget_bytes=None if budget == float("inf") else budget,
-            cost_model=pipe.cost.to_dict() if hasattr(pipe.cost, "to_dict") else None,
+            cost_model=cost,
             graphs=graphs,
-            passes=[{k: e.get(k) for k in ("pass", "decisions", "changed", "before", "after")}
-                    for e in pipe.pass_log],
-            step_summary=summarize(profiles, pipe.order, budget) if profiles else None,
+            passes=passes,
+            step_summary=pipe._summary(profiles) if profiles else None,
             cache=dict(pipe.cache_info),
             timings={**pipe.timings, "profiling_overhead_s": pipe.profiling_overhead_s()},
             comm=engine.comm_stats(),
             eager_fallback_gathers=engine._fallback.materializations,
             graph_reuse=sorted([names.get(a, str(a)), names.get(b, str(b))] for a, b in reg.reuses),
             offload=engine._offload.summary() if engine._offload.fragments else None,
+            auto=auto,
+            step_collectives=step_collectives(engine, profiles, pipe.order),
+            last_step=engine._metrics.last_step_record(),
+            step_log=[list(x) for x in pipe.step_log],
         )
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Report":
+        """A report read back from `to_dict()`'s JSON (`deepcompile report FILE`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def save(self, path) -> str:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        return str(path)
+
+    # -- text ---------------------------------------------------------------------------------
     def __str__(self) -> str:
         c = self.config
+        passes = c["passes"] if isinstance(c["passes"], str) else \
+            (", ".join(c["passes"]) or "insertion only")
         out = [
             f"deepcompile: ZeRO-{c['zero_stage']} over {self.world_size} ranks, compiler={c['compiler']}, "
-            f"passes={', '.join(c['passes']) or 'insertion only'}, phase={self.phase}",
+            f"passes={passes}, phase={self.phase}",
             f"parameters: {self.parameters['tensors']} tensors, {self.parameters['numel']:,} elements; "
             f"this rank's shards: {self.parameters['shard_numel']:,} elements"
             + ("; module parameters replicated (refreshed after each optimizer step)"
                if self.parameters.get("replicated") else "") + "; memory budget: "
             + ("unbounded" if self.memory_budget_bytes is None else f"{_mib(self.memory_budget_bytes)} MiB"),
-            "",
-            f"{'slot':<10} {'ver':>3} {'nodes':>5} {'gathers':>7} {'reduces':>7} {'calls':>5} "
-            f"{'profile':<16} {'time ms':>8} {'comm ms':>8} {'peak MiB':>9}",
         ]
-        for g in self.graphs:
-            for s in g["slots"]:
-                p = s["profiles"][-1] if s["profiles"] else None
-                out.append(
-                    f"{s['slot']:<10} {s['version']:>3} {s['nodes']:>5} {s['all_gathers']:>7} "
-                    f"{s['reduce_scatters']:>7} {s['calls']:>5} "
-                    + (f"{p['label'][:16]:<16} {p['total_s'] * 1e3:>8.2f} {p['comm_s'] * 1e3:>8.2f} "
-                       f"{_mib(p['peak_bytes']):>9}" if p else f"{'(not profiled)':<16}"))
+        out += self._auto_lines() + [""] + self._graph_lines()
         if self.passes:
-            out += ["", f"{'pass':<20} {'graphs changed':<16} {'collectives':>13} "
-                        f"{'exposed comm ms':>17} {'peak MiB':>15}"]
-            for e in self.passes:
-                b, a = e["before"], e["after"] or e["before"]
-                out.append(f"{e['pass']:<20} {len(e['changed'] or []):<16} "
-                           f"{b['collectives']:>6} -> {a['collectives']:<4} "
-                           f"{b['exposed_comm_s'] * 1e3:>7.2f} -> {a['exposed_comm_s'] * 1e3:<7.2f} "
-                           f"{_mib(b['peak_bytes']):>6} -> {_mib(a['peak_bytes']):<6}")
-            for e in self.passes:
-                lines = _pass_summary(e["pass"], e["decisions"])
-                if lines:
-                    out += ["", f"{e['pass']}:"] + [f"  {line}" for line in lines]
+            out += [""] + self._pass_lines()
+        out += [""] + self._collective_lines()
         if self.step_summary:
             s = self.step_summary
-            out += ["", f"profiled step: {s['collectives']} collectives, comm {s['comm_s'] * 1e3:.2f} ms "
-                        f"(exposed {s['exposed_comm_s'] * 1e3:.2f} ms), compute {s['compute_s'] * 1e3:.2f} ms, "
-                        f"peak {_mib(s['peak_bytes'])} MiB"]
+            out += ["", f"profiled step: {s['collectives']} collectives ({s['collectives_in_graphs']} "
+                        f"in graphs, {s['collectives_after_step']} after the step), graphs "
+                        f"{_ms(s.get('graphs_s'))} ms: compute {_ms(s['compute_s'])} ms, blocked on "
+                        f"comm (exposed) {_ms(s['exposed_comm_s'])} ms; peak {_mib(s['peak_bytes'])} MiB"]
+        out += self._tail_lines()
+        return "\n".join(out)
+
+    def _auto_lines(self) -> list[str]:
+        a = self.auto or {}
+        out = []
+        if a.get("chosen") is not None:
+            out.append("passes chosen (auto): " + (" -> ".join(x["pass"] for x in a["chosen"])
+                                                    or "none"))
+            out += [f"  + {x['pass']}: {x['reason']}" for x in a["chosen"]]
+            out += [f"  - {x['pass']}: {x['reason']}" for x in a.get("left_out") or []]
+        if a.get("fusion"):
+            out.append(f"fusion policy {a['fusion']}: {a['fusion_reason']}")
+        return out
+
+    def _graph_lines(self) -> list[str]:
+        rows = []
+        for g in self.graphs:
+            for s in g["slots"]:
+                p = s["profile"]
+                rows.append([s["slot"], s["version"], s["calls"], s["all_gathers"], s["reduce_scatters"],
+                             p["label"] if p else "(not profiled)",
+                             _ms(p["time_s"]) if p else None, _ms(p["compute_s"]) if p else None,
+                             _ms(p["blocked_s"]) if p else None, _ms(p["launch_s"]) if p else None,
+                             _ms(p["in_flight_s"]) if p else None,
+                             _mib(p["peak_bytes"]) if p else None])
+        return table(["graph", "ver", "calls", "gathers", "reduces", "latest profile", "time ms",
+                      "compute", "blocked", "launch", "in flight", "peak MiB"], rows,
+                     title="graphs (latest agreed profile; " + ASYNC_NOTE + ")",
+                     right=[1, 2, 3, 4, 6, 7, 8, 9, 10, 11])
+
+    def _pass_lines(self) -> list[str]:
+        rows = []
+        for e in self.passes:
+            b, a = e["before"], e["after"] or e["before"]
+            mb, ma = b.get("measured_s"), a.get("measured_s")
+            rows.append([e["pass"], "kept" if e.get("kept", True) else "REVERTED",
+                         len(e["changed"] or []),
+                         f"{b['collectives']} -> {a['collectives']}",
+                         f"{_ms(b['exposed_comm_s'])} -> {_ms(a['exposed_comm_s'])}",
+                         f"{_mib(b['peak_bytes'])} -> {_mib(a['peak_bytes'])}",
+                         f"{_ms(statistics.median(mb))} -> {_ms(statistics.median(ma))}"
+                         if mb and ma else "-"])
+        out = table(["pass", "result", "graphs", "collectives/step", "exposed ms", "peak MiB",
+                     "measured step ms"], rows, title="passes, in the order they ran "
+                    "(before -> after; measured: median of the timed steps, slowest rank)",
+                    right=[2, 3, 4, 5, 6])
+        for e in self.passes:
+            lines = list(e.get("summary") or [])
+            if e.get("verdict"):
+                lines.insert(0, ("kept: " if e.get("kept", True) else "REVERTED: ") + e["verdict"])
+            if lines:
+                out += [f"{e['pass']}:"] + [f"  {line}" for line in lines]
+        return out
+
+    def _collective_lines(self) -> list[str]:
+        rows = [[r["where"], r["what"], r["kind"], r["count"],
+                 "-" if r.get("bytes") is None else _mib(r["bytes"])] for r in self.step_collectives]
+        total = sum(r["count"] for r in self.step_collectives)
+        measured = (self.last_step or {}).get("collectives")
+        title = (f"collectives per optimizer step, where they run: {total}"
+                 + (f" (measured in the last step: {sum(v['count'] for v in measured.values())})"
+                    if measured else ""))
+        return table(["where", "what", "kind", "count", "MiB"], rows, title=title, right=[3, 4])
+
+    def _tail_lines(self) -> list[str]:
+        out = []
         if self.cache.get("enabled"):
             out.append("plan cache: " + (f"hit ({self.cache.get('path')}), profiling skipped, "
                                          f"saved ~{self.cache.get('saved_s', 0):.1f} s"
@@ -139,9 +321,21 @@ class Report:
                        f"{o['measured_hidden_s'] * 1e3:.2f} ms, exposed {o['measured_exposed_s'] * 1e3:.2f} ms")
         if self.graph_reuse:
             out.append(f"graph reuse: {len(self.graph_reuse)} parameter pairs share compiled graphs")
+        t = self.timings
+        out.append(f"one-time: calibration {t.get('calibration_s', 0):.2f} s, planning "
+                   f"{t.get('passes_s', 0):.2f} s, profiling overhead "
+                   f"{t.get('profiling_overhead_s', 0):.2f} s; steps: "
+                   + ", ".join(f"{ph} {n}" for ph, n in _phase_counts(self.step_log)))
         out.append("collectives since initialize: " + (", ".join(
             f"{k} {v['count']} ({_mib(v['bytes'])} MiB)" for k, v in self.comm.items()) or "none"))
-        return "\n".join(out)
+        return out
+
+
+def _phase_counts(step_log: list) -> list[tuple[str, int]]:
+    out: dict[str, int] = {}
+    for phase, _ in step_log:
+        out[phase] = out.get(phase, 0) + 1
+    return list(out.items())
 
 
 def _pass_summary(name: str, decisions: dict) -> list[str]:
@@ -149,4 +343,7 @@ def _pass_summary(name: str, decisions: dict) -> list[str]:
 
     if name not in known_passes() or get_pass(name).summary is None:
         return []
-    return list(get_pass(name).summary(decisions))
+    try:
+        return list(get_pass(name).summary(decisions))
+    except (KeyError, TypeError, ValueError) as e:   # a user pass's summary
+        return [f"(summary failed: {e!r})"]

@@ -71,6 +71,15 @@ class GradAccumulators:
                 self.by_pid[e.pid] = acc
                 self.table[e.shard.data_ptr()] = acc
 
+    def disable(self, pids) -> None:
+        """Drop the accumulators of `pids` (zero: at an optimizer-step boundary, after `flush`);
+        a reverted pass's, for instance. A graph lowered later enables what it needs again."""
+        for pid in pids:
+            acc = self.by_pid.pop(pid)
+            for ptr, t in list(self.table.items()):
+                if t is acc:
+                    del self.table[ptr]
+
     def of(self, entry: ParamEntry) -> torch.Tensor:
         return self.by_pid[entry.pid]
 

@@ -62,12 +62,16 @@ class KeptParams:
         self.table = _Table(self)
         self._plan: RegatherPlan | None = None
         self.misses = 0
+        self._suspended = False
 
     def configure(self, entries: list[ParamEntry]) -> None:
         """Keep `entries` gathered from now on (filled here, from the current shards)."""
         self.entries = list(entries)
         self.full = {}
         self.table.clear()   # the same table object: lowered graphs hold its lookup
+        if not self.entries:
+            self._plan = None
+            return
         dests = []
         for e in self.entries:
             buf = torch.empty(e.padded_numel, dtype=e.compute_dtype, device=e.shard.device)
@@ -78,12 +82,30 @@ class KeptParams:
                                   label="deepcompile.refresh_kept")
         self.refresh()
 
+    @property
+    def plan(self) -> RegatherPlan | None:
+        """How the refresh gathers the kept parameters (None: nothing kept)."""
+        return self._plan
+
     def held_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.full.values())
 
     def refresh(self) -> int:
         """Re-gather every kept parameter from its (updated) shard; returns the collectives."""
+        if self._suspended:
+            return 0
         return self._plan.run() if self._plan is not None else 0
+
+    def suspend(self) -> None:
+        """No refresh until `resume` (steps that run graphs from before the kept parameters
+        existed: a pass measured against the graphs before it, compiler/pipeline.py)."""
+        self._suspended = True
+
+    def resume(self) -> None:
+        """Refresh again, starting now (the shards changed while suspended)."""
+        if self._suspended:
+            self._suspended = False
+            self.refresh()
 
     def gather_missing(self, ptr: int) -> torch.Tensor:
         entry = self._by_ptr.get(ptr)

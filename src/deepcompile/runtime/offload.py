@@ -249,6 +249,21 @@ class OptimizerStateOffload:
             self.fragments.append(frag)
             self._by_key[(pid, key)] = frag
 
+    def plan_state(self) -> dict:
+        """The plan as data (`restore_plan_state`): fragments, reload groups, provisional."""
+        return {"fragments": [(f.pid, f.key) for f in self.fragments],
+                "groups": [[(f.pid, f.key) for f in g] for g in self._groups],
+                "provisional": self.provisional}
+
+    def restore_plan_state(self, state: dict) -> None:
+        """Back to a plan taken by `plan_state` (a reverted pass's plan is dropped)."""
+        if state == self.plan_state():
+            return
+        self.set_plan(state["fragments"])
+        for group in state["groups"]:
+            self.add_reload_group(group)
+        self.provisional = state["provisional"]
+
     def add_reload_group(self, fragments: Iterable[tuple[int, str]]) -> int:
         """Register the fragments one reload op brings back; returns the op's group id."""
         self._groups.append([self._by_key[f] for f in fragments])

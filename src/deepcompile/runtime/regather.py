@@ -86,6 +86,10 @@ class RegatherPlan:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def nbytes(self) -> int:
+        """Bytes of the gathered buffers of one run (the full, padded tensors)."""
+        return sum(sum(g.sizes) * g.comm.world * g.dtype.itemsize for g in self.groups)
+
     @torch.no_grad()
     def run(self) -> int:
         """Re-gather every group; returns the number of collectives."""

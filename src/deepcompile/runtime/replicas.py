@@ -33,6 +33,11 @@ class Replicas:
                 self.bucket_bytes, label="deepcompile.refresh_replicas")
         return plan
 
+    @property
+    def plan(self) -> RegatherPlan:
+        """How the refresh after every optimizer step gathers the trainable replicas."""
+        return self._plan(False)
+
     def refresh(self, frozen_too: bool = False) -> int:
         """Copy every rank's shards into the replicated module parameters (the frozen ones too
         when they changed: a checkpoint load); returns the number of all-gathers."""

@@ -118,6 +118,39 @@ class EngineRuntime:
             total += self.offload.held_bytes()
         return total
 
+    # -- what passes configure ------------------------------------------------------------------
+    def plan_state(self) -> dict[str, Any]:
+        """What passes configure here (kept parameters, accumulators, the offload plan), taken
+        before a pass applies so that a reverted pass leaves nothing behind
+        (`restore_plan_state`)."""
+        return {"kept": list(self.kept.entries), "accum": set(self.accum.by_pid),
+                "offload": self.offload.plan_state() if self.offload is not None else None,
+                "count_offload_bytes": self.count_offload_bytes}
+
+    def restore_plan_state(self, state: dict[str, Any]) -> None:
+        """Back to `state` (at an optimizer-step boundary, on every rank: a changed kept set is
+        gathered again, which is collective)."""
+        if [e.pid for e in self.kept.entries] != [e.pid for e in state["kept"]]:
+            self.kept.configure(state["kept"])
+        self.accum.disable([pid for pid in list(self.accum.by_pid) if pid not in state["accum"]])
+        if self.offload is not None and state["offload"] is not None:
+            self.offload.restore_plan_state(state["offload"])
+        self.count_offload_bytes = state["count_offload_bytes"]
+
+    def after_step_collectives(self) -> list[dict[str, Any]]:
+        """The collectives the runtime runs after every optimizer step, outside the graphs:
+        ZeRO-1/2's replica refresh and the kept parameters' refresh (one all-gather per fused
+        group, nothing at world size 1)."""
+        if self.comm.world == 1:
+            return []
+        out = []
+        for what, plan in (("replica refresh", getattr(self.replicas, "plan", None)),
+                           ("kept-parameter refresh", self.kept.plan)):
+            if plan is not None and len(plan):
+                out.append({"where": "after the optimizer step", "what": what,
+                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes()})
+        return out
+
     # -- around the optimizer step -------------------------------------------------------------
     def before_optimizer_step(self) -> None:
         """Gathers started for a graph that did not run are dropped before the shards change;

@@ -1,0 +1,173 @@
+"""Which passes run, in what order (`passes="auto"`), how they fuse, and whether a pass is kept.
+
+[Note: choosing passes] `choose` reads the first agreed profile, the graphs and the memory
+budget, and returns the built-in passes worth running, in order, each with the reason, and the
+ones left out with theirs. It only reads facts that do not move with the machine's load (which
+collectives the graphs have, the ZeRO stage, the world size, the profiled peak against the
+budget), so every launch of the same program chooses the same list:
+
+* `offload_optimizer` first, when the budget is bounded and the step with all optimizer state on
+  the device (the profiled peak, or the optimizer step itself) exceeds it: the passes after it
+  then plan within what its plan leaves;
+* `selective_unshard` next (ZeRO-3, more than one rank, memory left under the budget): keeping a
+  parameter gathered removes whole collectives, and planned before `prefetch` it values every
+  gather at the cost of its own collective (after `prefetch` it would see a share of a fused one);
+* `prefetch` (ZeRO-3, more than one rank, gathers in the graphs): the gathers that are left
+  become asynchronous and fused;
+* `bucket_reduce` (more than one rank, reduce-scatters in the graphs): bucketed, asynchronous
+  gradient reductions.
+
+[Note: fusion policy] How `prefetch` and `bucket_reduce` group collectives (`fusion_policy`):
+"overlap" splits a group where the compute between two members is clearly longer than the
+newcomer's own collective (it can hide behind that compute), "cap" fuses up to the size cap.
+On a GPU, NCCL runs on its own stream and a collective in flight costs the compute nothing:
+"overlap". On the CPU, gloo's threads run on the cores the compute needs, so a collective is
+never hidden for free and each one pays its latency: "cap" (measured on 2 cores: in the experiment the README's
+Benchmarks section describes, fusing to the cap was faster than the overlap rule in every cell).
+"Clearly longer" is `SPLIT_MARGIN` times: a ±20% error on both sides of the comparison cannot
+turn a fuse into a split (1.2 / 0.8 = 1.5 < 2).
+
+[Note: keeping a pass] A pass that changed graphs is re-profiled and then, unless
+`Config.measure_steps` is 0, timed against the graphs from before it, in interleaved steps
+([Note: interleaved measurement] in compiler/pipeline.py). It is reverted — graphs and the
+runtime state it configured — when its re-profiled peak exceeds the budget (and grew), or when
+it is slower with confidence: every measured step after it slower than every step before it
+(with 3 steps each, a chance of 1 in 20 when nothing changed), and the median slower by more
+than `TIME_MARGIN`. A pass within the noise is kept: plans do not flip with the load of the
+machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from ..passes._common import SPLIT_MARGIN  # noqa: F401  (documented here)
+from ..runtime import ops
+
+TIME_MARGIN = 0.03     # a pass is slower when its median step is > 3% slower (and see verdict)
+
+# the built-in passes, in the order `choose` runs them
+ORDER = ("offload_optimizer", "selective_unshard", "prefetch", "bucket_reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"pass": self.name, "reason": self.reason}
+
+
+def fusion_policy(device_type: str) -> tuple[str, str]:
+    """(policy, why) for `prefetch` and `bucket_reduce` ([Note: fusion policy])."""
+    if device_type == "cuda":
+        return "overlap", ("GPU: collectives run on their own stream, so a group is split where "
+                           "the compute between its members can hide the next collective")
+    return "cap", ("CPU: gloo's threads share the cores with the compute, so a collective in "
+                   "flight is not hidden for free; groups are fused up to the size cap")
+
+
+def _counts(ctx) -> tuple[int, int]:
+    gathers = reduces = 0
+    for slot in ctx.slots.values():
+        if not getattr(slot, "training", True):
+            continue
+        for node in slot.gm.graph.nodes:
+            if node.op == "call_function":
+                gathers += node.target is ops.ALLGATHER
+                reduces += node.target is ops.REDUCE_GRAD
+    return gathers, reduces
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], list[Choice]]:
+    """(passes to run in order, passes left out), each with its reason ([Note: choosing
+    passes]). Reads only what every rank agrees on."""
+    from ..passes import known_passes
+
+    gathers, reduces = _counts(ctx)
+    world, budget = ctx.world_size, ctx.memory_budget
+    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    chosen: list[Choice] = []
+    out: list[Choice] = []
+    store = getattr(ctx.runtime, "offload", None)
+
+    def add(name: str, yes: bool, why: str) -> None:
+        if name in known_passes():
+            (chosen if yes else out).append(Choice(name, why))
+
+    # offload_optimizer
+    if budget == float("inf"):
+        add("offload_optimizer", False, "memory budget unbounded: all optimizer state stays")
+    elif store is None or not store.movable():
+        add("offload_optimizer", False, "no movable optimizer state")
+    elif warmup_steps == 0:
+        add("offload_optimizer", False, "warmup_steps is 0: the state it plans for does not "
+                                        "exist when profiling starts")
+    else:
+        need = max(peak, store.step_bytes())
+        add("offload_optimizer", need > budget,
+            f"the step needs {_mib(need)} with all optimizer state on the device, "
+            + (f"over the budget {_mib(budget)}: offload first, later passes plan in what "
+               "is left" if need > budget else f"within the budget {_mib(budget)}"))
+    one = "world size 1: a gather is a view of the local shard, a reduction a cast"
+    # selective_unshard
+    room = budget - peak
+    if world == 1:
+        add("selective_unshard", False, one)
+    elif zero_stage < 3:
+        add("selective_unshard", False, f"ZeRO-{zero_stage}: parameters are replicated")
+    elif not gathers:
+        add("selective_unshard", False, "no parameter gathers in the graphs")
+    elif room <= 0:
+        add("selective_unshard", False, f"no memory left: profiled peak {_mib(peak)} >= "
+                                        f"budget {_mib(budget)}")
+    else:
+        add("selective_unshard", True,
+            ("memory budget unbounded" if room == float("inf") else f"{_mib(room)} under the "
+             "budget") + ": keeping parameters gathered removes whole collectives (before "
+            "prefetch, so that each gather is valued at its own collective's cost)")
+    # prefetch
+    if world == 1:
+        add("prefetch", False, one)
+    elif zero_stage < 3:
+        add("prefetch", False, f"ZeRO-{zero_stage}: parameters are replicated, nothing to gather")
+    elif not gathers:
+        add("prefetch", False, "no parameter gathers in the graphs")
+    else:
+        add("prefetch", True, f"{gathers} gathers in the graphs: the ones not kept become "
+                              "asynchronous and fused")
+    # bucket_reduce
+    if world == 1:
+        add("bucket_reduce", False, one)
+    elif not reduces:
+        add("bucket_reduce", False, "no gradient reductions in the graphs")
+    else:
+        add("bucket_reduce", True, f"{reduces} gradient reductions: bucketed and asynchronous")
+    order = {name: i for i, name in enumerate(ORDER)}
+    chosen.sort(key=lambda c: order.get(c.name, len(order)))
+    return chosen, out
+
+
+def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tuple[bool, str]:
+    """Whether a pass is kept, and why ([Note: keeping a pass]). `before`/`after`: step
+    summaries (`peak_bytes`, and `measured_s`: agreed step times, when measured)."""
+    pb, pa = before["peak_bytes"], after["peak_bytes"]
+    if pa > budget and pa > pb:
+        return False, f"re-profiled peak {_mib(pa)} exceeds the budget {_mib(budget)}"
+    b, a = before.get("measured_s") or [], after.get("measured_s") or []
+    if not a or not b:
+        return True, "kept (judged on memory only: steps not measured)"
+    mb, ma = statistics.median(b), statistics.median(a)
+    change = f"measured step {mb * 1e3:.2f} -> {ma * 1e3:.2f} ms (median of {len(a)})"
+    if min(a) > max(b) and ma > mb * (1 + TIME_MARGIN):
+        return False, f"slower: {change}, every step after slower than every step before"
+    if ma < mb:
+        return True, f"faster: {change}"
+    return True, f"kept within the noise: {change}"
