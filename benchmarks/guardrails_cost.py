@@ -56,7 +56,7 @@ def _measure(rank: int, a, on: bool) -> dict:
     engine = deepcompile.initialize(
         rf._model(a.layers_now), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         config={"zero_stage": a.stage, "compiler": "fx", "passes": tuple(a.passes),
-                "warmup_steps": 1, "divergence_check_every": 1 if on else 0,
+                "warmup_steps": 1, "measure_steps": 0, "divergence_check_every": 1 if on else 0,
                 "on_nonfinite": "raise" if on else "off"})
     rails = engine._rails
     check_s: list[float] = []

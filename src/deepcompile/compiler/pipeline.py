@@ -210,10 +210,11 @@ class Pipeline:
                     "workaround, give every rank inputs of one shape (pad), or leave out the "
                     "passes.") from e
             face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
-        if self.phase is Phase.STEADY:
-            member.faces = {rep.version: face}
         member.swap(face[0], face[2])
         member.to_rep, member.following = face[1], rep.version
+        if self.phase is Phase.STEADY:   # other plans are gone for good
+            member.faces = {rep.version: face}
+            member.prune()
 
     def _planning(self) -> dict[str, GraphSlot]:
         """The graphs the passes plan for: the training graphs' representatives."""
