@@ -468,10 +468,12 @@ class Pipeline:
         """A pass plans from what every rank holds alike (PassContext): the same decisions on
         every rank, or the ranks would rewrite their graphs differently. Checked (one small
         all-gather per pass planned), so that a pass that plans from local timings fails on
-        every rank instead of hanging collectives."""
+        every rank instead of hanging collectives. Compared: the decisions' structure (groups,
+        positions, names, counts); floats are estimates (predicted seconds) that rewrite
+        nothing."""
         if self.comm.world == 1:
             return
-        mine = digest(json.dumps(decisions, sort_keys=True, default=str))
+        mine = digest(json.dumps(_structure(decisions), sort_keys=True, default=str))
         every = self.comm.all_gather_object(mine)
         if len(set(every)) > 1:
             groups: dict[int, list[int]] = {}
@@ -535,6 +537,17 @@ class Pipeline:
         path = _cache.save(self.config.cache_dir, key, plan)
         self.cache_info["path"] = str(path)
         log.info("deepcompile: plan saved to %s", path)
+
+
+def _structure(x: Any) -> Any:
+    """`x` with every float left out (a pass's decisions, for `_agree_decisions`)."""
+    if isinstance(x, float):
+        return "<float>"
+    if isinstance(x, dict):
+        return {str(k): _structure(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_structure(v) for v in x]
+    return x
 
 
 def _dynamic(gm: fx.GraphModule) -> bool:
