@@ -441,9 +441,11 @@ def test_a_rank_killed_in_its_forward_or_its_optimizer_step():
               f"\n{survivor.get('message')}")
         assert isinstance(killed, DistributedTestError) and "exited with code" in str(killed)
         assert survivor["type"] == "DistributedError"
-        phase = {"forward": "forward", "step": "step"}[where]
-        assert f"rank 0 stopped at step 5 (micro-step" in survivor["message"]
-        assert f", {phase}" in survivor["message"]
+        # killed in its forward, the rank may already have sent what the survivor's forward
+        # needs (prefetched gathers): the survivor then fails in its backward
+        phases = {"forward": (", forward", ", backward"), "step": (", step",)}[where]
+        assert "rank 0 stopped at step 5 (micro-step" in survivor["message"]
+        assert any(p in survivor["message"] for p in phases)
         assert "rank 1: nothing reported within" in survivor["message"]
         assert "it exited (killed or crashed)" in survivor["message"]
         assert survivor["elapsed"] < BOUND
