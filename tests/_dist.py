@@ -17,8 +17,12 @@ terminates (then kills) every child and fails -- it never hangs.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
+import shutil
+import signal
+import tempfile
 import os
 import queue as queue_mod
 import socket
@@ -62,7 +66,12 @@ def child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout_s: float):
+def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout_s: float,
+           fault_log: str):
+    # a rank killed by a signal (SIGABRT from a C++ check in gloo, SIGSEGV) reports nothing
+    # through the queue: Python's stacks at that moment go to `fault_log`, which the parent
+    # attaches to the error
+    faulthandler.enable(open(fault_log, "w"), all_threads=True)
     os.environ.update(child_env(rank, world_size, port))
     payload: tuple
     try:
@@ -86,6 +95,25 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_t
     results.join_thread()
 
 
+def _died(rank: int, code: int | None, fault_log: str) -> str:
+    """What is known of a rank that exited without a result: its exit code or signal, and the
+    Python stacks faulthandler wrote when a signal killed it."""
+    how = f"exited with code {code}"
+    if code is not None and code < 0:
+        try:
+            how += f" ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    try:
+        with open(fault_log) as f:
+            stacks = f.read().strip()
+    except OSError:
+        stacks = ""
+    tail = "\n".join(stacks.splitlines()[-60:])
+    return (f"rank {rank}: {how} without reporting a result"
+            + (f"; its Python stacks when it died:\n{tail}" if tail else ""))
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
                     failures_ok: bool = False, grace: float = _GRACE_S):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return the list of results.
@@ -99,7 +127,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, timeout),
+    logs = tempfile.mkdtemp(prefix="dist-", dir=INDUCTOR_CACHE.parent)
+    fault_logs = [os.path.join(logs, f"rank{r}-faults.txt") for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, timeout,
+                                              fault_logs[r]),
                          name=f"rank{r}", daemon=True)
              for r in range(world_size)]
     saved = dict(os.environ)
@@ -151,8 +182,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
                 except queue_mod.Empty:
                     pass
                 for r in dead:
-                    errors[r] = (f"rank {r}: exited with code {procs[r].exitcode} "
-                                 "without reporting a result")
+                    errors[r] = _died(r, procs[r].exitcode, fault_logs[r])
                 first_error_at = first_error_at or time.monotonic()
     finally:
         for p in procs:
@@ -166,6 +196,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        shutil.rmtree(logs, ignore_errors=True)
 
     if failures_ok and errors and not timed_out and len(got) + len(errors) == world_size:
         return [DistributedTestError(errors[r]) if r in errors

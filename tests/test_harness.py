@@ -32,6 +32,12 @@ def _failing_job(rank, world):
     return rank
 
 
+def _aborting_job(rank, world):
+    if rank == 1:
+        os.abort()   # as gloo does when a peer's collective does not match (a C++ check)
+    dist.barrier()
+
+
 def _sleeping_job(rank, world):
     time.sleep(600)
 
@@ -55,6 +61,14 @@ def test_harness_reraises_child_exception_with_traceback():
     assert "rank 1" in msg and "KeyError" in msg and "boom-from-rank-1" in msg
     assert "_failing_job" in msg  # the child's traceback
     assert time.monotonic() - t0 < 60
+
+
+def test_harness_reports_the_stacks_of_a_rank_killed_by_a_signal():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_aborting_job, 2, timeout=120)
+    msg = str(info.value)
+    assert "rank 1: exited with code -6 (SIGABRT)" in msg, msg
+    assert "_aborting_job" in msg, msg   # faulthandler's stack of the rank that died
 
 
 def test_harness_timeout_terminates_children():

@@ -272,3 +272,20 @@ def dcp_storage_info(relative_path: str, offset: int, length: int, transforms=No
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length, transform_descriptors=transforms)
+
+
+# --- the planner (deepcompile plan) ------------------------------------------------------------
+
+def fake_tensor_mode():
+    """A fresh fake mode: modules built and graphs traced in it allocate nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def aot_function(fn, *, fw_compiler, bw_compiler, partition_fn, decompositions=None):
+    """AOTAutograd on a plain function (the planner traces model pieces with it)."""
+    from torch._functorch.aot_autograd import aot_function as _aot
+
+    return _aot(fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                partition_fn=partition_fn, decompositions=decompositions)

@@ -8,6 +8,10 @@
     deepcompile bench [--workloads W ...] [--systems S ...] [--launches N] [--steps N]
                       [--warmup N] [--nproc N] [--device cpu|cuda] [--compiler inductor|fx]
                       [--out DIR] [--timeout S] [--list]
+    deepcompile plan --model M [--nodes N] [--gpus-per-node G] [--gpu h100|h200|...|cpu]
+                     [--seq S] [--batch B] [--gas K ...] [--stage 1|2|3] [--passes P1,P2 ...]
+                     [--memory-budget X] [--activation-checkpointing] [--assume K=V ...]
+                     [--json] [--out DIR]
 
 Each subcommand is a function `_cmd_<name>(args) -> int` plus an `_add_<name>(subparsers)` that
 declares its options; add both and list the adder in `_SUBCOMMANDS`. Nothing heavy (torch,
@@ -216,6 +220,141 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan --------------------------------------------------------------------------------------
+
+def _memory(text: str) -> float:
+    """Bytes ("80e9", "72GiB", "70GB") or a fraction of GPU memory ("0.85")."""
+    t = text.strip()
+    for suffix, mult in (("GiB", 2**30), ("GB", 1e9), ("MiB", 2**20), ("MB", 1e6)):
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], mult
+            break
+    else:
+        scale = 1.0
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (80e9, 72GiB) or a fraction (0.85), "
+                                         f"got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive budget, got {text!r}")
+    return value
+
+
+def _assumption(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=NUMBER (e.g. net.nic_bw=25e9), got "
+                                         f"{text!r}") from None
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict step time, throughput and memory of a model on a cluster we don't have",
+        description=(
+            "Profile one decoder layer, the embedding and the head of the model's shape "
+            "(traced on fake tensors and timed by a roofline of the target GPU; with --gpu cpu, "
+            "built for real and timed on this machine's cores), compose the full model's "
+            "graphs, plan deepcompile's passes with their own planners at the given scale, "
+            "and simulate one optimizer step of each system (ours with each pass set; FSDP2; "
+            "DeepSpeed ZeRO-3 eager) on a compute lane and communication lanes, with memory. "
+            "Prints a table; --json prints JSON; --out writes the table, the JSON and a "
+            "picture (needs matplotlib). Needs transformers."),
+    )
+    p.add_argument("--model", required=True,
+                   help="a built-in shape (llama-3-8b, llama-3-70b, llama-3.1-405b, mixtral-8x7b, "
+                        "mixtral-8x22b, and the bench's models: tiny-llama, small-llama, "
+                        "tiny-mixtral, llama-1b) or a Hugging Face config.json")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8,
+                   help="GPUs per node, or gloo ranks with --gpu cpu (default: %(default)s)")
+    p.add_argument("--gpu", default="h100",
+                   help="h100, h200, a100, a100-40gb, b200, or cpu (this machine's cores, "
+                        "measured) (default: %(default)s)")
+    p.add_argument("--seq", type=_positive_int, default=1024, help="tokens per sequence")
+    p.add_argument("--batch", type=_positive_int, default=1, help="sequences per GPU per "
+                   "micro-step")
+    p.add_argument("--gas", type=_positive_int, nargs="+", default=[1], metavar="K",
+                   help="micro-steps per optimizer step; several values plan each "
+                        "(default: %(default)s)")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
+    p.add_argument("--passes", action="append", default=None, metavar="P1,P2",
+                   help="a pass set of ours, comma-separated ('' for insertion only, 'auto' for "
+                        "the runtime's own choice); repeat for several (default: the ladder '', "
+                        "prefetch, prefetch,bucket_reduce, +selective_unshard, "
+                        "+offload_optimizer, auto)")
+    p.add_argument("--peers", default="fsdp2,fsdp2-compile,ds-z3", metavar="S1,S2",
+                   help="peer schedules to compare ('' for none) (default: %(default)s)")
+    p.add_argument("--memory-budget", type=_memory, default=None, metavar="X",
+                   help="the passes' budget per GPU: bytes (72GiB) or a fraction of GPU memory "
+                        "(default: 0.9, as the runtime)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="checkpoint every decoder layer (the paper's runs did)")
+    p.add_argument("--assume", type=_assumption, action="append", default=[], metavar="K=V",
+                   help="override an assumed figure, e.g. net.nic_bw=25e9, gpu.mm_eff=0.6, "
+                        "net.launch_host_s=15e-6, peer.ds_hook_s=5e-4 (repeatable)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="with --gpu cpu: profile repeats per rank (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the plan(s) as JSON only")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write plan.md, plan.json and plan.png (per GAS) into DIR")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ._demo import require_transformers
+
+    require_transformers("plan")
+    import json
+    from pathlib import Path
+
+    from .planner import plan as P
+    from .planner import report
+
+    passes = None if args.passes is None else [
+        tuple(x.strip() for x in s.split(",") if x.strip()) for s in args.passes]
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    plans = []
+    try:
+        for gas in args.gas:
+            pa = P.PlanArgs(model=args.model, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                            gpu=args.gpu, seq=args.seq, batch=args.batch, gas=gas,
+                            stage=args.stage, passes=passes,
+                            peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
+                            memory_budget=args.memory_budget, ac=args.activation_checkpointing,
+                            assume=dict(args.assume), repeats=args.repeats)
+            plans.append(P.make_plan(pa, log=log))
+    except P.PlanError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    command = shlex.join(["deepcompile", *args.argv])
+    if args.json:
+        out = [dict(p.to_dict(), command=command) for p in plans]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1, default=report._default))
+    else:
+        for p in plans:
+            print(report.table(p))
+            print()
+    if args.out:
+        directory = Path(args.out)
+        directory.mkdir(parents=True, exist_ok=True)
+        for p in plans:
+            stem = f"plan-gas{p.args.gas}" if len(plans) > 1 else "plan"
+            (directory / f"{stem}.md").write_text(
+                f"command: `{command}`\n\n{report.table(p)}\n")
+            report.write_json(p, directory / f"{stem}.json")
+            png = report.picture(p, directory / f"{stem}.png")
+            log(f"[plan] wrote {directory / stem}.md, .json" + (", .png" if png else
+                                                                 " (no picture: matplotlib is "
+                                                                 "not installed)"))
+    return 0
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -336,7 +475,7 @@ launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
 """
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_bench, _add_report, _add_consolidate)
+    _add_demo, _add_bench, _add_report, _add_consolidate, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,9 +70,12 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     data_rank = rank  # the compute bound (one process) trains on rank 0's slice
     micro = 0
 
+    cpu_s: list[float] = []   # the main thread's CPU time per step (the machine's share of it)
+
     def one_step() -> tuple[float, float]:
         nonlocal micro
         _sync(device)
+        c = time.thread_time()
         t = time.perf_counter()
         total = 0.0
         for m in range(w.gas):
@@ -81,7 +84,9 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
             total += float(trainer.micro(ids, last=m == w.gas - 1))
         trainer.step()
         _sync(device)
-        return time.perf_counter() - t, total / w.gas
+        dt = time.perf_counter() - t
+        cpu_s.append(time.thread_time() - c)
+        return dt, total / w.gas
 
     losses, warm_s, times = [], [], []
     while True:
@@ -99,6 +104,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steady_start = measure.rss()["rss"]
+    cpu_s.clear()
     for _ in range(spec.steps):
         dt, loss = one_step()
         times.append(dt)
@@ -117,6 +123,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     median = statistics.median(times)
     return {
         "rank": rank, "losses": losses, "warmup_steps": len(warm_s), "step_s": times,
+        "step_cpu_s": cpu_s[:len(times)],
         "first_step_s": warm_s[0], "setup_s": setup_s,
         "one_time_s": max(0.0, sum(warm_s) - len(warm_s) * median),
         "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,

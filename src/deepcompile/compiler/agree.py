@@ -1,7 +1,6 @@
 """Rank agreement: every figure a decision reads is the same on every rank (DESIGN §3).
 
-Pure functions over `Comm`: profiles (per node, the median over this rank's runs of the step,
-then the MAX over ranks), the memory budget (MIN over ranks), measured step times (MAX over
+Pure functions over `Comm`: profiles ([Note: agreed node times]), the memory budget (MIN over ranks), measured step times (MAX over
 ranks: a step takes as long as its slowest rank). Ranks that profiled different graphs, or ran
 them in a different order, fail loudly here: their decisions would diverge and hang collectives.
 """
@@ -18,16 +17,29 @@ from .profiler import GraphProfile, NodeProfile
 
 def agree_max(comm, values: list[float], device: torch.device) -> list[float]:
     """Element-wise MAX over ranks (bookkeeping: not counted as training traffic)."""
+    return _reduce(comm, values, dist.ReduceOp.MAX, device)
+
+
+def _reduce(comm, values: list[float], op, device: torch.device) -> list[float]:
     if not values:
         return []
     vec = torch.tensor(values, dtype=torch.float64, device=device)
-    comm.all_reduce(vec, op=dist.ReduceOp.MAX, count=False)
+    comm.all_reduce(vec, op=op, count=False)
     return vec.tolist()
+
+
+# [Note: agreed node times] Each rank's node time is the median over its runs of the step. The
+# agreed time of a node is its mean over ranks, scaled so that the graph's node times sum to the
+# slowest rank's sum. Taking the MAX over ranks node by node (as before) inflated every graph: a
+# collective waits on one rank for as long as the other rank is still computing, so the
+# per-node maxima add up the slow parts of different ranks, and the profiled step summed to
+# 1.2-1.4x the measured step on 2 CPU ranks. The mean keeps each node's share; the scale keeps
+# the slowest rank's total (a step takes as long as its slowest rank).
 
 
 def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) -> dict[str, GraphProfile]:
     """The agreed profile of every slot profiled this phase (median over this step's runs, then
-    MAX over ranks; identical on every rank). Sets each slot's `local` profile (this rank's own
+    [Note: agreed node times]; identical on every rank). Sets each slot's `local` profile (this rank's own
     medians, start offsets from the last run: the trace and the per-rank plots read it) and
     clears its pending runs."""
     local: dict[str, GraphProfile] = {}
@@ -55,17 +67,22 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
                 "deepcompile: ranks profiled different graphs or ran them in a different "
                 f"order (rank {comm.rank}: {mine}; rank {rank}: {other}); their "
                 "decisions would diverge and hang collectives")
-    values = [x for p in local.values() for n in p.nodes for x in (n.time_s, n.live_bytes)]
-    values += [p.total_s for p in local.values()]
-    flat = agree_max(comm, values, device)
-    i = 0
-    for p in local.values():
+    profiles = list(local.values())
+    means = iter(_reduce(comm, [n.time_s for p in profiles for n in p.nodes],
+                         dist.ReduceOp.SUM, device))
+    maxima = iter(agree_max(comm, [n.live_bytes for p in profiles for n in p.nodes]
+                            + [x for p in profiles
+                               for x in (p.total_s, sum(n.time_s for n in p.nodes))], device))
+    for p in profiles:
         for n in p.nodes:
-            n.time_s, n.live_bytes = flat[i], int(flat[i + 1])
-            i += 2
-    for p in local.values():
-        p.total_s = flat[i]
-        i += 1
+            n.time_s = next(means) / comm.world
+            n.live_bytes = int(next(maxima))
+    for p in profiles:
+        p.total_s, slowest = next(maxima), next(maxima)
+        mean_sum = sum(n.time_s for n in p.nodes)
+        if mean_sum > 0:
+            for n in p.nodes:
+                n.time_s *= slowest / mean_sum
     return local
 
 

@@ -12,9 +12,9 @@ so the two can be compared.
 communication (synchronous collectives and waits: the exposed part) and the host time of
 launching asynchronous collectives. An asynchronous collective runs while the graph computes:
 its predicted duration (cost model) is shown apart ("in flight") and is not part of the graph's
-time. Node times are agreed as the maximum over ranks per node, so their sum can exceed the
-graph's own time (agreed as the maximum over ranks of each rank's total): the slowest rank is
-not the same at every node (the rank that arrives first at a collective waits for the other).
+time. Node times are agreed as the mean over ranks, scaled so that they sum to the slowest
+rank's sum of node times ([Note: agreed node times] in compiler/agree.py); the graph's time is
+the slowest rank's whole run, which also holds the host time between nodes.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from ._table import table
 ASYNC_NOTE = ("time: the graph's profiled run (slowest rank); blocked: synchronous collectives "
               "and waits (exposed); launch: host time starting asynchronous collectives; in "
               "flight: their predicted duration, overlapped with compute and not part of the "
-              "time; node figures are per-node maxima over ranks, so they may add up to more "
-              "than the time")
+              "time; node figures are means over ranks scaled to the slowest rank's sum")
 
 
 def _mib(n: float | None) -> str:

@@ -1,0 +1,287 @@
+"""`deepcompile plan`'s predictions against measured step times on this machine (CPU, gloo).
+
+    python benchmarks/plan_validate.py --workloads tiny-llama tiny-llama-gas4 --worlds 1 2 4 \
+        --systems ours-z3 ours-z3+overlap ours-z3-auto --launches 3
+    # on a machine with one H100 (the bench's GPU workload, world size 1):
+    python benchmarks/plan_validate.py --device cuda --gpu h100 --workloads llama-1b \
+        --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 3
+
+For every round, world size and workload, interleaved (the machine's load drifts): the
+planner's profiles of this machine (`deepcompile plan --gpu cpu`: the pieces profiled, the
+runtime's ops, the optimizer and the framework's overhead timed, at that many gloo ranks), then
+per system one launch of the bench (`deepcompile bench`'s own worker, compiler "fx": the
+graphs the plan profiled, run as FX code) and the plan of that system. The passes in the plan
+are given the cost model that launch's runtime calibrated and planned with (read from its plan
+cache): both plan with the same figures, the rest of the prediction is the planner's own.
+The bench's own per-micro-step work (making the next token ids, ~1 ms on this machine) is
+timed and added to each prediction (reported apart: it is not deepcompile's). Reports, per
+cell, the median predicted step time, the median of the launches' median step times, and the
+error; writes JSON (every launch) and markdown under benchmarks/results/<date>-cpu<cores>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+# At world size 1 nothing is communicated and the collective passes plan nothing (the runtime's
+# and the planner's alike): every ours-z3 system is insertion only there, measured once.
+WORLD1 = ("ours-z3",)
+
+
+def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
+             gpu: str = "cpu", replay: dict | None = None) -> dict:
+    from deepcompile._bench import systems as S
+    from deepcompile.planner import plan as P
+
+    peer = not system.startswith("ours")
+    pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu=gpu,
+                    seq=workload.seq, batch=workload.batch, gas=workload.gas,
+                    passes=[] if peer else [tuple(replay["passes"]) if replay
+                                            else S.resolved_passes(S.get(system))],
+                    peers=(system,) if peer else (), plan_cost=plan_cost, replay=replay)
+    r = P.make_plan(pa, log=lambda *a: None, host=host).results[0]
+    return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
+            "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None}
+
+
+_FRESH = [10_000_000]
+
+
+def _harness_s(workload, world: int) -> float:
+    """The bench's own time per micro-step outside training: making the token ids of a new
+    micro-step (a Python loop over the sequence), timed here as its step loop runs it. Not
+    deepcompile's work, so not in the plan; added to its prediction here, and reported."""
+    import torch
+
+    from deepcompile._bench import workloads as W
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ts = []
+    for _ in range(9):
+        _FRESH[0] += 1
+        t0 = time.perf_counter()
+        W.local_batch(workload, _FRESH[0], 0, world)   # a micro-step never made before
+        ts.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return statistics.median(ts)
+
+
+def _run_plan(cache_dir: Path) -> dict | None:
+    """The measured run's plan cache: the cost model its passes planned with, their decisions."""
+    for path in sorted(cache_dir.glob("plan-*.json")):
+        return json.loads(path.read_text())
+    return None
+
+
+def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
+             device: str = "cpu") -> dict:
+    from deepcompile._bench.run import _launch_record
+    from deepcompile._bench.worker import LaunchSpec, launch
+
+    spec = LaunchSpec(system, workload.name, world, device, 2, steps,
+                      "fx" if device == "cpu" else "inductor",
+                      log_path=str(tmp / f"{n}-{workload.name}-{world}-{system}.log"),
+                      inductor_cache=str(tmp / "inductor"), plan_cache=str(tmp / f"cache-{n}"))
+    # a cache of its own per launch: each run plans (and records its cost model)
+    load = list(os.getloadavg())
+    t0 = time.perf_counter()
+    ranks = launch(spec, world, 1200.0)
+    rec = _launch_record(ranks, time.perf_counter() - t0, [load, list(os.getloadavg())])
+    cached = _run_plan(Path(spec.plan_cache)) or {}
+    # the main thread's CPU time per step, and its share of the step's wall time (rank 0's
+    # median): on a machine shared with other work, a step's wall time includes the time
+    # other processes held the cores, which the planner's per-node medians do not
+    cpu = share = None
+    if rec["ok"] and isinstance(ranks, list) and ranks[0].get("step_cpu_s"):
+        r0 = ranks[0]
+        cpu = statistics.median(r0["step_cpu_s"])
+        share = statistics.median(c / t for c, t in zip(r0["step_cpu_s"], r0["step_s"]))
+    return {"ok": rec["ok"], "step_s": rec.get("step_s_median"), "load": load,
+            "cpu_s": cpu, "cpu_share": share,
+            "plan_cost": cached.get("cost"), "plan": cached,
+            "error": None if rec["ok"] else str(rec.get("reason"))[:2000],
+            "collectives": rec.get("collectives")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["tiny-llama", "tiny-llama-gas4"])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    ap.add_argument("--systems", nargs="+",
+                    default=["ours-z3", "ours-z3+overlap", "ours-z3-auto"])
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7, help="profile repeats per plan")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: predictions from the roofline of --gpu and the network model, "
+                         "measured by the bench on this machine's GPUs (bf16, Inductor)")
+    ap.add_argument("--gpu", default="h100", help="with --device cuda: the GPU to predict for")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the planner's compute profiles in CPU time (measure_host), to "
+                         "compare with the launches' CPU time per step on a loaded machine")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only write the summary of the rounds already in --out's "
+                         "plan_validation.jsonl (a run stopped early)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.summarize:
+        out_dir = Path(args.out)
+        rows = [json.loads(x) for x in (out_dir / "plan_validation.jsonl").read_text().splitlines()
+                if x.strip()]
+        done = sorted({(r["round"], r["world"], r["workload"]) for r in rows})
+        write_summary(rows, args, out_dir, datetime.date.today().isoformat(), argv,
+                      note=f"summarized from the rounds that finished ({len(done)} cells: "
+                           + ", ".join(f"round {a + 1} world {b} {c}" for a, b, c in done) + ")")
+        return 0
+    import torch
+
+    from deepcompile._bench import workloads as W
+    from deepcompile.planner.measure import measure_host
+
+    date = datetime.date.today().isoformat()
+    out_dir = Path(args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = out_dir / "plan_validation.jsonl"
+    tmp = Path(tempfile.mkdtemp(prefix="deepcompile-planval-"))
+    rows = []
+    n = 0
+    for round_ in range(args.launches):
+        for world in args.worlds:
+            for wname in args.workloads:
+                w = W.get(wname)
+                t0 = time.perf_counter()
+                host = None if args.device == "cuda" else measure_host(
+                    w.model, world=world, batch=w.batch, seq=w.seq, repeats=args.repeats,
+                    clock=args.clock)
+                pred = {"wall_s": round(time.perf_counter() - t0, 1),
+                        "load": list(os.getloadavg()) if host is None else host.load,
+                        "host": None if host is None else host.to_dict(),
+                        "network": None if host is None else host.network.describe(),
+                        "systems": {}}
+                rec = {"round": round_, "world": world, "workload": wname, "prediction": pred,
+                       "measured": {}}
+                systems = [s for s in args.systems if world > 1 or s in WORLD1
+                           or not s.startswith("ours")]
+                for system in systems[round_ % len(systems):] + systems[:round_ % len(systems)]:
+                    n += 1
+                    m = rec["measured"][system] = _measure(w, world, system, args.steps, tmp, n,
+                                                           args.device)
+                    p = pred["systems"][system] = _predict(
+                        w, world, system, host, m["plan_cost"] if host else None,
+                        "cpu" if host else args.gpu)
+                    p["plan_step_s"] = p["step_s"]
+                    p["harness_s"] = w.gas * _harness_s(w, world)
+                    p["step_s"] = p["plan_step_s"] + p["harness_s"]
+                    if host and m.get("plan") and system != "ours-z3":
+                        from deepcompile.planner.ours import replay_of
+
+                        r = _predict(w, world, system, host, m["plan_cost"],
+                                     replay=replay_of(m["plan"]))
+                        p["replayed_step_s"] = r["step_s"] + p["harness_s"]
+                        p["replayed_collectives"] = r["collectives"]
+                    m.pop("plan", None)
+                rows.append(rec)
+                with raw_path.open("a") as f:
+                    f.write(json.dumps(rec, default=str) + "\n")
+                print(f"round {round_ + 1}/{args.launches} world {world} {wname}: " + "; ".join(
+                    f"{s} predicted {pred['systems'][s]['step_s'] * 1e3:.1f} ms, measured "
+                    f"{(rec['measured'][s]['step_s'] or float('nan')) * 1e3:.1f} ms"
+                    for s in systems), flush=True)
+    write_summary(rows, args, out_dir, date, argv)
+    return 0
+
+
+def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = "") -> None:
+    """The per-cell medians (JSON and markdown) of `rows` (every round's record)."""
+    import torch
+
+    summary = []
+    for world in args.worlds:
+        for wname in args.workloads:
+            cell = [r for r in rows if r["world"] == world and r["workload"] == wname]
+            for s in args.systems:
+                if not cell or s not in cell[0]["measured"]:
+                    continue
+                p = [r["prediction"]["systems"][s]["step_s"] for r in cell]
+                m = [r["measured"][s]["step_s"] for r in cell if r["measured"][s]["ok"]]
+                if not m:
+                    continue
+                pm, mm = statistics.median(p), statistics.median(m)
+                mc = [r["measured"][s]["cpu_s"] for r in cell
+                      if r["measured"][s]["ok"] and r["measured"][s].get("cpu_s")]
+                sh = [r["measured"][s]["cpu_share"] for r in cell
+                      if r["measured"][s]["ok"] and r["measured"][s].get("cpu_share")]
+                rp = [r["prediction"]["systems"][s].get("replayed_step_s") for r in cell]
+                rp = [x for x in rp if x is not None]
+                summary.append({"workload": wname, "world": world, "system": s,
+                                "predicted_ms": pm * 1e3, "measured_ms": mm * 1e3,
+                                "error": pm / mm - 1,
+                                "measured_cpu_ms": statistics.median(mc) * 1e3 if mc else None,
+                                "error_vs_cpu": pm / statistics.median(mc) - 1 if mc else None,
+                                "cpu_share": statistics.median(sh) if sh else None,
+                                "replayed_ms": statistics.median(rp) * 1e3 if rp else None,
+                                "replayed_error": statistics.median(rp) / mm - 1 if rp else None,
+                                "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
+                                "measured_range_ms": [min(m) * 1e3, max(m) * 1e3]})
+    meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "command": shlex.join(["python", "benchmarks/plan_validate.py",
+                                   *(argv or sys.argv[1:])]),
+            "load_end": list(os.getloadavg())}
+    (out_dir / "plan_validation.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "rounds": rows}, indent=1, default=str))
+    lines = [f"# deepcompile plan: predicted vs measured step time, {date}", "",
+             "Predicted: `deepcompile plan --gpu cpu` at that many ranks (plus the bench's "
+             "input-making time per micro-step, measured); measured: `deepcompile bench` "
+             "launches (compiler fx), median of launch medians.", "",
+             f"- command: `{meta['command']}`",
+             f"- machine: {meta['machine']}, {meta['cpus']} CPUs; torch {meta['torch']}",
+             f"- the planner's compute profiles (nodes, optimizer, framework) timed in "
+             + ("thread CPU time (`--clock cpu`)" if getattr(args, "clock", "wall") == "cpu"
+                else "wall time"),
+             *([f"- {note}"] if note else []),
+             "- load average (1 min) when each launch started: "
+             + ", ".join(f"{m['load'][0]:.1f}" for r in rows for m in r["measured"].values())
+             + f"; at the end {meta['load_end'][0]:.1f} (2 cores, shared with other workers)",
+             f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
+             "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
+             f"{args.steps} timed steps)", "",
+             "- measured CPU ms: rank 0's main-thread CPU time per step (`time.thread_time`), "
+             "and its share of the step's wall time: on this shared machine a step's wall time "
+             "also holds the time other processes had the cores. At one rank nothing waits on "
+             "communication, so the CPU time is the step an idle core would take; at 2 and 4 "
+             "ranks it leaves out the time spent waiting for peers (gloo), so it is a lower "
+             "bound there.", "",
+             "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | "
+             "error | measured CPU ms (share) | error vs CPU | with the run's decisions | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
+                     f"{r['predicted_ms']:.1f} [{r['predicted_range_ms'][0]:.1f}, "
+                     f"{r['predicted_range_ms'][1]:.1f}] | {r['measured_ms']:.1f} "
+                     f"[{r['measured_range_ms'][0]:.1f}, {r['measured_range_ms'][1]:.1f}] | "
+                     f"{r['error'] * 100:+.0f}% | "
+                     + (f"{r['measured_cpu_ms']:.1f} ({r['cpu_share']:.2f}) | "
+                        f"{r['error_vs_cpu'] * 100:+.0f}% | "
+                        if r["measured_cpu_ms"] else "- | - | ")
+                     + (f"{r['replayed_ms']:.1f} | {r['replayed_error'] * 100:+.0f}% |"
+                        if r["replayed_ms"] is not None else "- | - |"))
+    (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Profiles taken on this machine: the pieces' node times, the optimizer step, the network.
+
+[Note: measuring on the CPU] When the target is this machine (`--gpu cpu`: gloo ranks on its
+cores), nothing is scaled: the pieces are built with real random weights, traced like the fake
+ones, and each graph is run through deepcompile's own profiler (`compiler.profiler.profile_run`:
+one wall-clock time per node, the FX graph executed node by node, as `compiler="fx"` runs it);
+the optimizer step is AdamW on this rank's shards; the network is the runtime's own
+communication as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
+launched and waited below autograd, the reduction's divide; synchronous, and asynchronous with
+compute between, and the host time of a launch and of a wait) timed over a sweep of sizes and
+fitted to `latency + bytes x seconds per byte` (at world size 1 nothing is communicated, and
+nothing is measured); the framework's
+time per micro-step outside the graphs (guards, wrappers, autograd) is measured on the pieces'
+one-layer model (`framework_overhead`: a deepcompile run of it, not of the model planned);
+and how much of an
+asynchronous collective the rank's compute hides (`overlap_factor`: on cores all busy with
+ranks, gloo's thread runs on the compute's core). The passes plan, as
+in a run, with the cost model the runtime calibrates at start-up (`compiler.cost.calibrate`:
+gloo's collectives alone, without the ops' host cost). All of it runs in N
+spawned ranks at once, one thread each as the bench runs them, so the figures include what N
+ranks sharing these cores cost each other; per figure, the median over the repeats, then the
+maximum over ranks (the pipeline's agreement rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ..compiler.cost import LinearCostModel
+from .network import Fitted, fit
+from .roofline import NodeCost
+
+SWEEP = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+_NET_KEYS = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async",
+             "launch_all_gather", "launch_reduce_scatter", "wait_all_gather",
+             "wait_reduce_scatter")
+
+
+@dataclasses.dataclass
+class HostProfile:
+    world: int
+    node_s: dict[str, dict[str, float]]     # "piece.phase" -> node name -> seconds
+    optimizer_s: float                       # AdamW on the shards + engine.step's own time
+    network: Fitted
+    load: list[float]                        # 1/5/15-min load average when measured
+    overhead_s: float = 0.0                  # framework time per micro-step outside graphs
+    plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
+    clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
+
+    def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
+        return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world": self.world, "clock": self.clock, "optimizer_s": self.optimizer_s,
+                "overhead_s": self.overhead_s,
+                "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
+                "network": self.network.to_dict(), "load": self.load,
+                "graph_s": {k: sum(v.values()) for k, v in self.node_s.items()}}
+
+
+def _clock_run(clock):
+    """An FX run timing every node with `clock` (the CPU-time mode; see `measure_host`)."""
+    def run(gm, args, **_):
+        times: list = []
+
+        class _Timed(torch.fx.Interpreter):
+            def run_node(self, n):
+                if n.op in ("placeholder", "output"):
+                    return super().run_node(n)
+                t0 = clock()
+                out = super().run_node(n)
+                times.append((n.name, clock() - t0))
+                return out
+
+        out = _Timed(gm).run(*args)
+        return out, _Times([_NodeTime(name, t) for name, t in times])
+    return run
+
+
+@dataclasses.dataclass
+class _NodeTime:
+    name: str
+    time_s: float
+
+
+@dataclasses.dataclass
+class _Times:
+    nodes: list
+
+
+def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, float]]:
+    """Median time per node of each piece's forward and backward on real inputs; `clock`
+    (CPU-time mode): every node timed with it instead of deepcompile's profiler."""
+    from ..compiler.profiler import profile_run
+
+    if clock is not None:
+        profile_run = _clock_run(clock)  # noqa: F811
+
+    runs: dict[str, dict[str, list[float]]] = {}
+    for name, pg in graphs.items():
+        args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
+        for r in range(repeats + 1):
+            with torch.no_grad():
+                outs, fp = profile_run(pg.fw, args, slot=f"{name}.fw", version=0,
+                                       name_of=str)
+                outs = list(outs)
+                saved = outs[pg.n_outputs:]
+                tangents = [torch.ones_like(outs[i]) for i in pg.tangent_of]
+                _, bp = profile_run(pg.bw, saved + tangents, slot=f"{name}.bw", version=0,
+                                    name_of=str)
+            if r == 0:
+                continue   # warm-up
+            for prof, phase in ((fp, "fw"), (bp, "bw")):
+                d = runs.setdefault(f"{name}.{phase}", {})
+                for n in prof.nodes:
+                    d.setdefault(n.name, []).append(n.time_s)
+    return {k: {n: statistics.median(v) for n, v in d.items()} for k, d in runs.items()}
+
+
+def time_optimizer(numels: list[int], world: int, repeats: int,
+                   clock=time.perf_counter) -> float:
+    """Median time of one AdamW step on this rank's fp32 shards of parameters of `numels`."""
+    shards = [torch.nn.Parameter(torch.randn(-(-n // world))) for n in numels]
+    for p in shards:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(shards, lr=1e-3)
+    times = []
+    for r in range(repeats + 2):
+        t0 = clock()
+        opt.step()
+        if r >= 2:
+            times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def _funcol(comm):
+    """The lowered graphs' collectives (compiler/lower.py) on this process group: `gather(shard)`
+    and `reduce(flat)` launch one and return its unwaited result, `wait(t)` waits for it."""
+    from .. import _compat
+
+    ag, rs, wait = _compat.funcol_ops()
+    world, group = comm.world, comm.group_name
+    return (lambda shard: ag(shard, world, group),
+            lambda flat: rs(flat, "sum", world, group), wait)
+
+
+def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
+    """Seconds of the runtime's communication per SWEEP size (a parameter of that many fp32
+    bytes), as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
+    and aten ops, below autograd; no Python op): a gather (`all_gather_into_tensor`,
+    `wait_tensor`) and a reduction (`reduce_scatter_tensor`, `wait_tensor`, the divide by the
+    world size), each timed amid compute as a step runs it (`per_op`); their asynchronous
+    forms (launch ... compute ... wait, the compute subtracted: on cores busy with ranks an
+    asynchronous collective costs more than a synchronous one, gloo's thread waking up and
+    competing); and the host time of launching one, and of waiting for one that is done."""
+    from .. import _compat
+
+    gather, reduce, wait = _funcol(comm)
+    world = comm.world
+    out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [],
+                                   "all_gather_async": [], "reduce_scatter_async": [],
+                                   "launch_all_gather": [], "launch_reduce_scatter": [],
+                                   "wait_all_gather": [], "wait_reduce_scatter": []}
+    x = torch.randn(64, 64)
+
+    def work():   # what a graph does between two collectives (~0.1 ms of kernels)
+        for _ in range(8):
+            torch.mm(x, x)
+
+    def per_op(fn, works: int = 1) -> float:
+        """An op's cost amid compute, as in a step: `repeats` rounds of (work, op), minus the
+        work alone; ranks are not re-aligned before each op (skew between them is part of a
+        collective's cost in a real step). `works`: how many works the op runs itself."""
+        fn()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            work()
+            fn()
+        both = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(repeats * works):
+            work()
+        return max(both - (time.perf_counter() - t0), 0.0) / repeats
+
+    def timed(fn, works: int = 1):
+        return statistics.median(per_op(fn, works) for _ in range(3))
+
+    def cycle(start, wait_):
+        """An asynchronous collective with compute between its launch and its wait."""
+        def run():
+            token = start()
+            work()
+            wait_(token)
+        return run
+
+    def launch(start, wait_):
+        """Host time of the launch, and of the wait once the collective is done."""
+        ts, tw = [], []
+        for _ in range(repeats):
+            work()
+            t0 = time.perf_counter()
+            token = start()
+            ts.append(time.perf_counter() - t0)
+            for _ in range(4):
+                work()
+            torch.distributed.barrier()   # every rank has launched: the collective is done
+            t0 = time.perf_counter()
+            wait_(token)
+            tw.append(time.perf_counter() - t0)
+        return statistics.median(ts), statistics.median(tw)
+
+    with _compat.below_autograd():
+        for nbytes in SWEEP:
+            n = max(nbytes // 4 // world, 1)
+            shard = torch.randn(n)
+            flat = torch.randn(n * world)
+            ag = (lambda: gather(shard), wait)
+            rs = (lambda: reduce(flat), lambda t: torch.div(wait(t), world))
+            out["all_gather"].append(timed(lambda: ag[1](ag[0]())))
+            out["reduce_scatter"].append(timed(lambda: rs[1](rs[0]())))
+            out["all_gather_async"].append(timed(cycle(*ag), works=2))
+            out["reduce_scatter_async"].append(timed(cycle(*rs), works=2))
+            for kind, pair in (("all_gather", ag), ("reduce_scatter", rs)):
+                t_start, t_wait = launch(*pair)
+                out[f"launch_{kind}"].append(t_start)
+                out[f"wait_{kind}"].append(t_wait)
+    return out
+
+
+def overlap_factor(comm, repeats: int) -> float:
+    """How much of an asynchronous collective this rank's compute actually hides, measured:
+    the lowered graphs' all-gather of 1 MiB alone (T_a), compute sized to take as long (T_c),
+    both at once (T_b): (T_c + T_a - T_b) / min(T_c, T_a), clamped to [0, 1]; the median of
+    `repeats` trials. On a CPU whose cores are all busy with ranks, gloo's thread takes the
+    compute's core and little overlaps."""
+    from .. import _compat
+
+    gather, _, wait = _funcol(comm)
+    shard = torch.zeros(max((1 << 18) // comm.world, 1))
+    x = torch.randn(128, 128)
+    barrier = torch.distributed.barrier
+
+    def run(k: int, a: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        token = gather(shard) if a else None
+        for _ in range(k):
+            torch.mm(x, x)
+        if a:
+            wait(token)
+        return time.perf_counter() - t0
+
+    with _compat.below_autograd():
+        run(1, True)
+        ta = statistics.median(run(0, True) for _ in range(repeats))
+        one = statistics.median(run(10, False) for _ in range(5)) / 10
+        k = max(1, round(ta / one))
+        trials = []
+        for _ in range(repeats):
+            tc, ta_, tb = run(k, False), run(0, True), run(k, True)
+            trials.append(min(max((tc + ta_ - tb) / min(tc, ta_), 0.0), 1.0))
+    return statistics.median(trials)
+
+
+def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
+                       cpu: bool = False) -> tuple[float, float]:
+    """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
+    (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
+    model's output object: the forward and backward calls' time minus their graphs' run
+    times) and per optimizer step (`engine.step()` minus the optimizer's own `step`), measured
+    on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
+    parameters are sharded by the engine: call it after everything else of the pieces.
+    `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share)."""
+    import functools
+
+    from .. import initialize
+
+    eng = initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                     config={"compiler": "fx", "passes": ()})
+    inner = eng.optimizer.step
+    spent = [0.0]
+
+    clock = time.thread_time if cpu else time.perf_counter
+
+    def timed_step(*a, **k):   # this throwaway engine's optimizer, timed
+        t0 = clock()
+        out = inner(*a, **k)
+        spent[0] += clock() - t0
+        return out
+
+    eng.optimizer.step = timed_step
+    warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
+    micro, step = [], []
+    for i in range(warm + repeats):
+        slots = eng._pipeline.slots
+        before = {k: len(sl.run_s) for k, sl in slots.items()}
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        loss = eng(input_ids=ids, labels=ids).loss
+        eng.backward(loss)
+        loss.item()
+        t1 = time.perf_counter()
+        c1 = time.thread_time()
+        spent[0] = 0.0
+        eng.step()
+        t2 = time.perf_counter()
+        c2 = time.thread_time()
+        runs = sum(sum(list(sl.run_s)[before.get(k, 0):]) for k, sl in slots.items())
+        if cpu:   # CPU time: the graphs' share of it as of their wall time
+            share = (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
+            t0, t1, t2, runs = c0, c1, c2, runs * share
+        if i >= warm:
+            micro.append((t1 - t0) - runs)
+            step.append((t2 - t1) - spent[0])
+    return statistics.median(micro), statistics.median(step)
+
+
+def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        from ..compiler.cost import calibrate
+        from ..runtime.comm import Comm
+        from . import pieces, shapes, trace
+
+        dist.init_process_group("gloo")
+        comm = Comm()
+        shape = shapes.load(spec["model"])
+        ps = pieces.build(shape, batch=spec["batch"], seq=spec["seq"], dtype=torch.float32,
+                          fake=False, seed=spec["seed"])
+        graphs = trace.trace_all(ps)
+        cpu = spec.get("clock") == "cpu"
+        node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None)
+        opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"],
+                               time.thread_time if cpu else time.perf_counter)
+        if world > 1:
+            net = sweep_ops(comm, spec["net_repeats"])
+            eta = overlap_factor(comm, spec["net_repeats"])
+        else:   # nothing is communicated at world size 1 (compiler/lower.py)
+            net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
+            eta = 1.0
+        ids = ps.embed.inputs[0]
+        over, step_over = framework_overhead(ps.model, ids, spec["repeats"], cpu)  # last
+        # the cost model the runtime's passes plan with (agreed across ranks inside)
+        plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
+        keys = list(net)
+        flat = [t for d in node_s.values() for t in d.values()] + [opt_s, over, step_over, -eta] + \
+            [t for k in keys for t in net[k]]
+        vec = torch.tensor(flat, dtype=torch.float64)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            vals = iter(vec.tolist())
+            node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
+            opt_s, over, step_over, eta = next(vals), next(vals), next(vals), -next(vals)
+            net = {k: [next(vals) for _ in net[k]] for k in keys}
+            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
+                              "overhead_s": over,
+                              "overlap": eta, "net": net, "plan_cost": plan_cost}))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 -- the parent reports it
+        import traceback
+
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int = 5,
+                 net_repeats: int = 20, seed: int = 0, timeout_s: float = 900.0,
+                 clock: str = "wall") -> HostProfile:
+    """The profiles of `model` at `world` gloo ranks on this machine (see the module note).
+    `clock` "cpu": compute (nodes, optimizer, framework) in the ranks' CPU time
+    (`time.thread_time`), not wall time: on a machine shared with other work a node's wall
+    time holds whatever other processes took of the core meanwhile; the network stays in wall
+    time (waiting for peers is part of it)."""
+    import multiprocessing as mp
+
+    from .._demo import _free_port, _terminate
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    spec = {"model": model, "batch": batch, "seq": seq, "repeats": repeats,
+            "net_repeats": net_repeats, "seed": seed, "clock": clock}
+    load = list(os.getloadavg())
+    saved = dict(os.environ)
+    procs = []
+    try:
+        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for r in range(world):
+            p = ctx.Process(target=_rank, args=(r, world, port, spec, queue), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        status, data = queue.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        _terminate(procs)
+    if status != "ok":
+        raise RuntimeError(f"deepcompile plan: measuring on this machine failed:\n{data}")
+    net = data["net"]
+    kinds = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async")
+    launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds[:2]}
+    wait = {k: statistics.median(net[f"wait_{k}"]) for k in kinds[:2]}
+    network = Fitted(world, {k: fit(list(zip(SWEEP, net[k]))) for k in kinds}, launch=launch,
+                     copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
+                     overlap=data["overlap"], wait=wait)
+    return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
+                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]), clock)

@@ -1,0 +1,177 @@
+"""Collective times at N x G ranks: a latency-bandwidth model of NCCL's ring and tree.
+
+[Note: the network model] `Fabric` is deepcompile's `CostModel` (compiler/cost.py) for a
+cluster we don't have: `collective_s(kind, nbytes)` for a collective over the full tensor of
+`nbytes` (what the passes plan with), `copy_s(nbytes)` for a host<->device copy, and
+`launch_s(kind)` for the host time to launch one collective (the runtime's per-launch cost;
+`passes/_common.fuses` counts it once it lands there), and `wait_s(kind)` for the host time of
+an asynchronous collective's wait op.
+
+All-gather and reduce-scatter run NCCL's ring over all N = nodes x G ranks (NCCL has no tree
+for them). One ring step moves 1/N of the tensor over every link at once, so
+
+    t = base + latency + (N - 1) / N * S / busbw
+
+where `latency` is the pipeline depth of the ring (the hop latencies summed around it: N -
+nodes NVLink hops and `nodes` network hops) and `busbw` is the slowest link's share: inside
+one node, a GPU's NVLink bandwidth; across nodes, NCCL runs G rings, one per NIC
+(rail-aligned), each crossing the network once per node boundary, so `busbw = min(NVLink,
+G x NIC)` — which is why 8 x 400 Gb/s H100 nodes reach about NVLink speed for large messages.
+All-reduce is reduce-scatter + all-gather on the ring (`2 (N-1)/N S / busbw`, twice the
+latency), or NCCL's tree (a chain inside each node, a binary tree across nodes: latency
+`2 (log2(nodes) x net hop + (G - 1) x NVLink hop)`, bandwidth `2 S / (busbw x 0.9)`: a tree
+reaches less of the links than a ring, as in NCCL's tuning model); `algorithm` "auto" takes the
+faster, as NCCL's tuner does: the tree for small messages, the ring for large ones. World size
+1 has no wire: 0.
+
+Achievable link bandwidth is the datasheet figure times an efficiency (NCCL reaches ~80% of
+NVLink4 in all-gather, ~90% of InfiniBand). Every figure is printed with a plan and can be
+overridden (`--assume net.nic_bw=25e9`).
+
+On the CPU (gloo, this machine) there is no datasheet: `Fitted` is `latency + bytes x seconds
+per byte` per kind, fitted to a sweep measured at N ranks (measure.py), like the runtime's own
+`compiler/cost.calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass
+class Fabric:
+    nodes: int
+    gpus_per_node: int
+    nvlink_bw: float               # bytes/s per GPU per direction (datasheet)
+    nic_bw: float                  # bytes/s per GPU NIC (datasheet)
+    pcie_bw: float                 # bytes/s host<->device (datasheet)
+    nvlink_eff: float = 0.80
+    nic_eff: float = 0.90
+    pcie_eff: float = 0.80
+    nvlink_hop_s: float = 0.7e-6   # one ring hop inside a node (NCCL LL128)
+    net_hop_s: float = 5.0e-6      # one ring hop across nodes (InfiniBand / RoCE, proxy thread)
+    base_s: float = 8e-6           # per collective on the device: kernel start, channel sync
+    copy_lat_s: float = 10e-6      # per host<->device copy
+    launch_host_s: float = 20e-6   # host seconds to launch one collective (see plan.py)
+    tree_bw_factor: float = 0.9    # a tree's bus bandwidth relative to a ring's
+    algorithm: str = "auto"        # all-reduce: "ring", "tree" or "auto"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def busbw(self) -> float:
+        intra = self.nvlink_bw * self.nvlink_eff
+        if self.nodes == 1:
+            return intra
+        return min(intra, self.gpus_per_node * self.nic_bw * self.nic_eff)
+
+    def ring_latency(self) -> float:
+        n = self.world
+        if self.nodes == 1:
+            return (n - 1) * self.nvlink_hop_s
+        return (n - self.nodes) * self.nvlink_hop_s + self.nodes * self.net_hop_s
+
+    def tree_latency(self) -> float:
+        depth = math.ceil(math.log2(self.nodes)) if self.nodes > 1 else 0
+        return 2 * (depth * self.net_hop_s + (self.gpus_per_node - 1) * self.nvlink_hop_s)
+
+    # -- CostModel ------------------------------------------------------------------------
+    def collective_s(self, kind: str, nbytes: int) -> float:
+        n = self.world
+        if n <= 1:
+            return 0.0
+        bw = self.busbw()
+        frac = (n - 1) / n
+        if kind in ("all_gather", "reduce_scatter"):
+            return self.base_s + self.ring_latency() + frac * nbytes / bw
+        if kind == "all_reduce":
+            ring = self.base_s + 2 * self.ring_latency() + 2 * frac * nbytes / bw
+            tree = self.base_s + self.tree_latency() + 2 * nbytes / (bw * self.tree_bw_factor)
+            return {"ring": ring, "tree": tree}.get(self.algorithm, min(ring, tree))
+        raise ValueError(f"deepcompile plan: unknown collective kind {kind!r}")
+
+    def copy_s(self, nbytes: int) -> float:
+        return self.copy_lat_s + nbytes / (self.pcie_bw * self.pcie_eff)
+
+    def launch_s(self, kind: str) -> float:
+        return self.launch_host_s
+
+    def wait_s(self, kind: str) -> float:
+        """Host time of an asynchronous collective's wait: in today's runtime a Python op too
+        (a synchronous collective is one op: its launch)."""
+        return self.launch_host_s
+
+    def describe(self) -> str:
+        return (f"{self.nodes} x {self.gpus_per_node} ranks; NVLink "
+                f"{self.nvlink_bw / 1e9:.0f} GB/s "
+                f"x {self.nvlink_eff:.2f}, NIC {self.nic_bw / 1e9:.1f} GB/s x {self.nic_eff:.2f} "
+                f"per GPU -> ring busbw {self.busbw() / 1e9:.0f} GB/s; hops "
+                f"{self.nvlink_hop_s * 1e6:.1f} "
+                f"/ {self.net_hop_s * 1e6:.1f} us, base {self.base_s * 1e6:.1f} us -> ring latency "
+                f"{(self.base_s + self.ring_latency()) * 1e6:.1f} us; all-reduce {self.algorithm}; "
+                f"host {self.launch_host_s * 1e6:.0f} us per launch; PCIe {self.pcie_bw / 1e9:.0f} "
+                f"GB/s x {self.pcie_eff:.2f}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "world": self.world, "busbw": self.busbw()}
+
+
+@dataclasses.dataclass
+class Fitted:
+    """A measured network (gloo on this machine): per kind, a synchronous op's time as latency +
+    bytes x seconds/byte, and the host time of launching an asynchronous one. A collective is
+    then `launch_s` on the host and `collective_s` (the rest) on its lane: a synchronous one
+    costs its measured time in all."""
+    world: int
+    coeffs: dict[str, tuple[float, float]]   # kind -> (latency s, s per byte)
+    launch: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s (async)
+    copy: tuple[float, float] = (0.0, 0.0)
+    samples: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    overlap: float = 1.0   # share of an asynchronous collective compute can hide (measured)
+    wait: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s of a wait
+
+    def collective_s(self, kind: str, nbytes: int) -> float:
+        a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
+        return max(a + b * nbytes - self.launch_s(kind), 0.0)
+
+    def async_s(self, kind: str, nbytes: int) -> float:
+        """Lane time of an asynchronous collective (measured amid compute, less its launch)."""
+        if f"{kind}_async" not in self.coeffs:
+            return self.collective_s(kind, nbytes)
+        a, b = self.coeffs[f"{kind}_async"]
+        return max(a + b * nbytes - self.launch_s(kind), 0.0)
+
+    def copy_s(self, nbytes: int) -> float:
+        a, b = self.copy
+        return a + b * nbytes
+
+    def launch_s(self, kind: str) -> float:
+        return self.launch.get(kind, 0.0)
+
+    def wait_s(self, kind: str) -> float:
+        return self.wait.get(kind, 0.0)
+
+    def describe(self) -> str:
+        parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s "
+                 f"(launch {self.launch_s(k) * 1e6:.0f} us, wait {self.wait_s(k) * 1e6:.0f} us)"
+                 for k, (a, b) in sorted(self.coeffs.items())]
+        return (f"runtime ops on gloo at {self.world} ranks (measured): " + "; ".join(parts)
+                + f"; overlap {self.overlap:.2f}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares `latency + bytes x per_byte` (both >= 0) over measured (bytes, s) points."""
+    n = len(points)
+    if n == 1:
+        return points[0][1], 0.0
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx else 0.0
+    return max(my - b * mx, 0.0), b

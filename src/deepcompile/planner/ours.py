@@ -1,0 +1,723 @@
+"""deepcompile's own schedule: insertion, then the passes, planned by the passes' own planners.
+
+[Note: the passes at scale] The composed graphs (compose.py) get deepcompile's insertion: a
+synchronous gather before the first use of each parameter in each graph, a synchronous reduce
+right after each gradient is complete. Then each configured pass plans, in the order given,
+with its real planner (`prefetch.plan_graph` / `plan_across`, `bucket_reduce.plan_graph`,
+`selective_unshard.options_of` / `choose`, `offload_optimizer.plan_step`) on `Step` lists built
+here from the current plan, with the memory budget and the cost model the runtime would give
+them (`Setting.planner_cost`: the network model on a GPU cluster; on this machine the
+runtime's own calibration): what the passes see in a run, where the profile after each pass
+is measured, is here the memory model of the plan so far (`Plan.items`), so each pass plans
+on the effect of the ones before. The simulation then times the plan with the measured or
+modelled costs, host costs included.
+
+Memory model of a plan (the profiler's: live bytes after each node): the persistent state
+(shards, gradient shards, Adam state, kept parameters, accumulators), the step's activations
+(`Node.live`), each gathered parameter from its gather (or its group's wait, where the runtime
+hands it over) to its last use in the graph, a group's flat buffer from its start to its wait,
+a gradient from where it is complete to its reduce (or its bucket's start), a bucket's padded
+gradients and reduced shards from its start to its wait.
+
+Time model, the lowered runtime's (compiler/lower.py: functional collectives and aten ops, no
+Python op per collective): a synchronous collective is a launch and an immediate wait; a fused
+group copies its members out of the `[world, sum(shard)]` buffer after the wait (a device copy;
+a group of one is a view), a bucket copies its gradients in at its start (the `cat`); a kept
+parameter is a graph input (the runtime's kept tensor: no copy, no bytes beyond the persistent
+kept buffer); an accumulated gradient is added to its accumulator on the micro-steps that do not
+reduce. Each launch costs the host `cost.launch_s(kind)` (the functional collective's C++ call).
+At world size 1 nothing is communicated: a gather is the shard itself (a view) or its cast to the
+compute dtype, a reduction the gradient (or its cast to the master dtype), and the passes that
+schedule collectives plan nothing (`prefetch`, `bucket_reduce` and `selective_unshard` return
+empty decisions there, as the runtime's do). `prefetch` and `bucket_reduce` group with the
+runtime's fusion policy (`Setting.fusion`: "overlap" on a GPU, "cap" on the CPU; [Note: fusion
+policy] in compiler/autoplan.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
+from ..passes._common import Step
+from ..runtime import kept as _kept
+from ..runtime import regather
+from .compose import Graph, Model
+from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
+                       framework_event, node_host, optimizer_events)
+from .schedule import async_launch_s as _launch
+from .schedule import async_s, wait_s
+from .simulate import Event
+
+PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
+AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
+REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
+
+
+@dataclasses.dataclass
+class Group:
+    pids: list[int]
+    start: int | None      # before node `start`; None: started by the previous graph
+    wait: int              # before node `wait`
+    nbytes: int
+    prev_start: int | None = None   # started in the previous graph before this node (n: its end)
+
+
+@dataclasses.dataclass
+class Bucket:
+    pids: list[int]
+    start_after: int
+    wait_before: int       # n: at the end of the graph
+    nbytes: int            # wire bytes
+    inflight: int          # wire bytes + reduced shards, held from start to wait
+
+
+@dataclasses.dataclass
+class Item:
+    kind: str              # compute | all_gather | all_gather_start | all_gather_wait |
+                           # reduce_scatter | reduce_scatter_start | reduce_scatter_wait |
+                           # copy (device copy) | accumulate
+    name: str
+    dur: float
+    host: float
+    live: int
+    peak: int
+    ref: Any = None        # collective key (start/wait pairs), node index for compute
+    label: str = ""
+    nbytes: int = 0        # a collective's bytes
+
+
+@dataclasses.dataclass
+class Plan:
+    s: Setting
+    groups: dict[str, list[Group]] = dataclasses.field(default_factory=lambda: {"fw": [], "bw": []})
+    buckets: list[Bucket] = dataclasses.field(default_factory=list)
+    kept: set[int] = dataclasses.field(default_factory=set)
+    accumulated: set[int] = dataclasses.field(default_factory=set)
+    offloaded: int = 0                       # bytes of optimizer state off the device
+    reloads: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
+    # (bw node index after which, bytes, copy s) in the last micro-step; -1: at the step
+    decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -- sizes ------------------------------------------------------------------------
+    @property
+    def model(self) -> Model:
+        return self.s.model
+
+    def graph(self, key: str) -> Graph:
+        return self.model.fw if key == "fw" else self.model.bw
+
+    def persistent(self) -> int:
+        s = self.s
+        extra = sum(s.full_bytes(s.model.params[p]) for p in self.kept)
+        extra += sum(s.padded(s.model.params[p]) * MASTER_BYTES for p in self.accumulated)
+        return s.persistent_bytes() + extra + s.model.base_bytes - self.offloaded
+
+    # -- the graph's items under this plan ---------------------------------------------
+    def items(self, key: str, last: bool = True) -> list[Item]:
+        s, g = self.s, self.graph(key)
+        params = s.model.params
+        n = len(g.nodes)
+        cost = s.cost
+        grouped = {p for grp in self.groups[key] for p in grp.pids}
+        # ZeRO-1 launches nothing before the last micro-step: its buckets accumulate locally
+        buckets = self.buckets if key == "bw" and (s.stage != 1 or last) else []
+        bucketed = {p for b in buckets for p in b.pids}
+        before: dict[int, list] = {}
+        after: dict[int, list] = {}
+        for k, grp in enumerate(self.groups[key]):
+            if grp.start is not None:
+                before.setdefault(grp.start, []).append(("start", k, grp))
+            before.setdefault(grp.wait, []).append(("wait", k, grp))
+        if key == "fw":
+            for k, grp in enumerate(self.groups["bw"]):
+                if grp.prev_start is not None:
+                    before.setdefault(grp.prev_start, []).append(("ahead", k, grp))
+        uses = g.uses if s.stage == 3 else []   # ZeRO-1/2: parameters are replicated
+        for u in uses:
+            if u.pid in self.kept:
+                before.setdefault(u.first, []).append(("kept", u.pid, None))
+            elif u.pid not in grouped:
+                before.setdefault(u.first, []).append(("gather", u.pid, None))
+        frees: dict[int, list[int]] = {}
+        for u in uses:
+            frees.setdefault(u.last, []).append(u.pid)
+        use_of = {u.pid: u for u in g.uses}
+        for gr in g.grads:
+            if gr.pid in bucketed:
+                continue
+            if gr.pid in self.accumulated:
+                after.setdefault(gr.at, []).append(("reduce" if last else "accumulate", gr.pid, gr))
+            else:
+                after.setdefault(gr.at, []).append(("reduce", gr.pid, gr))
+        bucket_grads: dict[int, list] = {}
+        for gr in g.grads:
+            if gr.pid in bucketed:
+                bucket_grads.setdefault(gr.at, []).append(gr)
+        for k, b in enumerate(buckets):
+            after.setdefault(b.start_after, []).append(("bstart", k, b))
+            before.setdefault(b.wait_before, []).append(("bwait", k, b))
+
+        held: dict[Any, int] = {}
+        if key == "bw":   # groups the forward started for this graph are in flight
+            for k, grp in enumerate(self.groups["bw"]):
+                if grp.prev_start is not None:
+                    held[("grp", k)] = grp.nbytes
+        base = self.persistent()
+        act = [0] * (n + 1)
+        act[0] = 0 if key == "fw" else s.model.fw.nodes[-1].live
+        for i, node in enumerate(g.nodes):
+            act[i + 1] = node.live
+        out: list[Item] = []
+        lab = _labels(s.model, g)
+
+        def live(i):   # bytes live now, with activations as after node i - 1
+            return base + act[i] + sum(held.values())
+
+        def emit(kind, name, dur, host, ref, i, label, peak=None, nbytes=0):
+            lv = live(i)
+            out.append(Item(kind, name, dur, host, lv, lv if peak is None else max(peak, lv),
+                            ref, label, nbytes))
+
+        def comm_item(entry, i):
+            what, k, obj = entry
+            if what == "start":
+                held[("grp", k)] = obj.nbytes
+                emit("all_gather_start", f"ag{key}{k}", async_s(cost, "all_gather", obj.nbytes),
+                     _launch(cost, "all_gather", obj.nbytes), (key, "grp", k), i,
+                     lab[min(i, n - 1)],
+                     nbytes=obj.nbytes)
+            elif what == "ahead":
+                held[("ahead", k)] = obj.nbytes
+                emit("all_gather_start", f"agbw{k}", async_s(cost, "all_gather", obj.nbytes),
+                     _launch(cost, "all_gather", obj.nbytes), ("bw", "grp", k), i,
+                     lab[min(i, n - 1)],
+                     nbytes=obj.nbytes)
+            elif what == "wait":
+                held.pop(("grp", k), None)
+                for p in obj.pids:
+                    if p in use_of:
+                        held[("param", p)] = s.gather_bytes(params[p])
+                emit("all_gather_wait", f"ag{key}{k}.wait", 0.0, wait_s(cost, "all_gather"),
+                     (key, "grp", k), i, lab[min(i, n - 1)])
+                if len(obj.pids) > 1:
+                    emit("copy", f"ag{key}{k}.copy_out", s.copy_on_device_s(obj.nbytes),
+                         node_host(s, 1, False), None, i, lab[min(i, n - 1)])
+            elif what == "gather" and s.world == 1:   # the shard itself, or its cast
+                cast = s.csize != MASTER_BYTES
+                held[("param", k)] = s.full_bytes(params[k]) if cast else 0
+                if cast:
+                    emit("copy", f"cast.{params[k].name}", s.cast_s(params[k].numel),
+                         node_host(s, 1, False), None, i, lab[min(i, n - 1)])
+            elif what == "gather":
+                nb = s.gather_bytes(params[k])
+                held[("param", k)] = nb
+                emit("all_gather", f"ag.{params[k].name}", cost.collective_s("all_gather", nb),
+                     cost.launch_s("all_gather"), (key, "sync", k), i, lab[min(i, n - 1)],
+                     nbytes=nb)
+            elif what == "kept":
+                pass   # a graph input: the runtime's kept tensor (counted in persistent())
+            elif what == "bwait":
+                held.pop(("bucket", k), None)
+                emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, wait_s(cost, "reduce_scatter"),
+                     ("bw", "bucket", k), i, lab[min(i, n - 1)])
+                if len(obj.pids) > 1:   # one slice copy per member out of the reduced buffer
+                    emit("copy", f"rs{k}.copy_out", s.copy_on_device_s(obj.inflight - obj.nbytes),
+                         node_host(s, len(obj.pids), False), None, i, lab[min(i, n - 1)])
+
+        for i, node in enumerate(g.nodes):
+            for entry in sorted(before.get(i, []), key=_order):
+                comm_item(entry, i)
+            during = live(i + 1)
+            for p in frees.get(i, ()):
+                held.pop(("param", p), None)
+            for what, k, obj in after.get(i, []):
+                if what in ("reduce", "accumulate"):
+                    held[("grad", k)] = obj.nbytes
+            for gr in bucket_grads.get(i, ()):
+                held[("grad", gr.pid)] = gr.nbytes
+            emit("compute", node.name, node.time_s, node_host(s, node.kernels, False), i, i + 1,
+                 lab[i], peak=during)
+            for what, k, obj in after.get(i, []):
+                if what == "reduce" and s.world == 1:   # the gradient, or its cast
+                    held.pop(("grad", k), None)
+                    if s.csize != MASTER_BYTES:
+                        emit("copy", f"cast.grad.{params[k].name}", s.cast_s(params[k].numel),
+                             node_host(s, 1, False), None, i + 1, lab[i])
+                elif what == "reduce":
+                    p = params[k]
+                    nb = s.padded(p) * s.csize
+                    held.pop(("grad", k), None)
+                    emit("reduce_scatter", f"rs.{p.name}", cost.collective_s("reduce_scatter", nb),
+                         cost.launch_s("reduce_scatter"), (key, "sync", ("rs", k)), i + 1, lab[i],
+                         nbytes=nb)
+                elif what == "accumulate":
+                    held.pop(("grad", k), None)
+                    emit("accumulate", f"acc.{params[k].name}",
+                         1.5 * s.copy_on_device_s(obj.nbytes),
+                         node_host(s, 1, False), None, i + 1, lab[i])
+                elif what == "bstart":
+                    for p in obj.pids:
+                        held.pop(("grad", p), None)
+                    held[("bucket", k)] = obj.inflight
+                    copy = s.copy_on_device_s(obj.nbytes) if len(obj.pids) > 1 else 0.0
+                    emit("reduce_scatter_start", f"rs{k}",
+                         async_s(cost, "reduce_scatter", obj.nbytes) + copy,
+                         _launch(cost, "reduce_scatter", obj.nbytes), ("bw", "bucket", k), i + 1,
+                         lab[i],
+                         nbytes=obj.nbytes)
+        for entry in sorted(before.get(n, []), key=_order):
+            comm_item(entry, n)
+        return out
+
+    def profile(self, key: str) -> tuple[list[Step], list[Item], dict[str, int]]:
+        """What a profile of this graph under the plan shows the passes: one Step per item
+        (compute time on compute nodes and copies; live bytes after each); the items; and,
+        per step name, the node before which something placed at that step runs."""
+        items = self.items(key)
+        steps = [Step(it.name, "compute" if it.kind in ("copy", "accumulate") else it.kind,
+                      it.dur if it.kind in ("compute", "copy", "accumulate") else 0.0, it.live)
+                 for it in items]
+        where: dict[str, int] = {}
+        pending: list[str] = []
+        for it in items:
+            if it.kind == "compute":
+                for name in pending:
+                    where[name] = it.ref
+                pending = []
+                where[it.name] = it.ref
+            else:
+                pending.append(it.name)
+        for name in pending:
+            where[name] = len(self.graph(key).nodes)
+        return steps, items, where
+
+    def peak(self) -> int:
+        return max((it.peak for key in ("fw", "bw") for it in self.items(key)), default=0)
+
+
+def _order(entry) -> int:
+    return {"bwait": 0, "start": 1, "ahead": 1, "wait": 2, "gather": 3, "kept": 3}[entry[0]]
+
+
+def _labels(model: Model, g: Graph) -> list[str]:
+    names = {0: "embed", model.layers + 1: "head"}
+    tag = g.key
+    return [f"{names.get(n.block, f'L{n.block - 1}')} {tag}" for n in g.nodes]
+
+
+# ------------------------------------------------------------------------------- passes
+def _prefetch(plan: Plan) -> dict[str, Any]:
+    s = plan.s
+    decisions: dict[str, Any] = {}
+    steps: dict[str, list[Step]] = {}
+    where: dict[str, dict[str, int]] = {}
+    forced = (s.replay or {}).get("prefetch")
+    members: dict[tuple[str, int], list[int]] = {}
+    for key in ("bw", "fw"):     # the pipeline plans graphs in key order: g0.bw, g0.fw
+        st, items, where[key] = plan.profile(key)
+        steps[key] = st
+        gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
+                   for i, it in enumerate(items) if it.kind == "all_gather"]
+        if forced is None:
+            decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget,
+                                                 policy=s.fusion)
+            continue
+        # replay: each of the run's groups as one gather at its first member's place, placed
+        # by the planner, fused with nothing else
+        fused = _prefuse(gathers, forced.get(key, []), s, first=True)
+        decisions[key] = prefetch.plan_graph(st, fused, s.planner_cost, s.budget,
+                                             max_fused_bytes=0, policy=s.fusion)
+        for g in fused:
+            members[key, g.pid] = _MEMBERS[id(g)]
+    prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
+    ahead = (decisions["fw"].get("for_next") or [None])[0]
+    n_fw = len(plan.model.fw.nodes)
+    for key in ("fw", "bw"):
+        use = {u.pid: u for u in plan.graph(key).uses}
+        for g in decisions[key].get("groups", []):
+            pids = list(g["pids"])
+            if forced is not None:
+                pids = members[key, pids[0]]
+            wait = min(use[p].first for p in pids)
+            if g.get("from_prev"):
+                prev = n_fw if ahead is None or ahead["start_before"] is None \
+                    else where["fw"][ahead["start_before"]]
+                plan.groups[key].append(Group(pids, None, wait, g["bytes"], prev_start=prev))
+            else:
+                plan.groups[key].append(Group(pids, where[key][g["start_before"]], wait,
+                                              g["bytes"]))
+    return _summary_prefetch(decisions)
+
+
+def _summary_prefetch(decisions: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, d in decisions.items():
+        groups = d.get("groups", [])
+        out[key] = {"unattainable": d.get("unattainable", False),
+                    "gathers": sum(len(g["members"]) for g in groups),
+                    "groups": len(groups),
+                    "hidden_s": sum(g["hidden_s"] for g in groups),
+                    "predicted_s": sum(g["predicted_s"] for g in groups),
+                    "peak_before": d.get("peak_before"), "peak_after": d.get("peak_after"),
+                    "for_next": [{k: a[k] for k in ("bytes", "moved_nodes", "hidden_s")}
+                                 for a in d.get("for_next", [])]}
+    return out
+
+
+def _bucket_reduce(plan: Plan) -> dict[str, Any]:
+    s = plan.s
+    st, items, where = plan.profile("bw")
+    reduces = []
+    for i, it in enumerate(items):
+        # gradients accumulated locally (selective_unshard before it: `accumulate_grad` nodes)
+        # are not the runtime's `reduce_grad`s, and bucket_reduce leaves them alone
+        if it.kind == "reduce_scatter" and it.ref[2][1] not in plan.accumulated:
+            p = s.model.params[it.ref[2][1]]
+            reduces.append(bucket_reduce.Reduce(
+                it.name, i, it.nbytes, p.pid, str(s.model.dtype),
+                grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize))
+    forced = (s.replay or {}).get("bucket_reduce")
+    if forced is None:
+        d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget, policy=s.fusion)
+    else:   # replay: each of the run's buckets as one reduce at its last member's place
+        fused = _prefuse(reduces, forced, s, first=False)
+        d = bucket_reduce.plan_graph(st, fused, s.planner_cost, s.budget, max_bucket_bytes=0,
+                                  policy=s.fusion)
+        for b in d["buckets"]:
+            b["pids"] = _MEMBERS[id(next(r for r in fused if r.pid == b["pids"][0]))]
+    n = len(plan.model.bw.nodes)
+    grad_at = {g.pid: g.at for g in plan.model.bw.grads}
+    for b in d["buckets"]:
+        pids = list(b["pids"])
+        shards = sum(s.shard_numel(s.model.params[p]) * s.csize for p in pids)
+        wait = n if b["wait_before"] is None else where[b["wait_before"]]
+        plan.buckets.append(Bucket(pids, max(grad_at[p] for p in pids), wait, b["bytes"],
+                                   b["bytes"] + shards))
+    return {"unattainable": d["unattainable"], "reduces": len(reduces),
+            "buckets": len(d["buckets"]), "hidden_s": sum(b["hidden_s"] for b in d["buckets"]),
+            "predicted_s": sum(b["predicted_s"] for b in d["buckets"]),
+            "peak_before": d.get("peak_before"), "peak_after": d.get("peak_after")}
+
+
+_MEMBERS: dict[int, list[int]] = {}   # id(pre-fused collective) -> its members' pids (replay)
+
+
+def _prefuse(colls: list, groups: list[list[str]], s: Setting, first: bool) -> list:
+    """A run's groups (by parameter names) as one collective each, at the first member's
+    place (gathers) or the last one's (reduces); members the run did not group stay alone."""
+    by_name = {s.model.params[c.pid].name: c for c in colls}
+    out, taken = [], set()
+    for names in groups:
+        cs = sorted((by_name[n] for n in names if n in by_name), key=lambda c: c.index)
+        if not cs:
+            continue
+        at = cs[0] if first else cs[-1]
+        extra = {}
+        if hasattr(at, "grad_bytes"):
+            extra = {"grad_bytes": sum(c.grad_bytes for c in cs),
+                     "shard_bytes": sum(c.shard_bytes for c in cs)}
+        fused = dataclasses.replace(at, nbytes=sum(c.nbytes for c in cs), **extra)
+        _MEMBERS[id(fused)] = [c.pid for c in cs]
+        out.append(fused)
+        taken |= {c.pid for c in cs}
+    for c in colls:
+        if c.pid not in taken:
+            _MEMBERS[id(c)] = [c.pid]
+            out.append(c)
+    return sorted(out, key=lambda c: c.index)
+
+
+def replay_of(cached: dict) -> dict:
+    """The decisions of a run (its plan cache's JSON) in the form `Setting.replay` takes:
+    the passes the run kept, in its order (`passes`), prefetch groups per graph, bucket_reduce
+    buckets, selective_unshard's choice, by name."""
+    out: dict[str, Any] = {"passes": [e["pass"] for e in cached.get("passes", [])
+                                      if e.get("kept", True) is not False]}
+    for entry in cached.get("passes", []):
+        if entry.get("kept", True) is False:   # reverted by the run: not in its graphs
+            continue
+        d = entry["decisions"]
+        if entry["pass"] == "prefetch":
+            out["prefetch"] = {key.rsplit(".", 1)[1]: [g["params"] for g in v.get("groups", [])]
+                               for key, v in d.items()}
+        elif entry["pass"] == "bucket_reduce":
+            out["bucket_reduce"] = [b["params"] for v in d.values() for b in v.get("buckets", [])]
+        elif entry["pass"] == "selective_unshard":
+            out["selective_unshard"] = {"keep": [i["param"] for i in d["keep"]],
+                                        "accumulate": list(d["accumulate"])}
+    return out
+
+
+@dataclasses.dataclass
+class _Entry:   # what `kept.refresh_groups` reads of a registry entry
+    padded_numel: int
+    compute_dtype: Any
+
+
+def _selective_unshard(plan: Plan) -> dict[str, Any]:
+    s = plan.s
+    params = s.model.params
+    colls: list[selective_unshard.Collective] = []
+    for key in ("fw", "bw"):
+        g = plan.graph(key)
+        grouped = {p for grp in plan.groups[key] for p in grp.pids}
+        for grp in plan.groups[key]:
+            colls.append(selective_unshard.Collective(
+                "all_gather", s.gas, [(p, s.gather_bytes(params[p])) for p in grp.pids]))
+        for u in g.uses:
+            if u.pid not in grouped and u.pid not in plan.kept:
+                colls.append(selective_unshard.Collective(
+                    "all_gather", s.gas, [(u.pid, s.gather_bytes(params[u.pid]))]))
+    bucketed = {p for b in plan.buckets for p in b.pids}
+    for b in plan.buckets:
+        colls.append(selective_unshard.Collective(
+            "reduce_scatter", s.gas, [(p, s.padded(params[p]) * s.csize) for p in b.pids]))
+    for gr in plan.model.bw.grads:
+        if gr.pid not in bucketed:
+            colls.append(selective_unshard.Collective(
+                "reduce_scatter", s.gas, [(gr.pid, s.padded(params[gr.pid]) * s.csize)]))
+    used = {p for c in colls for p, _ in c.members}
+    cands = [selective_unshard.Candidate(p.pid, p.name, s.full_bytes(p),
+                                         s.padded(p) * MASTER_BYTES, s.gather_bytes(p))
+             for p in params if p.pid in used and s.stage == 3]
+    opts = selective_unshard.options_of(cands, colls, s.planner_cost, s.gas, set())
+    peak = plan.peak()
+    capacity = s.budget - peak
+    forced = (s.replay or {}).get("selective_unshard")
+    if forced is None:
+        choice = selective_unshard.choose(
+            [[o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
+             for o in opts], capacity)
+    else:   # replay the run's choice
+        choice = [(1 if o["name"] in forced["accumulate"] else 0)
+                  if o["name"] in forced["keep"] else None for o in opts]
+    chosen = [(o, k) for o, k in zip(opts, choice) if k is not None]
+    plan.kept = {o["pid"] for o, _ in chosen}
+    plan.accumulated = {o["pid"] for o, k in chosen if k == 1}
+    for key in ("fw", "bw"):     # kept parameters leave the fused groups (`_pull`)
+        kept_groups = []
+        for grp in plan.groups[key]:
+            left = [p for p in grp.pids if p not in plan.kept]
+            if left:
+                kept_groups.append(dataclasses.replace(
+                    grp, pids=left, nbytes=sum(s.gather_bytes(params[p]) for p in left)))
+        plan.groups[key] = kept_groups
+    kept_buckets = []
+    for b in plan.buckets:
+        left = [p for p in b.pids if p not in plan.accumulated]
+        if left:
+            wire = sum(s.padded(params[p]) * s.csize for p in left)
+            shards = sum(s.shard_numel(params[p]) * s.csize for p in left)
+            grad_at = {g.pid: g.at for g in plan.model.bw.grads}
+            kept_buckets.append(dataclasses.replace(
+                b, pids=left, nbytes=wire, inflight=wire + shards,
+                start_after=max(grad_at[p] for p in left)))
+    plan.buckets = kept_buckets
+    entries = [_Entry(s.padded(params[p]), s.model.dtype) for p in sorted(plan.kept)]
+    refresh = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
+               for grp in _kept.refresh_groups(entries)]
+    plan.decisions["refresh"] = refresh
+    counts = selective_unshard.predict_counts(colls, plan.kept, plan.accumulated, s.gas, refresh)
+    return {"kept": len(plan.kept), "kept_bytes": sum(s.full_bytes(params[p]) for p in plan.kept),
+            "accumulated": len(plan.accumulated),
+            "accumulator_bytes": sum(s.padded(params[p]) * MASTER_BYTES for p in plan.accumulated),
+            "capacity_bytes": capacity, "peak_before": peak,
+            "saved_s": sum((o["keep_accumulate"] if k == 1 else o["keep"])[1] for o, k in chosen),
+            "per_step": counts}
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _movable_bytes(s: Setting) -> int:
+    return ADAM_BYTES * s.shard_elems()
+
+
+def _offload(plan: Plan) -> dict[str, Any]:
+    """[Note: provisional offload] in runtime/offload.py: until this pass plans, every movable
+    fragment is off the device, so the passes before it planned on that curve; this plan
+    puts them back and keeps on the device what fits."""
+    s = plan.s
+    params = s.model.params
+    plan.offloaded = 0     # the curve with all state on the device
+    points = []
+    for m in range(s.gas):
+        last = m == s.gas - 1
+        for key in ("fw", "bw"):
+            for it in plan.items(key, last):   # every node of the profile, comm ops too
+                compute = it.kind == "compute"
+                points.append(offload_optimizer.Point(
+                    f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
+                    it.dur if compute else 0.0, compute and last and key == "bw"))
+    frags = [offload_optimizer.Frag(p.pid, k, s.shard_numel(p) * 4, p.name)
+             for p in params for k in ("exp_avg", "exp_avg_sq")]
+    step_bytes = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
+    d = offload_optimizer.plan_step(points, frags, step_bytes, s.planner_cost.copy_s, s.budget)
+    if not d["unattainable"] and d["fragments"]:
+        plan.offloaded = d["offloaded_bytes"]
+        plan.reloads = [(int(r["after"]) if r["after"] is not None else -1, r["bytes"],
+                         r["predicted_s"]) for r in d["reloads"]]
+    return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
+                              "need_bytes", "predicted_copy_s", "predicted_exposed_s",
+                              "peak_before", "peak_after")}
+
+
+_RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
+        "selective_unshard": _selective_unshard, "offload_optimizer": _offload}
+
+
+def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
+    unknown = [p for p in passes if p not in _RUN]
+    if unknown:
+        raise ValueError(f"deepcompile plan: unknown pass(es) {', '.join(unknown)}; "
+                         f"known: {', '.join(PASSES)}")
+    _MEMBERS.clear()
+    pl = Plan(s)
+    if s.stage < 3:
+        # ZeRO-1 keeps gradients locally until the last micro-step; after the optimizer step
+        # the updated shards are gathered into the replicas, 256 MiB per collective
+        if s.stage == 1 and s.gas > 1:
+            pl.accumulated = {p.pid for p in s.model.params}
+        entries = [_Entry(s.padded(p), s.model.dtype) for p in s.model.params]
+        pl.decisions["refresh"] = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
+                                   for grp in regather.groups(entries, REPLICA_REFRESH_BYTES)]
+        passes = tuple(p for p in passes if p == "bucket_reduce")
+    if s.world == 1:
+        # nothing is communicated: the passes that schedule collectives plan nothing (theirs
+        # return empty decisions at world size 1); ZeRO-1 does not defer a reduction
+        for name in passes:
+            if name != "offload_optimizer":
+                pl.decisions[name] = {"skipped": "world size 1: nothing is communicated"}
+        passes = tuple(p for p in passes if p == "offload_optimizer")
+        pl.accumulated = set()
+    if "offload_optimizer" in passes:
+        pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
+    for name in passes:
+        pl.decisions[name] = _RUN[name](pl)
+    return pl
+
+
+def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
+    """The passes `compiler.autoplan.choose` runs, in its order (offload_optimizer,
+    selective_unshard, prefetch, bucket_reduce), from the facts it reads, here the planner's:
+    the world size, the ZeRO stage, the peak of the insertion-only plan (its first profile)
+    and the optimizer step's bytes with all state on the device (`OffloadStore.step_bytes`:
+    shards, gradient shards, Adam's moments, and one state tensor per parameter of foreach
+    temporaries on a GPU, the largest one on the CPU), against the budget. Returns (chosen,
+    left out with the reason)."""
+    from ..compiler.autoplan import ORDER
+
+    base = plan(s, ())
+    peak = base.peak()
+    elems = s.shard_elems()
+    largest = max((s.shard_numel(p) for p in s.model.params), default=0) * 4
+    work = 4 * elems if s.fusion == "overlap" else largest   # GPU foreach / CPU loop
+    step = (MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work
+    budget = s.budget
+    chosen, out = [], {}
+    one = "world size 1: a gather is a view of the local shard, a reduction a cast"
+    if budget == float("inf"):
+        out["offload_optimizer"] = "memory budget unbounded"
+    elif max(peak, step) > budget:
+        chosen.append("offload_optimizer")
+    else:
+        out["offload_optimizer"] = "the step fits the budget with all optimizer state"
+    if s.world == 1:
+        out.update({p: one for p in ("selective_unshard", "prefetch", "bucket_reduce")})
+    else:
+        if s.stage < 3:
+            out["selective_unshard"] = out["prefetch"] = \
+                f"ZeRO-{s.stage}: parameters are replicated"
+        elif budget - peak <= 0:
+            out["selective_unshard"] = "no memory left under the budget"
+            chosen.append("prefetch")
+        else:
+            chosen += ["selective_unshard", "prefetch"]
+        chosen.append("bucket_reduce")
+    order = {name: i for i, name in enumerate(ORDER)}
+    return sorted(chosen, key=lambda p: order.get(p, len(order))), out
+
+
+# ------------------------------------------------------------------------------ events
+def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -> Schedule:
+    """One optimizer step of deepcompile with `passes`, as simulator events."""
+    pl = plan(s, passes)
+    events: list[Event] = []
+    counter = Counter()
+    cid = [0]
+    if pl.offloaded:   # the previous step's state leaves on the copy lane (steady state)
+        cid[0] += 1
+        events.append(Event("start", "offload state", s.cost.copy_s(pl.offloaded), 0.0, cid[0],
+                            "copy", pl.persistent(), label="offload"))
+    reload_ids: list[int] = []
+    back = 0
+    for m in range(s.gas):
+        last = m == s.gas - 1
+        ids: dict[Any, int] = {}           # one micro-step: a forward may start a backward group
+        if s.framework_s:
+            events.append(framework_event(s, pl.persistent()))
+        for key in ("fw", "bw"):
+            reload_at = {r[0]: r for r in pl.reloads} if (last and key == "bw") else {}
+            for it in pl.items(key, last):
+                _events_of(it, ids, cid, events, counter, back)
+                if it.kind == "compute" and it.ref in reload_at:
+                    _, nb, c = reload_at[it.ref]
+                    back += nb
+                    cid[0] += 1
+                    reload_ids.append(cid[0])
+                    events.append(Event("start", "reload state", c, 0.0, cid[0], "copy",
+                                        it.live + back, label="offload"))
+    live = pl.persistent() + pl.offloaded
+    for r in pl.reloads:
+        if r[0] < 0:
+            cid[0] += 1
+            reload_ids.append(cid[0])
+            events.append(Event("start", "reload state", r[2], 0.0, cid[0], "copy", live,
+                                label="offload"))
+    for c in reload_ids:
+        events.append(Event("wait", "reload wait", cid=c, lane="copy", live=live))
+    events += optimizer_events(s, live)
+    for nb in pl.decisions.get("refresh", []):
+        if s.world == 1:   # the shards cast and copied into the replicas: no collective
+            events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,
+                                live=live, label="refresh"))
+            continue
+        cid[0] += 1
+        events.append(Event("start", "refresh kept", s.cost.collective_s("all_gather", nb),
+                            s.cost.launch_s("all_gather"), cid[0], "comm", live + nb,
+                            label="all_gather"))
+        events.append(Event("wait", "refresh kept.wait", cid=cid[0], live=live + nb))
+        events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,
+                            live=live, label="refresh"))
+        counter.add("all_gather", nb)
+    decisions = {k: v for k, v in pl.decisions.items() if k != "refresh"}
+    return Schedule(name, description, events, counter.counts, decisions)
+
+
+def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Counter,
+               back: int) -> None:
+    k = it.kind
+    live, peak = it.live + back, it.peak + back
+    if k in ("compute", "copy", "accumulate"):
+        events.append(Event("compute", it.name, it.dur, it.host, live=live, peak=peak,
+                            label=it.label))
+    elif k in ("all_gather", "reduce_scatter"):
+        cid[0] += 1
+        events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=k))
+        events.append(Event("wait", it.name + ".wait", cid=cid[0], live=live))
+        counter.add(k, it.nbytes)
+    elif k.endswith("_start"):
+        cid[0] += 1
+        ids[it.ref] = cid[0]
+        kind = k.removesuffix("_start")
+        events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=kind))
+        counter.add(kind, it.nbytes)
+    elif k.endswith("_wait"):
+        events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], live=live))
+    else:
+        raise ValueError(f"unknown item kind {k!r}")
