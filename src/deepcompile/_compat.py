@@ -52,6 +52,22 @@ def below_autograd():
     return guard() if guard is not None else torch.no_grad()
 
 
+def default_store():
+    """The default process group's key-value store (the rendezvous store: TCPStore under torchrun
+    and env:// init; a FileStore or HashStore where the group was made with one). Private in
+    2.11-2.15 (`_get_default_store`)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def set_pg_timeout(group, seconds: float) -> None:
+    """Set the timeout of `group`'s collectives (gloo: each operation's timeout; NCCL: the
+    watchdog's). Private in 2.11-2.15 (`_set_pg_timeout`, what torchtitan uses to shorten the
+    timeout after the first step)."""
+    import datetime
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
 # --- Dynamo / AOTAutograd / Inductor -----------------------------------------------------------
 
 def detect_fake_mode(example_inputs: Sequence[Any]):
@@ -59,6 +75,14 @@ def detect_fake_mode(example_inputs: Sequence[Any]):
     from torch._guards import detect_fake_mode as _detect
 
     return _detect(example_inputs)
+
+
+def dynamo_frame_id(gm) -> int | None:
+    """The id Dynamo gave the Python frame (code object) a graph was traced from: the same for
+    every recompilation of that frame (e.g. for a new input shape), another for another frame.
+    Process-local. None where Dynamo did not record it."""
+    compile_id = getattr(gm, "meta", {}).get("dynamo_compile_id")
+    return getattr(compile_id, "frame_id", None)
 
 
 def static_fake(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
@@ -214,6 +238,13 @@ def profiler_events(prof):
     with `name()`, `device_type()`, `start_ns()`, `nbytes()`, `shapes()`, `dtypes()`); the
     public `events()` drops the memory events' sizes and the collectives' tensor shapes."""
     return prof.profiler.kineto_results.events()
+
+
+def nonfinite_check_and_unscale_(grads: list, found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """One fused pass over `grads` (one device and dtype): multiply by `inv_scale` in place and
+    set `found` to 1 if any element is inf/NaN (GradScaler's kernel; private name, CPU and CUDA
+    kernels in 2.11-2.15)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
 
 
 def is_op_overload(target) -> bool:

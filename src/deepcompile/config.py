@@ -14,6 +14,7 @@ import torch
 
 _COMPILERS = ("inductor", "fx")
 _SUPPORTED_STAGES = (1, 2, 3)
+_NONFINITE = ("raise", "skip", "off")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -76,6 +77,21 @@ class Config:
         doubles the scale (as torch.amp.GradScaler).
     initial_loss_scale: the first dynamic scale (2**16).
     loss_scale_window: optimizer steps without overflow before the dynamic scale doubles (2000).
+    collective_timeout_s: seconds a rank waits for the others in a collective (or at a
+        cross-rank check) once training is in its steady state, before it stops with an error
+        that names the ranks, the step and the graph; applied to the process group (gloo's
+        timeout, NCCL's watchdog). None: the process group's own timeout. Default 600.
+    startup_timeout_s: the same during warm-up, profiling and the first steady step (ranks
+        compile, and Inductor compiles, at different speeds). None: the process group's own.
+        Default 1800.
+    divergence_check_every: every this many optimizer steps (0: never), the ranks compare a
+        fingerprint of the collectives each ran (which graphs, which parameters, in which order,
+        how many micro-steps) and all stop with the first difference if they disagree.
+        Default 1 (measured cost in runtime/guardrails.py).
+    on_nonfinite: what an optimizer step does when a loss or a gradient is inf/NaN on any
+        rank: "raise" (every rank raises NonFiniteError; the step is not taken), "skip" (every
+        rank skips the step, with a warning), or "off" (no check). With dynamic loss scaling
+        (float16) an overflow always skips the step and lowers the scale. Default "raise".
     """
 
     zero_stage: int = 3
@@ -93,6 +109,10 @@ class Config:
     loss_scale: float | str | None = None
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
+    collective_timeout_s: float | None = 600.0
+    startup_timeout_s: float | None = 1800.0
+    divergence_check_every: int = 1
+    on_nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -161,6 +181,20 @@ class Config:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"Config.loss_scale_window: {window!r} is not allowed; allowed: an "
                              "integer >= 1")
+        for key in ("collective_timeout_s", "startup_timeout_s"):
+            t = getattr(self, key)
+            if t is not None:
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                    raise ValueError(f"Config.{key}: {t!r} is not allowed; allowed: None (the "
+                                     "process group's own timeout) or seconds > 0")
+                set_(self, key, float(t))
+        every = self.divergence_check_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"Config.divergence_check_every: {every!r} is not allowed; allowed: "
+                             "an integer >= 0 (0: no check)")
+        if self.on_nonfinite not in _NONFINITE:
+            raise ValueError(f"Config.on_nonfinite: {self.on_nonfinite!r} is not allowed; "
+                             f"allowed: {', '.join(map(repr, _NONFINITE))}")
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:

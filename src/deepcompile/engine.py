@@ -11,13 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .compiler.backend import Backend
-from .compiler.pipeline import Pipeline
+from .compiler.pipeline import Phase, Pipeline
 from .config import Config
 from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
 from .runtime.flat import FlatState, _grad_of, _is_not_none
+from .runtime.guardrails import Guardrails, NonFiniteError, UsageError
+from .runtime.loss_scale import GradCheck, nonfinite_ranks
 from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
 from .runtime.runtime import EngineRuntime
@@ -84,6 +86,9 @@ class Engine:
         self.device = _model_device(module)
         _check_backend(self.device, dist.get_backend(group))
         self._comm = Comm(group)
+        # failures, timeouts and cross-rank checks (runtime/guardrails.py): before anything that
+        # communicates, so that the startup timeout bounds it
+        self._rails = Guardrails(self._comm, config)
         self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
         self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
                                        reduce_dtype=config.reduce_dtype,
@@ -105,7 +110,7 @@ class Engine:
         self._runtime.offload = self._offload
         self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
-                                  engine_fingerprint=self._fingerprint())
+                                  engine_fingerprint=self._fingerprint(), guard=self._rails)
         if "offload_optimizer" in config.pass_list:
             if self._flat.inner is None:
                 raise ValueError(
@@ -130,41 +135,95 @@ class Engine:
         self._guard = ModelGuard(module, self._registry, config.zero_stage)
         self._compiled = self._guard.wrap(self._compiled)
         self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
+        self._grad_check = GradCheck(self._trainable, self.device)   # [Note: overflow agreement]
+        # Config.on_nonfinite: losses are checked on the device (no sync) at each backward and
+        # the flag joins the gradients' at the step (dynamic loss scaling decides by itself)
+        self._check_losses = config.on_nonfinite != "off" and not (
+            self._scaler is not None and self._scaler.dynamic)
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.nonfinite_skipped = 0
         from .metrics import StepMetrics
         from .report.steptrace import StepTracer
 
         self._metrics = StepMetrics(self)
         self._tracer = StepTracer(self._pipeline, self.device)
         self._micro_steps = 0
+        self._forwards = 0          # forwards with grad since the last backward
         self._optimizer_steps = 0
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
 
     # -- training loop ---------------------------------------------------------------------
+    # [Note: the training loop's guardrails] Every entry point is O(1) Python around the work:
+    # a stopped engine refuses (runtime/guardrails.py), misuse raises UsageError before anything
+    # runs, and an exception escaping the work is reported to the other ranks and stops the
+    # engine (its collectives no longer match theirs).
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rails.stopped is not None:
+            raise self._rails.stopped_error()
+        if torch.is_grad_enabled():
+            gas = self.config.gradient_accumulation_steps
+            if gas > 1 and self._micro_steps >= gas:
+                raise self._usage("forward", f"a training forward for micro-step "
+                                  f"{self._micro_steps + 1} of an accumulation window of {gas} "
+                                  "(Config.gradient_accumulation_steps) without engine.step(): "
+                                  "call engine.step() after every micro-step or after the last")
+            self._forwards += 1
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
         if torch.is_grad_enabled():
             self._metrics.count_tokens(args, kwargs)
-        return self._compiled(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except BaseException as e:
+            raise self._rails.on_exception(e, "forward", self._optimizer_steps, self._micro_steps)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self._rails.stopped is not None:
+            raise self._rails.stopped_error()
+        if self._forwards == 0:
+            raise self._usage("backward", "engine.backward() without a training forward since "
+                              "the last backward() (called twice for one forward?): run "
+                              "engine(...) and then engine.backward(loss) once per micro-step")
         gas = self.config.gradient_accumulation_steps
+        if self._check_losses:
+            self._loss_bad |= ~torch.isfinite(loss.detach()).all()
         if self._scaler is not None:
             loss = self._scaler.scale_loss(loss)
-        (loss / gas if gas > 1 else loss).backward()
+        try:
+            (loss / gas if gas > 1 else loss).backward()
+        except BaseException as e:
+            raise self._rails.on_exception(e, "backward", self._optimizer_steps, self._micro_steps)
+        self._forwards = 0
         self._micro_steps += 1
 
     def step(self) -> bool:
         """At the accumulation boundary: clip, optimizer step, zero grads; returns whether it
         stepped."""
-        if self._micro_steps == 0 or self._micro_steps % self.config.gradient_accumulation_steps:
+        if self._rails.stopped is not None:
+            raise self._rails.stopped_error()
+        if self._micro_steps == 0:
+            raise self._usage("step", "engine.step() without engine.backward() since the last "
+                              "optimizer step: nothing to step (the optimizer would silently not "
+                              "train)")
+        if self._micro_steps % self.config.gradient_accumulation_steps:
             return False
+        step, micro = self._optimizer_steps, self._micro_steps
+        try:
+            return self._step(step, micro)
+        except BaseException as e:
+            raise self._rails.on_exception(e, "step", step, micro)
+
+    def _step(self, step: int, micro: int) -> bool:
+        steady = self._pipeline.phase is Phase.STEADY
+        # [Note: divergence check] first: before this step's own collectives
+        self._rails.end_step(step, micro)
         self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
         flat = self._flat
         if flat.inner is not None:   # the flat step ([Note: flat step] in runtime/flat.py)
             self._offload.begin_step()
             flat.fold_grads()
             grads = flat.grads()
-            finite = self._scaler.unscale_tensors(grads) if self._scaler is not None else True
+            # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
+            finite, bad = self._grads_finite(grads)
             if finite and self.config.max_grad_norm is not None:
                 self._clip_grad_norm(self.config.max_grad_norm, grads)
             if finite:
@@ -174,7 +233,7 @@ class Engine:
                 self.optimizer._opt_called = True
             flat.release_grads()
         else:                        # an optimizer that steps parameter by parameter
-            finite = self._unscale_grads()   # loss scaling: False on overflow, on every rank
+            finite, bad = self._grads_finite()
             if finite and self.config.max_grad_norm is not None:
                 self._clip_grad_norm(self.config.max_grad_norm,
                                      list(filter(_is_not_none, map(_grad_of, self._trainable))))
@@ -190,7 +249,50 @@ class Engine:
         if self._pipeline.tracing is not None:   # engine.trace_next_step()
             self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
         self._offload.after_step()    # planned chunks' state leaves the device until the next step
+        if steady:
+            self._rails.enter_steady()   # the final compiles are done: Config.collective_timeout_s
+        if bad is not None:
+            raise NonFiniteError(
+                f"deepcompile: inf/NaN at optimizer step {step} ({bad}): the optimizer step was "
+                "not taken, on every rank "
+                "(Config.on_nonfinite='raise'; 'skip' skips such steps with a warning)")
         return True
+
+    def _usage(self, phase: str, what: str) -> UsageError:
+        err = UsageError(f"deepcompile: {what} (rank {self._comm.rank}, optimizer step "
+                         f"{self._optimizer_steps}, micro-step {self._micro_steps}).")
+        return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
+
+    def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None
+                      ) -> tuple[bool, str | None]:
+        """Whether to take the step (the shards' gradients checked and unscaled, or the flat
+        step's `flat_grads`), and (Config.on_nonfinite="raise") what to say in the
+        NonFiniteError; the same on every rank ([Note: overflow agreement] in
+        runtime/loss_scale.py: one fused check per dtype, one all-reduce of one-hot vectors)."""
+        policy, scaler = self.config.on_nonfinite, self._scaler
+        if scaler is None and policy == "off":
+            return True, None
+        found = self._grad_check(scaler.inv_scale() if scaler is not None else None,
+                                 flat_grads)
+        if self._check_losses:   # a loss names the rank it came from; its gradient reaches all
+            grads, losses = nonfinite_ranks(self._comm, found, self._loss_bad)
+            self._loss_bad.zero_()
+        else:
+            (grads,), losses = nonfinite_ranks(self._comm, found), []
+        if scaler is not None:
+            scaler.update(bool(grads))   # skips (and logs) on overflow, lowers a dynamic scale
+            if not grads or scaler.dynamic or policy != "raise":
+                return not grads, None
+        elif not grads and not losses:
+            return True, None
+        what = (f"loss on rank(s) {losses}, " if losses else "") + f"gradients on rank(s) {grads}"
+        if scaler is None and policy == "skip":
+            self.nonfinite_skipped += 1
+            log.warning("deepcompile: inf/NaN %s at optimizer step %d: the step is skipped on "
+                        "every rank (Config.on_nonfinite='skip'; %d skipped so far)", what,
+                        self._optimizer_steps, self.nonfinite_skipped)
+            return False, None
+        return False, what
 
     MAX_REPLANS = 4
 
@@ -222,13 +324,6 @@ class Engine:
         return LossScaler(self._comm, self.device, dynamic=mode == "dynamic",
                           scale=self.config.initial_loss_scale if mode == "dynamic"
                           else self.config.loss_scale, window=self.config.loss_scale_window)
-
-    def _unscale_grads(self) -> bool:
-        """Loss scaling: the shards' gradients divided by the scale; False when a gradient
-        overflowed on any rank (the optimizer step is then skipped everywhere)."""
-        if self._scaler is None:
-            return True
-        return self._scaler.unscale(self._trainable)
 
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
@@ -362,7 +457,9 @@ class Engine:
         """What determines a plan besides the graphs (the plan cache's key)."""
         from . import __version__
         cfg = self.config.to_dict()
-        cfg.pop("cache_dir", None)
+        for key in ("cache_dir", "collective_timeout_s", "startup_timeout_s",
+                    "divergence_check_every", "on_nonfinite"):
+            cfg.pop(key, None)   # none of these changes a plan
         return {
             "world_size": self._comm.world,
             "device": self.device.type,

@@ -49,6 +49,7 @@ class GraphRecord:
     index: int
     dynamo_nodes: int
     params: list[str]
+    family: int = 0     # the family index ([Note: shape families] in compiler/families.py)
     slots: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -72,8 +73,11 @@ class Backend:
             if entry is not None:
                 params.append((i, entry))
 
+        # [Note: shape families] in compiler/families.py: a recompilation of a frame with the
+        # same parameters (a new input shape) joins its family and runs the family's plan
+        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm), tuple(e.pid for _, e in params))
         record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
-                             params=[e.name for _, e in params])
+                             params=[e.name for _, e in params], family=family)
         self.records.append(record)
 
         fake_mode = _compat.detect_fake_mode(example_inputs)
@@ -97,7 +101,7 @@ class Backend:
                 for node in piece.graph.nodes:
                     node.meta.pop("recompute", None)
                     node.meta.pop("ac_graph_id", None)
-                slot = self.pipeline.add_slot(record.index, kind, piece)
+                slot = self.pipeline.add_slot(record.family, kind, piece, record.params)
                 record.slots.append(slot.key)
                 return slot
             return compile_piece

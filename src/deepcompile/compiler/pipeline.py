@@ -38,6 +38,7 @@ Per step the pipeline keeps O(1) figures (`step_log`: phase and wall time of the
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import statistics
 import time
@@ -51,8 +52,10 @@ from .. import _compat
 from ..passes import PassContext
 from ..runtime import memory
 from ..runtime import registry as _registry
+from ..runtime.guardrails import FP_MASK, FP_MUL, DivergenceError, Guardrails, digest
 from . import autoplan
 from . import cache as _cache
+from . import families as _families
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
 from .drift import SizeWatch
@@ -102,14 +105,21 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
 
 
 class Pipeline:
-    def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict):
+    def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict,
+                 guard: Guardrails | None = None):
         self.runtime = runtime
         self.registry = runtime.registry
         self.comm = runtime.comm
         self.config = config
         self.device = device
         self.fingerprint = engine_fingerprint
-        self.slots: dict[str, GraphSlot] = {}
+        self.slots: dict[str, GraphSlot] = {}    # every graph: representatives and members
+        # [Note: shape families] in compiler/families.py
+        self._families: dict[tuple, int] = {}           # (frame, parameter ids) -> family index
+        self.reps: dict[tuple[int, str], GraphSlot] = {}  # (family, kind) -> representative
+        # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
+        self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
+        self.trace = self.guard.trace
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
@@ -153,22 +163,83 @@ class Pipeline:
         return self.planner.entries
 
     # -- slots ------------------------------------------------------------------------------
-    def add_slot(self, graph_index: int, kind: str, gm: fx.GraphModule) -> GraphSlot:
-        key = f"g{graph_index}.{kind}"
-        if key in self.slots:  # a recompilation of the same Dynamo graph index
-            key = f"{key}{sum(k.startswith(key) for k in self.slots)}"
-        slot = GraphSlot(key, graph_index, kind, gm, self.run)
+    def family_of(self, frame_id: int | None, pids: tuple[int, ...]) -> int:
+        """The family index of a Dynamo graph traced from frame `frame_id` over the parameters
+        `pids` (in its input order): a recompilation with the same parameters (a new input
+        shape, or another guard) joins the family of the first graph."""
+        key = (frame_id, pids)
+        if key not in self._families:
+            self._families[key] = len(self._families)
+        return self._families[key]
+
+    def add_slot(self, family: int, kind: str, gm: fx.GraphModule,
+                 params: list[str] | tuple[str, ...] = ()) -> GraphSlot:
+        rep = self.reps.get((family, kind))
+        if rep is not None:
+            # another shape of a graph the family has: it runs the family's plan
+            key = f"{rep.key}~{len(rep.members) + 1}"
+            slot = GraphSlot(key, family, kind, gm, self.run)
+            slot.rep, slot.training = rep, rep.training
+            slot.original = _families.snapshot(gm)
+            rep.members.append(slot)
+            self.slots[key] = slot
+            self._follow(slot)
+            log.info("deepcompile: graph %s compiled (another shape of %s); it runs %s's plan",
+                     key, rep.key, rep.key)
+            if self.phase is Phase.STEADY and slot.training:
+                self._unplanned.add(key)   # never profiled: its first run tells the drift listeners
+            return slot
+        key = f"g{family}.{kind}"
+        slot = GraphSlot(key, family, kind, gm, self.run)
+        slot.training = kind != "inference"   # eval / no_grad graphs are never planned for
+        slot.original = _families.snapshot(gm)
+        self.reps[(family, kind)] = slot
         self.slots[key] = slot
+        names = list(params)
+        self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
+            f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
+            {"phase": "compile", "step": self.runtime.step.optimizer_steps,
+             "micro": self.runtime.step.micro_step, "graph": key})
         kept = [e["pass"] for e in self.pass_log if e.get("kept", True)]
-        if self.phase is Phase.STEADY and kept:
-            log.warning("deepcompile: graph %s was compiled after planning (a Dynamo "
-                        "recompilation, e.g. for a new input shape); it runs with insertion "
-                        "only, without the passes %s", key, ", ".join(kept))
+        if self.phase is Phase.STEADY and kept and slot.training:
+            log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
+                        "parameters); it runs with insertion only, without the passes %s", key,
+                        ", ".join(kept))
             self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
 
+    def _follow(self, member: GraphSlot) -> None:
+        """The member runs its representative's current plan ([Note: shape families]): checked
+        at each call (O(1)), transplanted once per version of the representative (a pass, a
+        revert, and the two sides of a measurement each make one)."""
+        rep = member.rep
+        face = member.faces.get(rep.version)
+        if face is None:
+            try:
+                gm, to_rep = _families.transplant(rep.original, rep.gm, member.original)
+            except _families.TransplantError as e:
+                raise RuntimeError(
+                    f"deepcompile: graph {member.key}, compiled for other inputs of the code of "
+                    f"{rep.key}, cannot run {rep.key}'s plan ({e}); the ranks that run "
+                    f"{rep.key} would issue other collectives. Report this with the model; as a "
+                    "workaround, give every rank inputs of one shape (pad), or leave out the "
+                    "passes.") from e
+            face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
+        member.swap(face[0], face[2])
+        member.to_rep, member.following = face[1], rep.version
+        if self.phase is Phase.STEADY:   # other plans are gone for good
+            member.faces = {rep.version: face}
+            member.prune()
+
+    def _planning(self) -> dict[str, GraphSlot]:
+        """The graphs the passes plan for: the training graphs' representatives."""
+        return {k: s for k, s in self.slots.items() if s.rep is None and s.training}
+
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if slot.rep is not None and slot.following != slot.rep.version:
+            self._follow(slot)   # its representative's plan changed
         if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
             self._unplanned.discard(slot.key)
             for listener in self.on_drift:
@@ -187,18 +258,29 @@ class Pipeline:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
         low = self._lowered(slot, last)
+        tr = self.trace   # [Note: divergence check] in runtime/guardrails.py
+        tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
+        tr.calls.append(low)
         full, accs = low.prepare(args)
         args.clear()   # boxed calling convention: the list is ours; inputs die at last use
-        if self.phase is Phase.PROFILE:
-            self._order_now.append(slot.key)
-            out, prof = profile_run(low.gm, full, slot=slot.key, version=slot.version,
-                                    name_of=_param_name, runtime_bytes=self._runtime_bytes,
-                                    uncounted=low.uncounted, transient=low.transient,
-                                    split=rt.flat_storages)
+        if self.phase is Phase.PROFILE and slot.training:
+            target = slot.rep or slot   # a member's runs are its representative's
+            self._order_now.append(target.key)
+            try:
+                out, prof = profile_run(low.gm, full, slot=target.key, version=slot.version,
+                                        name_of=_param_name, runtime_bytes=self._runtime_bytes,
+                                        uncounted=low.uncounted, transient=low.transient,
+                                        split=rt.flat_storages)
+            except BaseException:
+                self.guard.failed_graph = slot.key
+                raise
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
+            if slot.rep is not None:
+                prof = _families.fold_to_rep(prof, slot.to_rep, target.gm, _param_name)
+                prof.version = target.version
             if self.perturb is not None:
                 self.perturb(prof)
-            slot.pending.append(prof)
+            target.pending.append(prof)
             return low.finish(out, accs)
         # [Note: first call] A graph's first call runs inside the first invocation of the graph
         # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace) fails; a
@@ -210,16 +292,20 @@ class Pipeline:
         if fn is None:
             fn = slot.compiled[tag] = self._compile(slot, low, full, final)
         t0 = time.perf_counter()
-        with _compat.below_autograd():
-            if self.tracing is not None:   # a traced step (report/steptrace.py)
-                with record_function(f"deepcompile:{slot.key}"):
+        try:
+            with _compat.below_autograd():
+                if self.tracing is not None:   # a traced step (report/steptrace.py)
+                    with record_function(f"deepcompile:{slot.key}"):
+                        out = fn(full)
+                    self.tracing.append((slot.key, last, slot.version))
+                elif memory.TRACKER is None:
                     out = fn(full)
-                self.tracing.append((slot.key, last, slot.version))
-            elif memory.TRACKER is None:
-                out = fn(full)
-            else:   # tests: what the graph gathers, and when it frees it
-                with memory.watch():
-                    out = fn(full)
+                else:   # tests: what the graph gathers, and when it frees it
+                    with memory.watch():
+                        out = fn(full)
+        except BaseException:
+            self.guard.failed_graph = slot.key   # named in the error (runtime/guardrails.py)
+            raise
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
 
@@ -228,10 +314,21 @@ class Pipeline:
         low = slot.lowered.get(key)
         if low is None:
             low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last)
+            # what one run issues, for the cross-rank fingerprint and its messages
+            low.digest = _families.comm_digest(slot.gm, last)
+            low.graph_key = slot.key
+            low.describe = _families.describe(slot.gm)
         return low
 
     def _compile(self, slot: GraphSlot, low: Lowered, args: list[Any], final: bool) -> Callable:
         gm = low.gm
+        if self.config.compiler == "inductor" and final and _dynamic(gm):
+            # [Note: dynamic graphs run as FX] Inductor here compiles for the example inputs'
+            # sizes (static fakes): code for one shape, wrong for the next. A graph with dynamic
+            # sizes (a new input shape made Dynamo recompile) runs as FX code instead.
+            log.warning("deepcompile: graph %s has dynamic shapes; it runs as FX code, not "
+                        "compiled by Inductor", slot.key)
+            return _compat.boxed_fx(gm)
         if self.config.compiler == "inductor" and final:
             log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
             return _compat.inductor_compile_graph(gm, list(args))
@@ -390,6 +487,7 @@ class Pipeline:
             entry = self.planner.start(self.planner.queue.pop(0))
             if self._replanning is not None:
                 entry["replan"] = self._replanning
+            self._agree_decisions(entry["pass"], entry["decisions"])   # before any graph runs
             if entry["changed"]:
                 self._awaiting = entry
                 self.timings["passes_s"] += time.perf_counter() - t0
@@ -407,7 +505,7 @@ class Pipeline:
                          self.runtime.after_step_collectives())
 
     def _context(self) -> PassContext:
-        return PassContext(slots=self.slots, profiles=self.latest_profiles(), order=self.order,
+        return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
                            decisions=self.planner.decisions(), fusion=self.fusion)
@@ -415,11 +513,33 @@ class Pipeline:
     def latest_profiles(self) -> dict[str, GraphProfile]:
         return {k: s.profile for k, s in self.slots.items() if s.profile is not None}
 
+    def _agree_decisions(self, name: str, decisions: Any) -> None:
+        """A pass plans from what every rank holds alike (PassContext): the same decisions on
+        every rank, or the ranks would rewrite their graphs differently. Checked (one small
+        all-gather per pass planned), so that a pass that plans from local timings fails on
+        every rank instead of hanging collectives. Compared: the decisions' structure (groups,
+        positions, names, counts); floats are estimates (predicted seconds) that rewrite
+        nothing."""
+        if self.comm.world == 1:
+            return
+        mine = digest(json.dumps(_structure(decisions), sort_keys=True, default=str))
+        every = self.comm.all_gather_object(mine)
+        if len(set(every)) > 1:
+            groups: dict[int, list[int]] = {}
+            for r, d in enumerate(every):
+                groups.setdefault(d, []).append(r)
+            raise DivergenceError(
+                f"deepcompile: pass {name!r} planned differently on different ranks (ranks "
+                f"grouped by plan: {sorted(groups.values())}); a pass must plan from the agreed "
+                "profiles and the PassContext only, never from this rank's own timings or state. "
+                "The engine stops on every rank.")
+
     # -- plan cache -------------------------------------------------------------------------
     def _cache_key(self) -> tuple[str, dict]:
         parts = {
             **self.fingerprint,
-            "graphs": {k: _cache.graph_signature(s.gm, _param_name) for k, s in sorted(self.slots.items())},
+            "graphs": {k: _cache.graph_signature(s.gm, _param_name)
+                       for k, s in sorted(self._planning().items())},
         }
         return _cache.digest(parts), parts
 
@@ -466,3 +586,27 @@ class Pipeline:
         path = _cache.save(self.config.cache_dir, key, plan)
         self.cache_info["path"] = str(path)
         log.info("deepcompile: plan saved to %s", path)
+
+
+def _structure(x: Any) -> Any:
+    """`x` with every float left out (a pass's decisions, for `_agree_decisions`)."""
+    if isinstance(x, float):
+        return "<float>"
+    if isinstance(x, dict):
+        return {str(k): _structure(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_structure(v) for v in x]
+    return x
+
+
+def _dynamic(gm: fx.GraphModule) -> bool:
+    """Whether the graph takes symbolic sizes (Dynamo compiled it with dynamic shapes)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            break
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape):
+            return True
+    return False

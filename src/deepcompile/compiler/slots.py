@@ -32,6 +32,14 @@ class GraphSlot:
         self.version = 0
         self.runner = runner
         self.training = True              # False: runs under no_grad / eval (never planned for)
+        # [Note: shape families] in compiler/families.py: the representative runs the plan the
+        # passes made; a member (another shape) runs it transplanted
+        self.rep: "GraphSlot | None" = None       # a member's representative; None: one itself
+        self.members: list["GraphSlot"] = []      # a representative's members
+        self.original: fx.GraphModule | None = None   # the graph as compiled, before any pass
+        self.to_rep: dict[str, str] = {}          # a member's node -> its representative's node
+        self.faces: dict[int, tuple] = {}         # a member's plan per representative version
+        self.following: int | None = None         # the representative version it runs
         self.history: list[tuple[str, "GraphProfile"]] = []   # (label, agreed profile)
         self.local: "GraphProfile | None" = None              # this rank's latest measured profile
         self.pending: list["GraphProfile"] = []               # runs of the current profile step

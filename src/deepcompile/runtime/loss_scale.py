@@ -7,14 +7,23 @@ clipping and the optimizer step. When a gradient overflowed (inf/NaN on any rank
 all-reduced, so every rank takes the same decision), the optimizer step is skipped on every rank
 and the dynamic scale halves; after `window` good steps it doubles (torch.amp.GradScaler's
 policy). A skipped step leaves the shards and the optimizer state as they were.
+
+[Note: overflow agreement] Whether a step's gradients (or losses) hold an inf/NaN is decided the
+same way for loss scaling and for `Config.on_nonfinite` (engine.py): `GradCheck` looks at this
+rank's shard gradients in one fused kernel per dtype (GradScaler's, which also unscales), and
+`nonfinite_ranks` all-reduces a one-hot vector, so that every rank learns *which* ranks found
+one and every rank takes the same decision (skip, raise, lower the scale).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 
 import torch
-import torch.distributed as dist
+
+from .. import _compat
 
 log = logging.getLogger("deepcompile")
 
@@ -33,21 +42,14 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale(self, shards: list[torch.Tensor]) -> bool:
-        """Divide the shards' gradients by the scale; False (on every rank) when any overflowed."""
-        return self.unscale_tensors([s.grad for s in shards if s.grad is not None])
+    def inv_scale(self) -> torch.Tensor:
+        """1/scale as a device tensor: `GradCheck` unscales the gradients by it."""
+        return torch.full((), 1.0 / self.scale, dtype=torch.float32, device=self.device)
 
-    @torch.no_grad()
-    def unscale_tensors(self, grads: list[torch.Tensor]) -> bool:
-        """Divide `grads` by the scale; False (on every rank) when any overflowed."""
-        found = torch.zeros((), dtype=torch.float32, device=self.device)
-        inv = 1.0 / self.scale
-        for g in grads:
-            g.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        self.comm.all_reduce(found, op=dist.ReduceOp.MAX, count=False)
-        finite = not bool(found.item())
-        if not finite:
+    def update(self, overflow: bool) -> None:
+        """After the gradients were unscaled and checked on every rank ([Note: overflow
+        agreement]): `overflow` is the same on every rank, and so is the new scale."""
+        if overflow:
             self.skipped_steps += 1
             self.good_steps = 0
             if self.dynamic:
@@ -60,7 +62,6 @@ class LossScaler:
             if self.good_steps >= self.window:
                 self.scale *= 2.0
                 self.good_steps = 0
-        return finite
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps,
@@ -70,3 +71,54 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+_grad_of = operator.attrgetter("grad")
+_is_not_none = functools.partial(operator.is_not, None)
+
+
+class GradCheck:
+    """This rank's shard gradients checked for inf/NaN, and unscaled, in one fused kernel per
+    dtype ([Note: overflow agreement]); per-parameter work only in C (`map`/`filter`)."""
+
+    def __init__(self, shards: list[torch.Tensor], device: torch.device) -> None:
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for s in shards:
+            groups.setdefault(s.dtype, []).append(s)
+        self.groups = list(groups.values())
+        self.found = torch.zeros((), dtype=torch.float32, device=device)
+        self.one = torch.ones((), dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def __call__(self, inv_scale: torch.Tensor | None = None,
+                 flat_grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """1.0 when a gradient of this rank holds an inf/NaN, else 0.0 (a device tensor): the
+        shards' gradients, or the flat step's gradients (`flat_grads`: the shards' were folded
+        into them, runtime/flat.py)."""
+        found = self.found.zero_()
+        inv = self.one if inv_scale is None else inv_scale
+        if flat_grads is not None:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in flat_grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for grads in by_dtype.values():
+                _compat.nonfinite_check_and_unscale_(grads, found, inv)
+            return found
+        for shards in self.groups:
+            grads = list(filter(_is_not_none, map(_grad_of, shards)))
+            if grads:
+                _compat.nonfinite_check_and_unscale_(grads, found, inv)
+        return found
+
+
+def nonfinite_ranks(comm, *flags: torch.Tensor) -> list[list[int]]:
+    """For each flag (a 0-dim device tensor, nonzero: found on this rank), the ranks where it is
+    set: the same lists on every rank (one all-reduce of a one-hot vector per flag, uncounted:
+    bookkeeping, not training traffic)."""
+    world = comm.world
+    vec = torch.zeros(len(flags) * world, dtype=torch.float32, device=flags[0].device)
+    for i, f in enumerate(flags):
+        vec[i * world + comm.rank] = f
+    comm.all_reduce(vec, count=False)
+    got = vec.tolist()
+    return [[r for r in range(world) if got[i * world + r]] for i in range(len(flags))]

@@ -1,0 +1,461 @@
+"""Guardrails: no rank hangs, and no rank goes on when the ranks are no longer in step.
+
+Data-parallel training is correct only while every rank issues the same collectives in the same
+order. This module is where the engine finds out that they do not, and makes every rank stop
+with the same account of it.
+
+[Note: failures across ranks] A rank that fails cannot tell the others through the process group
+(the collectives are what no longer line up), so it tells them through the process group's
+key-value store (the rendezvous store), which answers whatever the collectives do:
+
+* an exception escaping the engine's forward, backward or step on one rank (the user's code, an
+  OOM, a loop error) is re-raised there as it was, with a note, after the rank posts a *report*
+  (`report/<rank>`: what, where: optimizer step, micro-step, phase, graph). The engine then stops
+  on that rank: every later call raises `EngineStoppedError` (its collectives no longer match the
+  others', and a user loop that catches the exception and carries on would pair its next
+  collectives with the others' earlier ones);
+* the other ranks wait in their next collective until `Config.collective_timeout_s` (gloo: the
+  operation's timeout; NCCL: c10d's watchdog), or fail at once when the peer's process died
+  (gloo: "connection closed"); the failed collective is caught where it escapes (the graph it ran
+  in is recorded by the pipeline), the rank posts its own report, reads the others' (waiting up
+  to `min(10 s, timeout)` for those that have not written yet), and raises `DistributedError`
+  naming this rank, the step, the graph, and what every other rank reported -- or that it
+  reported nothing (it exited, was killed, or is blocked outside deepcompile). If rank 0 died,
+  the store went with it: the message says so.
+
+[Note: divergence check] Mismatched collectives do not always fail: the same sizes in another
+order, or another parameter's gather of the same size, complete and train on wrong data; and
+gloo aborts the process (in C++, no Python error) when a collective's size does not match the
+peer's. So the ranks compare what they ran: every graph call folds the digest of the graph's
+collective sequence (kind, parameters and so sizes, order, accumulation variant:
+`compiler/families.py`) into a per-step fingerprint (two integer operations per graph call), and
+every `Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before
+the step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
+fingerprint and graph calls, each with its negation, so one reduction yields the maximum and
+minimum of each. Any difference, and every rank all-gathers the per-call details of the window
+and raises the same `DivergenceError` naming the first step, graph call and ranks that differ.
+The check runs on a gloo group of its own that carries nothing else: a rank that is behind or
+ahead can never pair the check with a training collective (it waits, and times out with a
+report, instead). A rank that ran one micro-step more than the others is caught this way,
+before the optimizer step pairs anything with its extra forward. Measured cost: see
+`benchmarks/guardrails_cost.py` and the README.
+
+[Note: new graphs are agreed] A rank that compiles a graph the others do not compile (a branch
+taken on some ranks only, an evaluation run on one rank) would issue collectives the others never
+issue. Each new graph a rank compiles -- the first graph of a kind (forward, backward, inference)
+for a piece of code and parameter set (`compiler/families.py`) -- is agreed through the store
+before it runs: the ranks compare its description (kind and parameters in order) and wait for
+each other; a rank that never arrives leaves the others with a report after the timeout. A new
+*shape* of a graph every rank has is not a new graph: it is planned like its family's first
+graph (compiler/families.py) and needs no agreement (ragged inputs are the normal case).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat
+
+log = logging.getLogger("deepcompile")
+
+_ENGINES = itertools.count()   # one store namespace per engine (created in the same order on every rank)
+FP_MUL = 0x100000001B3         # the graph-call fingerprint: fp = (fp * FP_MUL + digest) & FP_MASK
+FP_MASK = (1 << 62) - 1        # 62 bits: the negation fits an int64
+REPORT_WAIT_S = 10.0           # the longest a failing rank waits for the others' reports
+
+
+class DistributedError(RuntimeError):
+    """The ranks are no longer in step (a rank failed, timed out, or ran something else): the
+    engine stops. Restart from the last checkpoint."""
+
+
+class DivergenceError(DistributedError):
+    """The ranks ran different collectives, graphs or plans."""
+
+
+class EngineStoppedError(DistributedError):
+    """The engine was called after it stopped (see its __cause__)."""
+
+
+class UsageError(RuntimeError):
+    """The training loop called the engine out of order (nothing was run)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or a gradient was inf/NaN on some rank (Config.on_nonfinite="raise"); raised on
+    every rank, the optimizer step not taken."""
+
+
+_COMM_ERROR = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|nccl|"
+                         r"gloo|pair\.cc|unbound_buffer|processgroup|socket|peer", re.IGNORECASE)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """A collective (or the transport under it) failed: a timeout, a dead peer."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_COMM_ERROR.search(str(exc)))
+
+
+def digest(text: str) -> int:
+    """A stable 62-bit digest (the same in every process: never Python's salted `hash`)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & FP_MASK
+
+
+def brief(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    if len(line) > limit:
+        line = line[:limit] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+class Trace:
+    """What this rank ran since the last optimizer step: the fingerprint of its graph calls and
+    the calls themselves (their lowered graphs: `graph_key`, `digest`, `describe`)."""
+
+    __slots__ = ("fp", "calls")
+
+    def __init__(self) -> None:
+        self.fp = 0
+        self.calls: list = []
+
+
+def _where(w: dict) -> str:
+    graph = f", graph {w['graph']}" if w.get("graph") else ""
+    return f"step {w['step']} (micro-step {w['micro']}, {w['phase']}{graph})"
+
+
+class Guardrails:
+    """One engine's failure handling and cross-rank checks (see the Notes above)."""
+
+    def __init__(self, comm, config) -> None:
+        self.comm = comm
+        self.config = config
+        self.rank, self.world = comm.rank, comm.world
+        self.active = comm.world > 1
+        self.trace = Trace()
+        self.window: list[tuple[int, int, int, list]] = []   # per step since the last check
+        self.stopped: BaseException | None = None
+        self.failed_graph: str | None = None    # the graph an exception escaped from
+        self.timeout_s: float | None = None
+        self.steady = False
+        self._graphs = 0                        # new graphs agreed so far
+        self.checks = 0
+        self.store = None
+        self.check_group = None
+        seq = next(_ENGINES)
+        if not self.active:
+            return
+        self.store = dist.PrefixStore(f"deepcompile/{comm.group_name}/{seq}/",
+                                      _compat.default_store())
+        if config.divergence_check_every:
+            group = comm.group if comm.group is not None else dist.group.WORLD
+            self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                              use_local_synchronization=True)
+        self.set_timeout(config.startup_timeout_s)
+
+    # -- timeouts -------------------------------------------------------------------------------
+    def set_timeout(self, seconds: float | None) -> None:
+        """The process group's (and the check group's) collective timeout, and the store waits'."""
+        if not self.active:
+            return
+        if seconds is None:   # the process group's own
+            self.timeout_s = None
+            return
+        self.timeout_s = seconds
+        _compat.set_pg_timeout(self.comm.group, seconds)
+        if self.check_group is not None:
+            _compat.set_pg_timeout(self.check_group, seconds)
+
+    def enter_steady(self) -> None:
+        """After the first steady optimizer step (the final compiles are done)."""
+        if not self.steady:
+            self.steady = True
+            self.set_timeout(self.config.collective_timeout_s)
+
+    def _wait_s(self) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return _store_timeout(self.store)
+
+    # -- reports --------------------------------------------------------------------------------
+    def report(self, kind: str, where: dict, error: str) -> None:
+        """Post what happened on this rank (see [Note: failures across ranks])."""
+        if self.store is None:
+            return
+        calls = self.trace.calls
+        rec = {"rank": self.rank, "kind": kind, **where, "error": error, "time": time.time(),
+               "calls": len(calls), "last_graph": getattr(calls[-1], "graph_key", None)
+               if calls else None}
+        try:
+            self.store.set(f"report/{self.rank}", json.dumps(rec))
+        except Exception as e:  # noqa: BLE001 -- the store may be gone with rank 0
+            log.warning("deepcompile: could not post this rank's failure report: %s", brief(e))
+
+    def collect(self, wait_s: float | None = None) -> tuple[dict[int, dict], list[int], str | None]:
+        """The other ranks' reports, waiting up to `wait_s` for the missing ones; (reports,
+        ranks without one, why the store could not be read)."""
+        wait_s = min(REPORT_WAIT_S, self._wait_s()) if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(self.world) if r != self.rank]
+        got: dict[int, dict] = {}
+        try:
+            while True:
+                for r in list(missing):
+                    key = f"report/{r}"
+                    if self.store.check([key]):
+                        got[r] = json.loads(self.store.get(key))
+                        missing.remove(r)
+                if not missing or time.monotonic() >= deadline:
+                    return got, missing, None
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001
+            return got, missing, brief(e)
+
+    def _others(self, wait_s: float | None = None) -> list[str]:
+        got, missing, store_error = self.collect(wait_s)
+        lines = [f"  rank {r}: {_describe(rep)}" for r, rep in sorted(got.items())]
+        waited = min(REPORT_WAIT_S, self._wait_s()) if wait_s is None else wait_s
+        lines += [f"  rank {r}: nothing reported within {waited:.0f} s: it exited (killed or "
+                  "crashed), or is blocked outside deepcompile" for r in missing
+                  if store_error is None]
+        if store_error is not None:
+            lines.append(f"  (the other ranks' reports could not be read: {store_error}; the "
+                         "store lives with rank 0's process, which probably exited)")
+        return lines
+
+    def _closing(self) -> str:
+        t = self.timeout_s
+        bound = f"{t:g} s" if t is not None else "the process group's timeout"
+        return ("The ranks are no longer in step, so this engine stops here (every later call "
+                "raises). Restart from the last checkpoint. A rank waits at most "
+                f"{bound} for the others (Config.collective_timeout_s, "
+                "Config.startup_timeout_s).")
+
+    # -- exceptions escaping the engine ------------------------------------------------------------
+    def on_exception(self, exc: BaseException, phase: str, step: int, micro: int) -> BaseException:
+        """An exception escaped the engine's `phase` on this rank; returns what to raise."""
+        graph, self.failed_graph = self.failed_graph, None
+        if not self.active or isinstance(exc, NonFiniteError):
+            return exc
+        if isinstance(exc, UsageError):   # nothing ran: the engine goes on, the others are told
+            self.report("usage", {"phase": phase, "step": step, "micro": micro, "graph": None},
+                        brief(exc))
+            return exc
+        inner = _distributed_cause(exc)   # Dynamo wraps what the backend raised
+        if inner is not None:
+            self.stopped = inner
+            return inner
+        where = {"phase": phase, "step": step, "micro": micro, "graph": graph}
+        if is_comm_error(exc):
+            self.report("comm", where, brief(exc))
+            err = DistributedError("\n".join(
+                [f"deepcompile: rank {self.rank} stopped at {_where(where)}: a collective "
+                 f"failed: {brief(exc)}", "What the other ranks reported:", *self._others(),
+                 self._closing()]))
+            err.__cause__ = exc
+            self.stopped = err
+            return err
+        self.report("raised", where, brief(exc))
+        exc.add_note(f"deepcompile: raised on rank {self.rank} at {_where(where)}; this rank's "
+                     "engine stops (its collectives no longer match the other ranks'), and the "
+                     "other ranks stop with a DistributedError naming this rank.")
+        self.stopped = exc
+        return exc
+
+    def stopped_error(self) -> EngineStoppedError:
+        err = EngineStoppedError(
+            f"deepcompile: this engine stopped after {brief(self.stopped)} on rank {self.rank}; "
+            "its collectives no longer match the other ranks'. Restart from the last checkpoint.")
+        err.__cause__ = self.stopped
+        return err
+
+    # -- new graphs -----------------------------------------------------------------------------
+    def agree_graph(self, description: str, where: dict) -> None:
+        """[Note: new graphs are agreed] Every rank compiles this graph as its next new graph."""
+        if not self.active:
+            return
+        index, self._graphs = self._graphs, self._graphs + 1
+        key = f"graph/{index}"
+        mine = f"{where.get('graph')}: {description}"
+        try:
+            first = self.store.compare_set(key, "", mine).decode()
+            if first != mine:
+                self.store.set(f"{key}/bad/{self.rank}", mine)
+                self.store.add(f"{key}/bad", 1)
+            self.store.set(f"{key}/at/{self.rank}", "1")
+            if self.store.add(f"{key}/n", 1) == self.world:
+                self.store.set(f"{key}/done", "1")
+        except Exception as e:  # noqa: BLE001
+            raise self._graph_failure(where, description, f"the store failed: {brief(e)}") from e
+        try:
+            self.store.wait([f"{key}/done"], timedelta(seconds=self._wait_s()))
+        except Exception as e:  # noqa: BLE001 -- a timeout: some rank did not compile it
+            absent = [r for r in range(self.world) if not _safe_check(self.store, f"{key}/at/{r}")]
+            raise self._graph_failure(
+                where, description, f"ranks {absent} did not compile it within "
+                f"{self._wait_s():g} s") from e
+        if int(self.store.add(f"{key}/bad", 0)):
+            first = self.store.get(key).decode()
+            lines = [f"  {first}   <- the first rank to arrive"]
+            for r in range(self.world):
+                if _safe_check(self.store, f"{key}/bad/{r}"):
+                    lines.append(f"  rank {r}: {self.store.get(f'{key}/bad/{r}').decode()}")
+            err = DivergenceError(
+                f"deepcompile: the ranks compiled different graphs as their new graph #{index} "
+                f"(this rank {self.rank} at {_where(where)}: {mine}):\n" + "\n".join(lines) +
+                "\nEvery rank must run the same code with the same parameters (a branch taken on "
+                "some ranks only, an evaluation run on some ranks only?).")
+            self.stopped = err
+            raise err
+
+    def _graph_failure(self, where: dict, description: str, why: str) -> DistributedError:
+        self.report("new_graph", where, f"waits at the agreement on its new graph "
+                    f"{where.get('graph')} ({description}): {why}")
+        err = DistributedError("\n".join(
+            [f"deepcompile: rank {self.rank} compiled a new graph {where.get('graph')} at "
+             f"{_where(where)} ({description}) and the other ranks did not: {why}. A graph that "
+             "runs on some ranks only issues collectives the others never issue (a branch taken "
+             "on some ranks only? an evaluation run on some ranks only?).",
+             "What the other ranks reported:", *self._others(), self._closing()]))
+        self.stopped = err
+        return err
+
+    # -- the divergence check ---------------------------------------------------------------------
+    def end_step(self, step: int, micro: int) -> None:
+        """[Note: divergence check] First thing at an optimizer-step boundary, on every rank."""
+        tr = self.trace
+        self.window.append((step, micro, tr.fp, tr.calls))
+        tr.fp, tr.calls = 0, []
+        every = self.config.divergence_check_every
+        if not self.active or not every:
+            self.window.clear()
+            return
+        if len(self.window) < every:
+            return
+        fp, micros, calls = 0, 0, 0
+        for _s, m, f, c in self.window:
+            fp = (fp * FP_MUL + f) & FP_MASK
+            micros += m
+            calls += len(c)
+        vec = torch.tensor([step, -step, micros, -micros, fp, -fp, calls, -calls], dtype=torch.int64)
+        try:
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.check_group)
+        except Exception as e:  # noqa: BLE001 -- some rank never came to the check
+            where = {"phase": "step", "step": step, "micro": micro, "graph": None}
+            self.report("check", where, f"waited at the cross-rank check after {micro} "
+                        f"micro-steps and {len(self.window[-1][3])} graph calls in this step: "
+                        f"{brief(e)}")
+            err = DistributedError("\n".join(
+                [f"deepcompile: rank {self.rank} ended {_where(where)} after {micro} "
+                 "micro-steps and waited for the other ranks at the cross-rank check, which not "
+                 f"all of them reached: {brief(e)}", "What the other ranks reported:",
+                 *self._others(), self._closing()]))
+            err.__cause__ = e
+            self.stopped = err
+            raise err
+        self.checks += 1
+        v = vec.tolist()
+        if all(v[i] == -v[i + 1] for i in range(0, 8, 2)):
+            self.window.clear()
+            return
+        details: list[Any] = [None] * self.world
+        dist.all_gather_object(details, self._details(), group=self.check_group)
+        err = DivergenceError(divergence_message(details))
+        self.stopped = err
+        raise err
+
+    def _details(self) -> dict:
+        return {"rank": self.rank,
+                "steps": [{"step": s, "micro": m, "fp": f,
+                           "calls": [(getattr(c, "graph_key", "?"), c.digest,
+                                      getattr(c, "describe", "")) for c in calls]}
+                          for s, m, f, calls in self.window]}
+
+
+def divergence_message(details: list[dict]) -> str:
+    """The first step, and graph call within it, where the ranks' collectives differ (the same
+    text on every rank: it is made from everyone's details)."""
+    n = min(len(d["steps"]) for d in details)
+    for i in range(n):
+        rows = [d["steps"][i] for d in details]
+        keys = [(r["step"], r["micro"], r["fp"], len(r["calls"])) for r in rows]
+        if len(set(keys)) == 1:
+            continue
+        head = (f"deepcompile: the ranks ran different collectives in optimizer step "
+                f"{min(r['step'] for r in rows)}:")
+        lines = [head]
+        groups: dict[tuple, list[int]] = {}
+        for d, k in zip(details, keys):
+            groups.setdefault(k, []).append(d["rank"])
+        for (step, micro, _fp, ncalls), ranks in groups.items():
+            r = details[ranks[0]]["steps"][i]
+            graphs = " ".join(c[0] for c in r["calls"][:12]) + (" ..." if ncalls > 12 else "")
+            lines.append(f"  ranks {ranks}: step {step}, {micro} micro-steps, {ncalls} graph "
+                         f"calls ({graphs})")
+        calls = [d["steps"][i]["calls"] for d in details]
+        j = next((j for j in range(max(map(len, calls)))
+                  if len({c[j][1] if j < len(c) else None for c in calls}) > 1), None)
+        if j is not None:
+            lines.append(f"  first difference at graph call {j} of the step:")
+            for d, c in zip(details, calls):
+                what = f"{c[j][0]}: {c[j][2]}" if j < len(c) else "(no more graph calls)"
+                lines.append(f"    rank {d['rank']}: {what}")
+        lines.append("Every rank must run the same graphs on the same parameters, the same "
+                     "number of micro-steps per optimizer step. The engine stops on every rank; "
+                     "restart from the last checkpoint.")
+        return "\n".join(lines)
+    return ("deepcompile: the ranks' collective fingerprints differ, but no step of the compared "
+            "window does (" + ", ".join(str(len(d["steps"])) for d in details) + " steps)")
+
+
+def _distributed_cause(exc: BaseException) -> DistributedError | None:
+    """`exc`, or the DistributedError it wraps (Dynamo's BackendCompilerFailed around an
+    agreement that failed while a graph compiled)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, DistributedError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+        seen += 1
+    return None
+
+
+def _describe(rep: dict) -> str:
+    kind, where = rep.get("kind"), _where(rep)
+    if kind == "raised":
+        return f"raised {rep['error']} at {where}"
+    if kind == "comm":
+        return f"a collective failed at {where}: {rep['error']}"
+    if kind == "usage":
+        return f"{rep['error']} (at {where})"
+    if kind == "check":
+        return f"at the end of {where}: {rep['error']}"
+    if kind == "new_graph":
+        return f"at {where}: {rep['error']}"
+    return f"{kind} at {where}: {rep.get('error')}"
+
+
+def _safe_check(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _store_timeout(store) -> float:
+    try:
+        return store.timeout.total_seconds()
+    except Exception:  # noqa: BLE001
+        return 300.0
