@@ -62,6 +62,9 @@ def _train(make_opt, steps=5, chunk=None):
         engine = deepcompile.initialize(model, optimizer=make_opt,
                                         config={"compiler": "fx", "passes": ()})
     ref_opt = make_opt(list(ref.parameters()))
+    calls = engine.hook_calls = []   # the user's step hooks run as around optimizer.step()
+    engine.optimizer.register_step_pre_hook(lambda opt, a, kw: calls.append(("pre", opt)))
+    engine.optimizer.register_step_post_hook(lambda opt, a, kw: calls.append(("post", opt)))
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     for step in range(steps):
@@ -90,6 +93,7 @@ def test_the_flat_step_trains_as_torch_does(group, case, caplog):
         assert [[e.name for e in c.entries] for c in flat.chunks] == \
             [["0.weight"], ["2.weight"], ["0.bias", "2.bias"]]
         assert [c.group for c in flat.chunks] == [0, 0, 1]   # a chunk never mixes groups
+    assert engine.hook_calls == [("pre", engine.optimizer), ("post", engine.optimizer)] * 5
     state = engine.full_state_dict()
     for name, p in ref.named_parameters():
         assert torch.allclose(state[name], p.detach(), rtol=0, atol=1e-6), (case, name)

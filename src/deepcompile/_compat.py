@@ -314,3 +314,14 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     ptr = t.data_ptr()
     weakref.finalize(t, rt.cudaHostUnregister, ptr)   # before the memory goes back to libc
     return t
+
+
+# --- optimizer step hooks ---------------------------------------------------------------------
+def optimizer_step_hooks(opt) -> tuple[list, list]:
+    """(pre, post): the step hooks registered on the optimizer object itself
+    (`register_step_pre_hook` / `register_step_post_hook`), in registration order. The engine's
+    flat step calls them around the step it takes in the user's optimizer's stead (the global
+    hooks run through the inner optimizer's own `step`)."""
+    return (list(getattr(opt, "_optimizer_step_pre_hooks", {}).values()),
+            list(getattr(opt, "_optimizer_step_post_hooks", {}).values()))
+

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _compat
 from .compiler.backend import Backend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
@@ -227,8 +228,13 @@ class Engine:
             if finite and self.config.max_grad_norm is not None:
                 self._clip_grad_norm(self.config.max_grad_norm, grads)
             if finite:
+                pre, post = _compat.optimizer_step_hooks(self.optimizer)
+                for hook in pre:   # the user's hooks on engine.optimizer, as its step would
+                    hook(self.optimizer, (), {})
                 flat.sync_hyperparameters()
                 self._offload.run_step()   # offloaded state streamed in and out (runtime/offload.py)
+                for hook in post:
+                    hook(self.optimizer, (), {})
                 # what the LR scheduler's wrapper of `optimizer.step` records (it is not called)
                 self.optimizer._opt_called = True
             flat.release_grads()
