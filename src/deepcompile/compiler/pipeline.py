@@ -40,7 +40,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import statistics
 import time
 from typing import Any, Callable
 

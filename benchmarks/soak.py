@@ -1,0 +1,133 @@
+"""Soak (issue 17): a long run of the tiny Llama on CPU ranks (gloo) with every pass, and the same
+run without passes, in the same processes one after the other.
+
+    python benchmarks/soak.py [--steps 1000] [--nproc 2] [--out FILE]
+
+Per run and rank: the loss of every step; resident memory (RSS) and the number of Python objects
+the garbage collector tracks, sampled every `--every` steps after the warm-up; the RSS slope over
+the steady steps (least squares, bytes per step) and the growth of the object count. Between the
+two runs: the largest loss difference (the passes change where collectives run, not the
+arithmetic, so with the fx compiler the losses should agree to float rounding). JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runtime_figures import _batch, _free_port, _model  # noqa: E402
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def _run(rank: int, passes, a) -> dict:
+    import deepcompile
+
+    torch._dynamo.reset()
+    engine = deepcompile.initialize(
+        _model(a.layers), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        config={"zero_stage": 3, "compiler": "fx", "passes": passes})
+    losses, samples = [], []
+    t0 = time.perf_counter()
+    for step in range(a.steps):
+        out = engine(**_batch(step, rank))
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+        if step >= a.warmup and (step - a.warmup) % a.every == 0:
+            gc.collect()
+            samples.append((step, _rss(), len(gc.get_objects())))
+    seconds = time.perf_counter() - t0
+    steps = [s for s, _, _ in samples]
+    rep = engine.report().to_dict()
+    kept = [p["pass"] for p in rep["passes"] if p.get("kept", True)]
+    del engine
+    gc.collect()
+    return {"passes": list(passes), "kept": kept, "phase": rep["phase"], "seconds": seconds,
+            "losses": losses, "samples": samples,
+            "rss_slope_bytes_per_step": _slope(steps, [r for _, r, _ in samples]),
+            "rss_first_last": [samples[0][1], samples[-1][1]],
+            "objects_first_last": [samples[0][2], samples[-1][2]],
+            "objects_slope_per_step": _slope(steps, [o for _, _, o in samples])}
+
+
+def _worker(rank: int, world: int, port: int, a, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        from deepcompile.passes import known_passes
+
+        every = tuple(p for p in ("offload_optimizer", "selective_unshard", "prefetch",
+                                  "bucket_reduce") if p in known_passes())
+        queue.put((rank, {"all": _run(rank, every, a), "none": _run(rank, (), a)}))
+    except BaseException:   # noqa: BLE001 -- reported by the parent
+        import traceback
+        queue.put((rank, {"error": traceback.format_exc()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=50, help="steps before sampling starts")
+    p.add_argument("--every", type=int, default=50)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, a.nproc, port, a, queue))
+             for r in range(a.nproc)]
+    for pr in procs:
+        pr.start()
+    got = dict(queue.get(timeout=7200) for _ in procs)
+    for pr in procs:
+        pr.join()
+    errors = [r["error"] for r in got.values() if "error" in r]
+    if errors:
+        raise SystemExit(errors[0])
+    summary = []
+    for rank in sorted(got):
+        r = got[rank]
+        dev = max(abs(x - y) for x, y in zip(r["all"]["losses"], r["none"]["losses"]))
+        summary.append({"rank": rank, "max_loss_diff_all_vs_none": dev, **{
+            f"{k}_{f}": r[k][f] for k in ("all", "none")
+            for f in ("kept", "phase", "seconds", "rss_slope_bytes_per_step", "rss_first_last",
+                      "objects_first_last", "objects_slope_per_step")}})
+    doc = {"command": " ".join(sys.argv), "torch": torch.__version__, "steps": a.steps,
+           "nproc": a.nproc, "layers": a.layers, "summary": summary,
+           "per_rank": {str(k): v for k, v in got.items()}}
+    text = json.dumps(doc, indent=1)
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
