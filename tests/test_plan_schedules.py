@@ -139,7 +139,9 @@ def test_offload_when_the_state_does_not_fit():
     passes = ("prefetch", "bucket_reduce", "offload_optimizer")
     sch, r = run(setting(m, budget=budget), passes)
     d = sch.decisions["offload_optimizer"]
-    assert not d["unattainable"] and adam // 4 <= d["offloaded_bytes"] < adam
+    # whole chunks move (the runtime's flat layout: >= 64 MiB of masters per chunk; this
+    # model's state is one chunk)
+    assert not d["unattainable"] and adam // 4 <= d["offloaded_bytes"] <= adam
     # the profiler's memory model: live bytes after each node within the budget (while a node
     # runs, the parameters it frees are still there: the simulated peak may be above)
     assert max(e.live for e in sch.events) <= budget < r0.peak_bytes

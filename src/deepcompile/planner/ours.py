@@ -44,6 +44,7 @@ from ..passes._common import Step
 from ..runtime import kept as _kept
 from ..runtime import regather
 from .compose import Graph, Model
+from ..runtime import flat
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
                        framework_event, node_host, optimizer_events)
 from .schedule import async_launch_s as _launch
@@ -554,11 +555,19 @@ def _offload(plan: Plan) -> dict[str, Any]:
                 points.append(offload_optimizer.Point(
                     f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
                     it.dur if compute else 0.0, compute and last and key == "bw"))
-    frags = [offload_optimizer.Frag(p.pid, k, s.shard_numel(p) * 4, p.name)
-             for p in params for k in ("exp_avg", "exp_avg_sq")]
-    step_bytes = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
-    d = offload_optimizer.plan_step(points, frags, step_bytes, s.planner_cost.copy_s, s.budget)
-    if not d["unattainable"] and d["fragments"]:
+    # the runtime's layout (runtime/flat.py): shards in flat chunks of at least CHUNK_BYTES
+    # master bytes, in order; an item is one chunk's Adam state
+    items, master, first = [], 0, None
+    for p in params:
+        first = first or p.name
+        master += s.shard_numel(p) * MASTER_BYTES
+        if master >= flat.CHUNK_BYTES or p is params[-1]:
+            items.append(offload_optimizer.Item(len(items), master * ADAM_BYTES // MASTER_BYTES,
+                                                first))
+            master, first = 0, None
+    step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
+    d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget)
+    if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]) if r["after"] is not None else -1, r["bytes"],
                          r["predicted_s"]) for r in d["reloads"]]
