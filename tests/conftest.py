@@ -4,6 +4,8 @@ build/test-deviations.jsonl)."""
 
 from __future__ import annotations
 
+import pytest
+
 import _train
 
 
@@ -18,3 +20,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"{e['id']:<34} {e['world']:>5} {str(e['compiler']):>8} {e['optim']:>6} "
                       f"{e['gas']:>3} {str(e['clip']):>5} {e['max_loss_dev']:>10.2e} "
                       f"{e['max_param_dev']:>10.2e} {e['max_param_change']:>8.3f}")
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo process group in the test's own process (in-process tests at world
+    size 1); Dynamo's caches are reset after it."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

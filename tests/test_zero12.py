@@ -320,18 +320,6 @@ def test_config_stages_and_default_passes():
 
 
 # ------------------------------------------------------------------- insertion (in-process)
-@pytest.fixture
-def group(tmp_path):
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduces_follow_their_gradients(group, stage):
     """The forward has no collective; in the backward each gradient's reduce-scatter comes
