@@ -35,6 +35,52 @@ def group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
+# ProcessGroupGloo runs collectives on two worker threads. With more than two functional
+# all-gathers in flight (the launch sweep of compiler/cost.py, prefetching), two run at once, and
+# gloo's `allgather_into_tensor_coalesced` -- the path `_c10d_functional.all_gather_into_tensor`
+# takes -- then corrupts the heap: the rank dies with SIGSEGV or SIGABRT ("malloc(): unaligned
+# tcache chunk"). Seen on CI (stops 18 and 19); reproduced on torch 2.13 by
+# benchmarks/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
+# launches on a default gloo group, in 0 of 10 on one worker thread
+# (benchmarks/results/2026-11-23-cpu2-gloo-inflight; `dist.all_gather_into_tensor`, which takes
+# `_allgather_base`, survived the same load).
+# The thread count is settable only through ProcessGroupGloo._Options, which init_process_group
+# and new_group do not pass on for gloo; so the engine's gloo collectives run on a group of its
+# own, made by a backend registered under its own name (an addition to c10d's registry; it
+# changes nothing that exists).
+_SERIAL_GLOO = "deepcompile_gloo"
+
+
+def _make_serial_gloo(store, rank: int, size: int, timeout):
+    import os
+
+    pgg = dist.ProcessGroupGloo
+    opts = pgg._Options()
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    opts._devices = ([pgg.create_device(interface=i) for i in iface.split(",")] if iface
+                     else [pgg.create_default_device()])
+    opts._threads = 1
+    opts._timeout = timeout
+    return pgg(store, rank, size, opts)
+
+
+def serial_gloo_group(group) -> dist.ProcessGroup:
+    """A gloo group over `group`'s ranks (same order) whose collectives run one at a time, in
+    launch order, on one worker thread. Collective over `group`'s members only."""
+    if _SERIAL_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_SERIAL_GLOO, _make_serial_gloo, devices=["cpu"])
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if ranks != sorted(ranks):
+        raise ValueError(f"deepcompile: a gloo group whose ranks are not in order ({ranks}) is "
+                         "not supported; make it with its ranks sorted")
+    return dist.new_group(ranks, backend=_SERIAL_GLOO, use_local_synchronization=True)
+
+
+def gloo_threads(group) -> int:
+    """The number of worker threads of `group`'s gloo backend (for tests)."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._threads
+
+
 # Functional collectives: C++ ops that Inductor lowers and calls from its generated code with
 # no Python in between (`_c10d_functional`, same schemas from 2.11 on). The graphs call the raw
 # ops; the Python wrappers were renamed between versions (all_gather_tensor -> _single).

@@ -16,10 +16,14 @@ from .. import _compat
 
 class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.backend = str(dist.get_backend(group))
+        if self.backend == "gloo" and dist.get_world_size(group) > 1:
+            # gloo runs two collectives at once on two threads, and two concurrent functional
+            # all-gathers corrupt its heap: the engine's run one at a time (_compat)
+            group = _compat.serial_gloo_group(group)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group))
         # the name functional collectives (and Inductor's generated code) resolve the group by
         self.group_name = _compat.group_name(group)
         self._stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
