@@ -39,13 +39,6 @@ def _losses(out: str) -> dict[int, float]:
             for m in re.finditer(r"^step (\d+)/\d+ loss ([\d.]+) ", out, re.M)}
 
 
-# Known regression (merge of issue 16, the flat optimizer step): on 2 ranks the resumed run's
-# loss departs from the uninterrupted one at step 5 (4.859 vs 4.884; step 4 is equal), with or
-# without passes; the same save/resume in one process (AdamW + LambdaLR, gas 1 and 2, sync and
-# async saves) is exact, and issue 17's branch without the flat step passes this test. Strict:
-# it fails the suite the day it passes, so the mark goes with the fix.
-@pytest.mark.xfail(strict=True, reason="resume after the flat optimizer step is not exact on 2 "
-                   "ranks (known regression, see the comment)")
 def test_train_llama_runs_and_resumes(tmp_path):
     common = ["--model", "tiny", "--compiler", "fx", "--steps", "6", "--grad-accum", "2",
               "--seq-len", "32", "--warmup", "2"]

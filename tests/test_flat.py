@@ -112,6 +112,20 @@ def test_a_state_dict_loads_back_into_the_flat_state(group):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_hyperparameters_written_after_a_load_reach_the_flat_step(group):
+    """`optimizer.load_state_dict` (a checkpoint load, accelerate's `prepare`) replaces the
+    facade's group dicts; what an LR scheduler then writes there must still drive the step."""
+    engine, _, _ = _train(CASES["adamw-groups"], steps=2, chunk=256)
+    engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+    for g in engine.optimizer.param_groups:
+        g["lr"] = 0.0
+    before = engine.full_state_dict()
+    engine.backward(engine(torch.randn(4, 8)).square().mean())
+    assert engine.step()
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "lr 0 moved the weights"
+
+
 def test_offload_refuses_an_optimizer_that_is_not_stepped_flat(group):
     import deepcompile
 

@@ -113,11 +113,6 @@ def _dev(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-# Known regression (merge of issue 16, the flat optimizer step): the engine's first optimizer
-# step through the Trainer moves the weights where the plain Trainer's (LR warm-up) barely does
-# (losses 2.44/2.42 vs 2.25/2.22 at the second step). Strict: the mark goes with the fix.
-@pytest.mark.xfail(strict=True, reason="flat optimizer step under the HF Trainer: known "
-                   "regression, see the comment")
 def test_trainer_matches_the_plain_trainer_in_one_process(runs):
     _, ref, ours = runs
     assert len(ref["losses"]) == STEPS * GAS

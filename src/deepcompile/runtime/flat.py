@@ -150,7 +150,7 @@ class FlatState:
         self.inner: torch.optim.Optimizer | None = None
         self.fused = False
         self._viewed: set[int] = set()       # chunks whose state the facade sees as views
-        self._sync: list[tuple[dict, dict, dict]] = []   # (inner group, facade group, kept keys)
+        self._sync: list[tuple[int, dict]] = []   # per inner group: (facade group index, kept keys)
         if self.elementwise and self.chunks:
             self._build_inner()
             facade.register_load_state_dict_post_hook(self._after_load)
@@ -228,12 +228,16 @@ class FlatState:
         self.inner = inner
         for ig, gi in zip(inner.param_groups, pairs):
             kept = {"params": ig["params"], **{k: ig[k] for k in _IMPL_KEYS if k in ig}}
-            self._sync.append((ig, facade.param_groups[gi], kept))
+            self._sync.append((gi, kept))
 
     def sync_hyperparameters(self) -> None:
-        """The facade's hyperparameters (the LR scheduler writes there) into the inner groups."""
-        for ig, fg, kept in self._sync:
-            ig.update(fg)
+        """The facade's hyperparameters (the LR scheduler writes there) into the inner groups.
+        Both sides looked up now, by index: `load_state_dict` replaces an optimizer's group
+        dicts (the facade's on a checkpoint load or accelerate's `prepare`, where the scheduler
+        then writes; the inner's in `_after_load`)."""
+        facade = self.facade.param_groups
+        for ig, (gi, kept) in zip(self.inner.param_groups, self._sync):
+            ig.update(facade[gi])
             ig.update(kept)
 
     # -- gradients ----------------------------------------------------------------------------
