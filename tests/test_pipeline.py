@@ -135,12 +135,6 @@ def test_every_node_of_every_graph_is_profiled(profiled):
             assert s["profiled_nodes"] == s["graph_nodes"]
 
 
-# Known regression (merge of issue 16): with the shards in flat chunks the profiler counts
-# the chunks apart (`split=runtime.flat_storages`), and the measured curve no longer matches the
-# static liveness this test computes (72 KB vs 1.1 MB at the first node of g0.fw): one of the
-# two must learn the flat layout. Strict: the mark goes with the fix.
-@pytest.mark.xfail(strict=True, reason="CPU memory curve vs static liveness with flat chunks: "
-                   "known regression, see the comment")
 def test_cpu_memory_curve_matches_static_liveness(profiled):
     for r in profiled:
         for key, s in r["slots"].items():
