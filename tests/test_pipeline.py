@@ -312,6 +312,11 @@ def test_cost_model_fit_keeps_latency():
     # a noisy sweep whose least-squares intercept would be negative still has a latency
     latency, per_byte = _fit([(4096, 1.0e-3), (32768, 0.9e-3), (1 << 20, 3.0e-3)])
     assert latency > 0 and per_byte > 0
+    # one slow smallest message (measured on the 2-core VM: 1.69 ms, then 0.31-0.79 ms) leaves
+    # the latency at the fastest and the bytes priced
+    latency, per_byte = _fit([(4096, 1.69e-3), (32768, 0.31e-3), (1 << 18, 0.46e-3),
+                              (1 << 20, 0.79e-3)])
+    assert latency == 0.31e-3 and per_byte == (0.79e-3 - 0.31e-3) / (1 << 20)
     model = LinearCostModel(coeffs={"all_gather": (latency, per_byte)})
     assert model.collective_s("all_gather", 2 << 20) > model.collective_s("all_gather", 1 << 20)
     assert LinearCostModel.from_dict(model.to_dict()) == model

@@ -64,18 +64,25 @@ class LinearCostModel:
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """latency + bytes * per_byte through the smallest and the largest message.
-
-    A least-squares fit over a noisy sweep can put the intercept at or below zero, and a model
-    without latency never fuses; the smallest message is latency-bound, so it is the latency."""
+    """latency + bytes * per_byte: the latency is the fastest time of any size (every message
+    pays it, and noise only adds time), the per-byte cost what the largest message takes beyond
+    it. A least-squares fit over a noisy sweep can put the intercept at or below zero, and a
+    model without latency never fuses; one slow small message would tilt a line through the end
+    points to a slope of 0, and a model where bytes are free never saves bytes."""
     points = sorted(points)
-    (x0, y0), (x1, y1) = points[0], points[-1]
-    per_byte = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
-    return max(y0 - per_byte * x0, 0.0), per_byte
+    latency = min(t for _, t in points)
+    x1, y1 = points[-1]
+    return latency, (max(0.0, (y1 - latency) / x1) if x1 > 0 else 0.0)
 
 
-def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
-    """Measure all-gather and reduce-scatter over a few sizes; agree across ranks (MAX)."""
+def calibrate(comm, device: torch.device, repeats: int = 5) -> LinearCostModel:
+    """Measure all-gather and reduce-scatter over a few sizes; agree across ranks (MAX).
+
+    Each size's time is the fastest of `repeats` runs: noise (another process on the core, a
+    late peer) only ever adds time, and the fit goes through the smallest and the largest
+    message, so one slow run at either end would tilt the slope (on a shared 2-core VM a 4 KB
+    gloo all-gather took 0.3-4 ms from one median of 3 to the next, and a slope of 0 made
+    every byte free)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
     for nbytes in SWEEP_BYTES:
@@ -92,7 +99,7 @@ def calibrate(comm, device: torch.device, repeats: int = 3) -> LinearCostModel:
                 fn()
                 sync()
                 runs.append(time.perf_counter() - t0)
-            times[kind].append(statistics.median(runs))
+            times[kind].append(min(runs))
     # host->device copies (offloading plans with them; on the CPU a host copy stands in)
     times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
     kinds = list(times)
@@ -156,5 +163,5 @@ def _copy_sweep(device: torch.device, repeats: int) -> list[tuple[int, float]]:
             dev.copy_(host, non_blocking=cuda)
             sync()
             runs.append(time.perf_counter() - t0)
-        out.append((nbytes, statistics.median(runs[1:])))
+        out.append((nbytes, min(runs[1:])))
     return out
