@@ -3,9 +3,9 @@
 Mirrors the CPU memory model of `profiler.py` (distinct storages of live values, inputs alive
 for the whole graph, values freed after their last use) from the fake values AOTAutograd leaves
 in `node.meta["val"]`. A parameter shard counts its own extent (the shards are views of the
-runtime's flat buffers: runtime/flat.py). Aliasing comes from the op schemas: the output of a view op (and a
-`getitem` of one) shares its base's storage. Used to check the measured curve, and by passes to
-simulate the memory effect of a rewrite before running it.
+runtime's flat buffers: runtime/flat.py). Aliasing comes from the op schemas: the output of a
+view op (and a `getitem` of one) shares its base's storage. Used to check the measured curve,
+and by passes to simulate the memory effect of a rewrite before running it.
 """
 
 from __future__ import annotations
