@@ -5,7 +5,8 @@ run without passes, in the same processes one after the other.
 
 Per run and rank: the loss of every step; resident memory (RSS) and the number of Python objects
 the garbage collector tracks, sampled every `--every` steps after the warm-up; the RSS slope over
-the steady steps (least squares, bytes per step) and the growth of the object count. Between the
+the steady steps (least squares, bytes per step), the growth of the object count, and the
+functional-collective works launched and not yet waited (c10d's work registry). Between the
 two runs: the largest loss difference (the passes change where collectives run, not the
 arithmetic, so with the fx compiler the losses should agree to float rounding). JSON on stdout.
 """
@@ -47,7 +48,8 @@ def _run(rank: int, passes, a) -> dict:
     engine = deepcompile.initialize(
         _model(a.layers), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         config={"zero_stage": 3, "compiler": "fx", "passes": passes})
-    losses, samples = [], []
+    losses, samples, works = [], [], []
+    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", lambda: -1)
     t0 = time.perf_counter()
     for step in range(a.steps):
         out = engine(**_batch(step, rank))
@@ -57,6 +59,7 @@ def _run(rank: int, passes, a) -> dict:
         if step >= a.warmup and (step - a.warmup) % a.every == 0:
             gc.collect()
             samples.append((step, _rss(), len(gc.get_objects())))
+            works.append(registry())   # functional-collective works launched, not yet waited
     seconds = time.perf_counter() - t0
     steps = [s for s, _, _ in samples]
     rep = engine.report().to_dict()
@@ -68,7 +71,8 @@ def _run(rank: int, passes, a) -> dict:
             "rss_slope_bytes_per_step": _slope(steps, [r for _, r, _ in samples]),
             "rss_first_last": [samples[0][1], samples[-1][1]],
             "objects_first_last": [samples[0][2], samples[-1][2]],
-            "objects_slope_per_step": _slope(steps, [o for _, _, o in samples])}
+            "objects_slope_per_step": _slope(steps, [o for _, _, o in samples]),
+            "unwaited_works_first_last": [works[0], works[-1]]}
 
 
 def _worker(rank: int, world: int, port: int, a, queue) -> None:
@@ -118,7 +122,8 @@ def main(argv=None) -> None:
         summary.append({"rank": rank, "max_loss_diff_all_vs_none": dev, **{
             f"{k}_{f}": r[k][f] for k in ("all", "none")
             for f in ("kept", "phase", "seconds", "rss_slope_bytes_per_step", "rss_first_last",
-                      "objects_first_last", "objects_slope_per_step")}})
+                      "objects_first_last", "objects_slope_per_step",
+                      "unwaited_works_first_last")}})
     doc = {"command": " ".join(sys.argv), "torch": torch.__version__, "steps": a.steps,
            "nproc": a.nproc, "layers": a.layers, "summary": summary,
            "per_rank": {str(k): v for k, v in got.items()}}
