@@ -1,12 +1,14 @@
 """Soak (issue 17): a long run of the tiny Llama on CPU ranks (gloo) with every pass, and the same
 run without passes, in the same processes one after the other.
 
-    python benchmarks/soak.py [--steps 1000] [--nproc 2] [--out FILE]
+    python benchmarks/soak.py [--steps 1000] [--nproc 2] [--trim] [--out FILE]
 
 Per run and rank: the loss of every step; resident memory (RSS) and the number of Python objects
 the garbage collector tracks, sampled every `--every` steps after the warm-up; the RSS slope over
 the steady steps (least squares, bytes per step), the growth of the object count, and the
-functional-collective works launched and not yet waited (c10d's work registry). Between the
+functional-collective works launched and not yet waited (c10d's work registry), and glibc's
+own account of the heap (bytes in use, bytes free but kept: tells a leak from fragmentation).
+Between the
 two runs: the largest loss difference (the passes change where collectives run, not the
 arithmetic, so with the fx compiler the losses should agree to float rounding). JSON on stdout.
 """
@@ -14,6 +16,7 @@ arithmetic, so with the fx compiler the losses should agree to float rounding). 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import json
@@ -34,6 +37,34 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _trim() -> None:
+    """Hand the free memory malloc keeps back to the system (glibc's malloc_trim(0))."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _malloc() -> tuple[int, int]:
+    """glibc's own account, over every arena: (bytes the program holds -- in use in the arenas
+    plus mmapped blocks --, bytes free inside the arenas that malloc keeps). (-1, -1) where
+    glibc has no mallinfo2. RSS minus the first is memory the allocator retains, not the
+    program: a rise in RSS with the first flat is fragmentation, not a leak."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return -1, -1
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
 def _slope(xs: list[float], ys: list[float]) -> float:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -48,7 +79,7 @@ def _run(rank: int, passes, a) -> dict:
     engine = deepcompile.initialize(
         _model(a.layers), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         config={"zero_stage": 3, "compiler": "fx", "passes": passes})
-    losses, samples, works = [], [], []
+    losses, samples, works, heap = [], [], [], []
     registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", lambda: -1)
     t0 = time.perf_counter()
     for step in range(a.steps):
@@ -58,8 +89,11 @@ def _run(rank: int, passes, a) -> dict:
         losses.append(out.loss.item())
         if step >= a.warmup and (step - a.warmup) % a.every == 0:
             gc.collect()
+            if a.trim:
+                _trim()
             samples.append((step, _rss(), len(gc.get_objects())))
             works.append(registry())   # functional-collective works launched, not yet waited
+            heap.append(_malloc())
     seconds = time.perf_counter() - t0
     steps = [s for s, _, _ in samples]
     rep = engine.report().to_dict()
@@ -72,7 +106,10 @@ def _run(rank: int, passes, a) -> dict:
             "rss_first_last": [samples[0][1], samples[-1][1]],
             "objects_first_last": [samples[0][2], samples[-1][2]],
             "objects_slope_per_step": _slope(steps, [o for _, _, o in samples]),
-            "unwaited_works_first_last": [works[0], works[-1]]}
+            "unwaited_works_first_last": [works[0], works[-1]],
+            "malloc_in_use": [u for u, _ in heap], "malloc_free_kept": [f for _, f in heap],
+            "malloc_in_use_slope_bytes_per_step": _slope(steps, [u for u, _ in heap]),
+            "malloc_in_use_first_last": [heap[0][0], heap[-1][0]]}
 
 
 def _worker(rank: int, world: int, port: int, a, queue) -> None:
@@ -100,6 +137,8 @@ def main(argv=None) -> None:
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--trim", action="store_true",
+                   help="malloc_trim(0) before each sample: RSS without the free memory malloc keeps")
     p.add_argument("--out")
     a = p.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -123,7 +162,8 @@ def main(argv=None) -> None:
             f"{k}_{f}": r[k][f] for k in ("all", "none")
             for f in ("kept", "phase", "seconds", "rss_slope_bytes_per_step", "rss_first_last",
                       "objects_first_last", "objects_slope_per_step",
-                      "unwaited_works_first_last")}})
+                      "unwaited_works_first_last", "malloc_in_use_slope_bytes_per_step",
+                      "malloc_in_use_first_last")}})
     doc = {"command": " ".join(sys.argv), "torch": torch.__version__, "steps": a.steps,
            "nproc": a.nproc, "layers": a.layers, "summary": summary,
            "per_rank": {str(k): v for k, v in got.items()}}
