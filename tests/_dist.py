@@ -3,7 +3,8 @@
     results = run_distributed(fn, world_size, *args, timeout=600)
 
 `fn(rank, world_size, *args)` must be a picklable top-level function (it is imported by name
-in each spawned child).  Each child:
+in each child).  Each child is forked from a fork server started once per test session with
+torch, transformers and deepcompile already imported (`_context`), and:
   * gets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK in its env,
     OMP_NUM_THREADS=1, torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
     <repo>/build/inductor-cache;
