@@ -5,12 +5,12 @@ run without passes, in the same processes one after the other.
 
 Per run and rank: the loss of every step; resident memory (RSS) and the number of Python objects
 the garbage collector tracks, sampled every `--every` steps after the warm-up; the RSS slope over
-the steady steps (least squares, bytes per step), the growth of the object count, and the
+the steady steps (least squares, bytes per step), the growth of the object count, the
 functional-collective works launched and not yet waited (c10d's work registry), and glibc's
 own account of the heap (bytes in use, bytes free but kept: tells a leak from fragmentation).
-Between the
-two runs: the largest loss difference (the passes change where collectives run, not the
-arithmetic, so with the fx compiler the losses should agree to float rounding). JSON on stdout.
+Between the two runs: the largest loss difference (the passes change where collectives run, not
+the arithmetic, so with the fx compiler the losses should agree to float rounding). JSON on
+stdout.
 """
 
 from __future__ import annotations
@@ -43,25 +43,31 @@ class _MallInfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
-def _trim() -> None:
-    """Hand the free memory malloc keeps back to the system (glibc's malloc_trim(0))."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _malloc() -> tuple[int, int]:
-    """glibc's own account, over every arena: (bytes the program holds -- in use in the arenas
-    plus mmapped blocks --, bytes free inside the arenas that malloc keeps). (-1, -1) where
-    glibc has no mallinfo2. RSS minus the first is memory the allocator retains, not the
-    program: a rise in RSS with the first flat is fragmentation, not a leak."""
+@functools.cache
+def _libc():
+    """glibc, with mallinfo2's return type set; None where it is not glibc >= 2.33."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _trim() -> None:
+    """Hand the free memory malloc keeps back to the system (glibc's malloc_trim(0))."""
+    if _libc() is not None:
+        _libc().malloc_trim(0)
+
+
+def _malloc() -> tuple[int, int]:
+    """glibc's own account, over every arena: (bytes the program holds -- in use in the arenas
+    plus mmapped blocks --, bytes free inside the arenas that malloc keeps). (-1, -1) without
+    glibc. RSS minus the first is memory the allocator retains, not the program: a rise in RSS
+    with the first flat is fragmentation, not a leak."""
+    if _libc() is None:
         return -1, -1
-    m = libc.mallinfo2()
+    m = _libc().mallinfo2()
     return m.uordblks + m.hblkhd, m.fordblks
 
 
@@ -138,7 +144,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--trim", action="store_true",
-                   help="malloc_trim(0) before each sample: RSS without the free memory malloc keeps")
+                   help="malloc_trim(0) before each sample: RSS without the free memory that "
+                        "malloc keeps")
     p.add_argument("--out")
     a = p.parse_args(argv)
     ctx = mp.get_context("spawn")
