@@ -59,9 +59,9 @@ _COMMON_ENV = {
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-# imported once by the fork server, so that a rank starts without importing them (~3.5 s of CPU
-# per rank on the 2-core VM, and ~1.4 s more of modules first imported when a graph compiles:
-# torch, Dynamo, AOTAutograd, Inductor, transformers' models, deepcompile, the test helpers)
+# imported once by the fork server, so that a rank starts without importing them: torch, Dynamo,
+# AOTAutograd, Inductor, transformers' models, deepcompile, the test helpers (~3.7 s of CPU per
+# rank on the 2-core VM, and ~1.4 s more, under cProfile, first imported when a graph compiles)
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
             "torch._functorch.partitioners", "torch._inductor.compile_fx", "networkx",
             "transformers", "transformers.models.llama.modeling_llama",
