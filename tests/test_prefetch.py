@@ -3,7 +3,8 @@
 Unit tests of the planner on synthetic graphs with synthetic profiles (budget held at every
 node, a start hoisted just far enough, fusion exactly when the cost model favours it, legal
 order, unattainable budgets reported), of the rewrite on a synthetic FX graph, and multi-rank
-tests: parity with prefetch (fx and Inductor, tiny Llama and a graph-break model), fewer
+tests: parity with prefetch (fx, tiny Llama and a graph-break model; Inductor: in
+tests/test_selective_unshard.py, with every scheduling pass), fewer
 all-gathers with fusion, less exposed communication, a tight budget respected by the measured
 re-profile, and an unattainable budget reported with its figures.
 """
@@ -217,8 +218,8 @@ JOBS = Jobs({
         scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, **_BOTH),
     ]),
     "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, **_BOTH)]),
-    "inductor2": (2, [scenario("llama-sgd-gas2-prefetch-reduce-inductor", "llama", "sgd", 0.1,
-                               gas=2, compiler="inductor", **_BOTH)]),
+    # Inductor: prefetch with bucket_reduce and selective_unshard on 2 ranks is
+    # tests/test_selective_unshard.py's Inductor scenario (one cold Inductor job for both)
 }, timeout=900)
 
 
