@@ -313,9 +313,12 @@ JOBS = Jobs({
                          clip=0.1, record=_REC, passes=("selective_unshard", "prefetch"),
                          warmup_steps=1),
                 {**FITS_ALL, "id": FITS_ALL["id"] + "-4ranks"}]),
-    "inductor2": (2, [scenario("llama-sgd-gas2-clip-prefetch-unshard-inductor", "llama", "sgd",
-                               0.1, gas=2, clip=0.1, compiler="inductor", record=_REC,
-                               passes=("prefetch", "selective_unshard"), warmup_steps=1)]),
+    # every scheduling pass under Inductor, on 2 ranks (tests/test_prefetch.py's Inductor
+    # coverage too: one cold Inductor job instead of two)
+    "inductor2": (2, [scenario("llama-sgd-gas2-clip-prefetch-reduce-unshard-inductor", "llama",
+                               "sgd", 0.1, gas=2, clip=0.1, compiler="inductor", record=_REC,
+                               passes=("prefetch", "bucket_reduce", "selective_unshard"),
+                               warmup_steps=1)]),
 }, timeout=900)
 
 
@@ -365,6 +368,13 @@ def test_parity_with_selective_unshard(job, sc):
     # measured counts per optimizer step are the predicted ones
     measured = _per_step(results[0], sc["config"]["gradient_accumulation_steps"])
     assert measured == {k: v["after"] for k, v in d["per_step"].items()}, (measured, d["per_step"])
+    # the report counts them where they run: an accumulating graph reduces in the window's
+    # last micro-step only (not once per run), the refresh after the step
+    rep = results[0]["report"]
+    counted = {k: sum(row["count"] for row in rep["step_collectives"] if row["kind"] == k)
+               for k in measured}
+    assert counted == {k: v["count"] for k, v in measured.items()}, rep["step_collectives"]
+    assert rep["step_summary"]["collectives"] == sum(v["count"] for v in measured.values())
 
 
 def _padded_bytes(model_name, world):

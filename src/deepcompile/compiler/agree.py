@@ -54,8 +54,11 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
                                 "live_bytes": max(r.nodes[i].live_bytes for r in runs)})
                  for i, n in enumerate(last.nodes)]
         total = statistics.median(r.total_s for r in runs)
-        slot.local = GraphProfile(slot=key, version=slot.version, nodes=nodes, total_s=total)
-        local[key] = GraphProfile(slot=key, version=slot.version, total_s=total,
+        launched = None if any(r.launched is None for r in runs) else \
+            statistics.fmean(r.launched for r in runs)
+        slot.local = GraphProfile(slot=key, version=slot.version, nodes=nodes, total_s=total,
+                                  launched=launched)
+        local[key] = GraphProfile(slot=key, version=slot.version, total_s=total, launched=launched,
                                   nodes=[NodeProfile(**{**vars(n), "start_s": 0.0})
                                          for n in nodes])
         slot.pending = []

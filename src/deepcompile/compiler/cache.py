@@ -74,4 +74,4 @@ def save(cache_dir: str | os.PathLike, key: str, plan: dict) -> Path:
 
 def profile_from_dict(d: dict) -> GraphProfile:
     return GraphProfile(slot=d["slot"], version=d["version"], total_s=d["total_s"],
-                        nodes=[NodeProfile(**n) for n in d["nodes"]])
+                        nodes=[NodeProfile(**n) for n in d["nodes"]], launched=d.get("launched"))

@@ -290,4 +290,5 @@ def fold_to_rep(prof: GraphProfile, to_rep: dict[str, str], rep: fx.GraphModule,
             param=_param_of(node, name_of) if kind != "compute" else None,
             time_s=rec.time_s if rec is not None else 0.0, start_s=clock,
             out_bytes=rec.out_bytes if rec is not None else 0, live_bytes=live))
-    return GraphProfile(slot=prof.slot, version=prof.version, nodes=nodes, total_s=prof.total_s)
+    return GraphProfile(slot=prof.slot, version=prof.version, nodes=nodes, total_s=prof.total_s,
+                        launched=prof.launched)

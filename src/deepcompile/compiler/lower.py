@@ -69,6 +69,7 @@ class Lowered:
 
     def __post_init__(self) -> None:
         self._pick_accs = _picker(list(self.acc_positions))
+        self.launches = sum(n for _kind, n, _bytes in self.counts)   # collectives per run
 
     def prepare(self, args: list) -> tuple[list, tuple]:
         """The full argument list of a run (the planned graph's, then the extra inputs), and
@@ -541,7 +542,8 @@ def fold_profile(prof: GraphProfile, lowered: fx.GraphModule, planned: fx.GraphM
             param=_param_of(node, name_of) if kind != "compute" else None,
             time_s=a[0] if a else 0.0, start_s=clock, out_bytes=a[2] if a else 0,
             live_bytes=live))
-    return GraphProfile(slot=prof.slot, version=prof.version, nodes=nodes, total_s=prof.total_s)
+    return GraphProfile(slot=prof.slot, version=prof.version, nodes=nodes, total_s=prof.total_s,
+                        launched=prof.launched)
 
 
 def _target_name(node: fx.Node) -> str:

@@ -88,7 +88,7 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
     """Step-level figures from per-graph profiles, weighted by how often each graph runs, plus
     the collectives the runtime runs after the optimizer step (`after_step`: refreshes)."""
     runs = {k: order.count(k) or 1 for k in profiles}
-    in_graphs = sum(runs[k] * p.collectives() for k, p in profiles.items())
+    in_graphs = round(sum(runs[k] * p.collectives() for k, p in profiles.items()))
     outside = sum(c["count"] for c in after_step)
     return {
         "collectives": in_graphs + outside,
@@ -273,6 +273,7 @@ class Pipeline:
             except BaseException:
                 self.guard.failed_graph = slot.key
                 raise
+            prof.launched = float(low.launches)
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if slot.rep is not None:
                 prof = _families.fold_to_rep(prof, slot.to_rep, target.gm, _param_name)

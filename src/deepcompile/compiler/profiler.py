@@ -48,6 +48,10 @@ class GraphProfile:
     version: int               # graph version (bumped by every pass that changes it)
     nodes: list[NodeProfile]
     total_s: float             # wall time of the whole run
+    # collectives one run launched, as the lowered code that ran counts them (mean over the
+    # profiled runs: a graph that accumulates gradients locally reduces in the window's last
+    # micro-step only, and at world size 1 nothing is launched); None: count the graph's nodes
+    launched: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -63,7 +67,10 @@ class GraphProfile:
     def compute_s(self) -> float:
         return sum(n.time_s for n in self.nodes if n.kind == "compute")
 
-    def collectives(self) -> int:
+    def collectives(self) -> float:
+        """Collectives launched per run (`launched` where the run measured it)."""
+        if self.launched is not None:
+            return self.launched
         return sum(1 for n in self.nodes if n.kind in ops.LAUNCHES)
 
     def to_dict(self) -> dict[str, Any]:

@@ -57,10 +57,6 @@ class GraphSlot:
     def profile(self) -> "GraphProfile | None":
         return self.history[-1][1] if self.history else None
 
-    def current_lowered(self) -> "Lowered | None":
-        """The lowered graph of the current version (the last micro-step's variant first)."""
-        return self.lowered.get((True, self.version)) or self.lowered.get((False, self.version))
-
     def swap(self, gm: fx.GraphModule, version: int) -> None:
         """Run `gm` as version `version` from now on (an A/B measurement's other side)."""
         self.gm, self.version, self.variants = gm, version, None
