@@ -320,3 +320,38 @@ def test_cost_model_fit_keeps_latency():
     model = LinearCostModel(coeffs={"all_gather": (latency, per_byte)})
     assert model.collective_s("all_gather", 2 << 20) > model.collective_s("all_gather", 1 << 20)
     assert LinearCostModel.from_dict(model.to_dict()) == model
+
+
+# ------------------------------------------------------------ agreement of node times over ranks
+def _agree_job(rank, world):
+    import types
+
+    import torch.distributed as dist
+
+    from deepcompile.compiler.agree import agree_profiles
+    from deepcompile.compiler.profiler import GraphProfile, NodeProfile
+    from deepcompile.runtime.comm import Comm
+
+    def node(name, kind, ms):
+        return NodeProfile(name=name, op=name, kind=kind, param=None, time_s=ms / 1e3,
+                           start_s=0.0, out_bytes=0, live_bytes=100 * (rank + 1))
+
+    # rank 0 computes fast and waits at the collective for rank 1, which computes slowly; the
+    # transfer itself takes 1 ms (what rank 1, the last to arrive, waits)
+    mine = {0: (2.0, 9.0, 1.0), 1: (6.0, 1.0, 3.0)}[rank]
+    runs = [GraphProfile(slot="g0.fw", version=0, total_s=0.02, nodes=[
+        node("mm", "compute", mine[0]), node("ag", "all_gather", mine[1]),
+        node("relu", "compute", mine[2])]) for _ in range(2)]
+    slot = types.SimpleNamespace(pending=runs, version=0, local=None)
+    agreed = agree_profiles(Comm(dist.group.WORLD), {"g0.fw": slot}, ["g0.fw"],
+                            torch.device("cpu"))
+    return {n.name: (round(n.time_s * 1e3, 6), n.live_bytes) for n in agreed["g0.fw"].nodes}
+
+
+def test_agreed_node_times_blocking_min_compute_scaled_to_the_slowest_rank():
+    """[Note: agreed node times]: a blocking node gets the last-arriving rank's wait (the MIN);
+    compute nodes the mean over ranks, scaled to the slowest rank's compute sum (rank 1: 9 ms
+    against rank 0's 3 ms, means 4 + 2); live bytes the MAX; the same on every rank."""
+    got = run_distributed(_agree_job, WORLD, timeout=120)
+    assert got[0] == got[1]
+    assert got[0] == {"mm": (6.0, 200), "ag": (1.0, 200), "relu": (3.0, 200)}

@@ -12,6 +12,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ..runtime import ops
 from .profiler import GraphProfile, NodeProfile
 
 
@@ -28,13 +29,15 @@ def _reduce(comm, values: list[float], op, device: torch.device) -> list[float]:
     return vec.tolist()
 
 
-# [Note: agreed node times] Each rank's node time is the median over its runs of the step. The
-# agreed time of a node is its mean over ranks, scaled so that the graph's node times sum to the
-# slowest rank's sum. Taking the MAX over ranks node by node (as before) inflated every graph: a
-# collective waits on one rank for as long as the other rank is still computing, so the
-# per-node maxima add up the slow parts of different ranks, and the profiled step summed to
-# 1.2-1.4x the measured step on 2 CPU ranks. The mean keeps each node's share; the scale keeps
-# the slowest rank's total (a step takes as long as its slowest rank).
+# [Note: agreed node times] Each rank's node time is the median over its runs of the step.
+# Compute nodes: the mean over ranks, scaled so that the graph's compute sums to the slowest
+# rank's (a step takes as long as its slowest rank). Nodes that block on communication
+# (synchronous collectives, waits): the MIN over ranks. A rank that reaches a collective early
+# waits there for the others; the rank that arrives last waits only for the transfer, which is
+# the collective's cost. Any more is skew, counted already as the late rank's own compute, or,
+# in a profiled run, the other ranks' profiler bookkeeping between nodes: with the mean (or the
+# MAX, before that) the profiled step summed to 0.7-2.4x the measured step on 2 CPU ranks from
+# one launch to the next, the skew landing on whichever collective came first.
 
 
 def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) -> dict[str, GraphProfile]:
@@ -71,21 +74,29 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
                 f"order (rank {comm.rank}: {mine}; rank {rank}: {other}); their "
                 "decisions would diverge and hang collectives")
     profiles = list(local.values())
+    blocking = [n for p in profiles for n in p.nodes if n.kind in ops.BLOCKING]
     means = iter(_reduce(comm, [n.time_s for p in profiles for n in p.nodes],
                          dist.ReduceOp.SUM, device))
+    # one MAX reduction: live bytes, each graph's run time and compute sum, and (negated, so
+    # that their MAX is the MIN) the blocking nodes' times
     maxima = iter(agree_max(comm, [n.live_bytes for p in profiles for n in p.nodes]
                             + [x for p in profiles
-                               for x in (p.total_s, sum(n.time_s for n in p.nodes))], device))
+                               for x in (p.total_s, sum(n.time_s for n in p.nodes
+                                                        if n.kind == "compute"))]
+                            + [-n.time_s for n in blocking], device))
     for p in profiles:
         for n in p.nodes:
             n.time_s = next(means) / comm.world
             n.live_bytes = int(next(maxima))
     for p in profiles:
         p.total_s, slowest = next(maxima), next(maxima)
-        mean_sum = sum(n.time_s for n in p.nodes)
+        compute = [n for n in p.nodes if n.kind == "compute"]
+        mean_sum = sum(n.time_s for n in compute)
         if mean_sum > 0:
-            for n in p.nodes:
+            for n in compute:
                 n.time_s *= slowest / mean_sum
+    for n in blocking:
+        n.time_s = -next(maxima)
     return local
 
 
