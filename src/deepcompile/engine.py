@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -214,6 +215,7 @@ class Engine:
             raise self._rails.on_exception(e, "step", step, micro)
 
     def _step(self, step: int, micro: int) -> bool:
+        t0 = time.perf_counter()
         steady = self._pipeline.phase is Phase.STEADY
         # [Note: divergence check] first: before this step's own collectives
         self._rails.end_step(step, micro)
@@ -250,7 +252,7 @@ class Engine:
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps
-        self._pipeline.end_step()
+        self._pipeline.end_step(time.perf_counter() - t0)
         self._metrics.end_step()
         if self._pipeline.tracing is not None:   # engine.trace_next_step()
             self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])

@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import statistics
 import time
 from typing import Any, Callable
 
@@ -84,9 +85,10 @@ def _param_name(pid: int) -> str:
 
 
 def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float,
-              after_step: list[dict] = ()) -> dict:
+              after_step: list[dict] = (), outside_s: float = 0.0) -> dict:
     """Step-level figures from per-graph profiles, weighted by how often each graph runs, plus
-    the collectives the runtime runs after the optimizer step (`after_step`: refreshes)."""
+    the collectives the runtime runs after the optimizer step (`after_step`: refreshes) and the
+    measured time of the step outside the graphs (`outside_s`: [Note: outside the graphs])."""
     runs = {k: order.count(k) or 1 for k in profiles}
     in_graphs = round(sum(runs[k] * p.collectives() for k, p in profiles.items()))
     outside = sum(c["count"] for c in after_step)
@@ -97,6 +99,7 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
         "comm_s": sum(runs[k] * p.comm_s() for k, p in profiles.items()),
         "exposed_comm_s": sum(runs[k] * p.exposed_comm_s() for k, p in profiles.items()),
         "compute_s": sum(runs[k] * p.compute_s() for k, p in profiles.items()),
+        "outside_graphs_s": outside_s,
         "graphs_s": sum(runs[k] * p.total_s for k, p in profiles.items()),
         "peak_bytes": max((p.peak_bytes for p in profiles.values()), default=0),
         "budget_bytes": None if budget == float("inf") else budget,
@@ -124,6 +127,16 @@ class Pipeline:
         self._profile_label = "initial"
         self.order: list[str] = []               # slot keys in execution order, last profiled step
         self._order_now: list[str] = []
+        # [Note: outside the graphs] The profiled graphs' node times are not the whole step:
+        # the optimizer step and the collectives around it (refreshes, clipping, the divergence
+        # check) run outside them. The engine times that part of every step (`end_step`); the
+        # profile takes the median over the phase's steps, the MIN over ranks (a rank that
+        # arrives early at a collective waits there for the others: [Note: agreed node times]).
+        # Not counted: the Python between graphs (Dynamo's guards, AOTAutograd's wrappers). The
+        # profiled step's own wall time is no measure of it: it includes lowering the graphs a
+        # pass rewrote and the profiler's bookkeeping.
+        self._outside_now: list[float] = []
+        self.outside_s = 0.0
         self._step_order: list[str] = []
         self.cost: CostModel | None = None
         self.memory_budget = agreed_budget(self.comm, config.memory_budget, device)
@@ -339,8 +352,9 @@ class Pipeline:
         return sum(source() for source in self.runtime_bytes_sources)
 
     # -- schedule ---------------------------------------------------------------------------
-    def end_step(self) -> None:
-        """Called by the engine after every optimizer step, on every rank."""
+    def end_step(self, outside_s: float = 0.0) -> None:
+        """Called by the engine after every optimizer step, on every rank; `outside_s`: how
+        long the step's own work took ([Note: outside the graphs])."""
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
         phase = self.phase
@@ -357,6 +371,7 @@ class Pipeline:
             self.timings["profiled_steps_s"].append(elapsed)
             self._steps_in_phase += 1
             self._step_order, self._order_now = self._order_now, []
+            self._outside_now.append(outside_s)
             if self._steps_in_phase >= self.config.profile_steps:
                 self._finish_profile()
         elif phase is Phase.MEASURE:
@@ -393,6 +408,7 @@ class Pipeline:
         if phase is Phase.PROFILE:
             self._profile_label = label
             self._order_now = []
+            self._outside_now = []
             for slot in self.slots.values():
                 slot.pending.clear()
         if phase is Phase.STEADY:
@@ -421,6 +437,8 @@ class Pipeline:
 
     def _finish_profile(self) -> None:
         self.order = list(self._step_order)  # one step's execution order
+        local = statistics.median(self._outside_now) if self._outside_now else 0.0
+        self.outside_s = -agree_max(self.comm, [-local], self.device)[0]
         agreed = agree_profiles(self.comm, self.slots, self.order, self.device)
         for key, prof in agreed.items():
             self.slots[key].history.append((self._profile_label, prof))
@@ -502,7 +520,7 @@ class Pipeline:
 
     def _summary(self, profiles: dict[str, GraphProfile]) -> dict:
         return summarize(profiles, self.order, self.memory_budget,
-                         self.runtime.after_step_collectives())
+                         self.runtime.after_step_collectives(), self.outside_s)
 
     def _context(self) -> PassContext:
         return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
@@ -551,6 +569,7 @@ class Pipeline:
             return False
         self.cost = LinearCostModel.from_dict(plan["cost"]) if plan.get("cost") else self.cost
         self.order = plan["order"]
+        self.outside_s = plan.get("outside_graphs_s", 0.0)
         for key_, hist in plan["profiles"].items():
             if key_ in self.slots:
                 self.slots[key_].history = [(label, _cache.profile_from_dict(p)) for label, p in hist]
@@ -576,6 +595,7 @@ class Pipeline:
             "key_parts": parts,
             "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
             "order": self.order,
+            "outside_graphs_s": self.outside_s,
             "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
                          for k, s in self.slots.items() if s.history},
             "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",

@@ -243,9 +243,11 @@ class Report:
         if self.step_summary:
             s = self.step_summary
             out += ["", f"profiled step: {s['collectives']} collectives ({s['collectives_in_graphs']} "
-                        f"in graphs, {s['collectives_after_step']} after the step), graphs "
-                        f"{_ms(s.get('graphs_s'))} ms: compute {_ms(s['compute_s'])} ms, blocked on "
-                        f"comm (exposed) {_ms(s['exposed_comm_s'])} ms; peak {_mib(s['peak_bytes'])} MiB"]
+                        f"in graphs, {s['collectives_after_step']} after the step); node times: "
+                        f"compute {_ms(s['compute_s'])} ms, blocked on comm (exposed) "
+                        f"{_ms(s['exposed_comm_s'])} ms; outside the graphs (optimizer step, "
+                        f"refreshes, Python) {_ms(s.get('outside_graphs_s'))} ms; "
+                        f"peak {_mib(s['peak_bytes'])} MiB"]
         out += self._tail_lines()
         return "\n".join(out)
 
