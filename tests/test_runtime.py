@@ -55,6 +55,9 @@ def test_world_size_1_matches_eager(job, sc):
             assert counts["all_gather"] == (0, 0) and counts["reduce_scatter"] == (0, 0), counts
     for p in r["report"]["passes"]:   # nothing to plan
         assert p["changed"] == [], p
+    # and the report counts none: what the lowered runs launched, not the graph's insertion ops
+    assert r["report"]["step_summary"]["collectives_in_graphs"] == 0
+    assert not [row for row in r["report"]["step_collectives"] if row["what"].startswith("in the graph")]
 
 
 # ------------------------------------------------------------------- offload, world size 1

@@ -57,8 +57,7 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
                                 "live_bytes": max(r.nodes[i].live_bytes for r in runs)})
                  for i, n in enumerate(last.nodes)]
         total = statistics.median(r.total_s for r in runs)
-        launched = None if any(r.launched is None for r in runs) else \
-            statistics.fmean(r.launched for r in runs)
+        launched = _mean_launched(runs)
         slot.local = GraphProfile(slot=key, version=slot.version, nodes=nodes, total_s=total,
                                   launched=launched)
         local[key] = GraphProfile(slot=key, version=slot.version, total_s=total, launched=launched,
@@ -98,6 +97,19 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
     for n in blocking:
         n.time_s = -next(maxima)
     return local
+
+
+def _mean_launched(runs: list[GraphProfile]) -> dict[str, list[float]] | None:
+    """Collectives per run by kind, the mean over `runs` (a kind a run did not launch: 0)."""
+    if any(r.launched is None for r in runs):
+        return None
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        for kind, (n, nbytes) in r.launched.items():
+            c = out.setdefault(kind, [0.0, 0.0])
+            c[0] += n / len(runs)
+            c[1] += nbytes / len(runs)
+    return out
 
 
 def agreed_budget(comm, budget: int | float | None, device: torch.device) -> float:

@@ -69,7 +69,6 @@ class Lowered:
 
     def __post_init__(self) -> None:
         self._pick_accs = _picker(list(self.acc_positions))
-        self.launches = sum(n for _kind, n, _bytes in self.counts)   # collectives per run
 
     def prepare(self, args: list) -> tuple[list, tuple]:
         """The full argument list of a run (the planned graph's, then the extra inputs), and

@@ -286,7 +286,7 @@ class Pipeline:
             except BaseException:
                 self.guard.failed_graph = slot.key
                 raise
-            prof.launched = float(low.launches)
+            prof.launched = {kind: [n, nbytes] for kind, n, nbytes in low.counts}
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if slot.rep is not None:
                 prof = _families.fold_to_rep(prof, slot.to_rep, target.gm, _param_name)

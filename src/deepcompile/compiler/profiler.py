@@ -48,10 +48,11 @@ class GraphProfile:
     version: int               # graph version (bumped by every pass that changes it)
     nodes: list[NodeProfile]
     total_s: float             # wall time of the whole run
-    # collectives one run launched, as the lowered code that ran counts them (mean over the
-    # profiled runs: a graph that accumulates gradients locally reduces in the window's last
-    # micro-step only, and at world size 1 nothing is launched); None: count the graph's nodes
-    launched: float | None = None
+    # collectives one run launched, as the lowered code that ran counts them: kind -> [count,
+    # bytes], the mean over the profiled runs (a graph that accumulates gradients locally
+    # reduces in the window's last micro-step only; at world size 1 nothing is launched).
+    # None: not measured (count the graph's nodes)
+    launched: dict[str, list[float]] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -70,7 +71,7 @@ class GraphProfile:
     def collectives(self) -> float:
         """Collectives launched per run (`launched` where the run measured it)."""
         if self.launched is not None:
-            return self.launched
+            return sum(n for n, _ in self.launched.values())
         return sum(1 for n in self.nodes if n.kind in ops.LAUNCHES)
 
     def to_dict(self) -> dict[str, Any]:

@@ -99,34 +99,21 @@ def _graph_row(slot, cost: dict | None) -> dict[str, Any]:
 def step_collectives(engine, profiles: dict, order: list[str]) -> list[dict[str, Any]]:
     """[Note: where collectives run]: one row per place (graph or after the step)."""
     pipe = engine._pipeline
-    gas = engine._runtime.step.gradient_accumulation_steps
     rows = []
     for key in sorted(set(order) | set(profiles), key=lambda k: (k not in order, k)):
         slot = pipe.slots.get(key)
         if slot is None:
             continue
         runs = max(order.count(key), 1)
-        last = slot.lowered.get((True, slot.version))
-        accum = slot.lowered.get((False, slot.version))
-        what = "in the graph" + (f", x{runs} runs" if runs > 1 else "")
-        if last is None and accum is None:
-            launched = collectives_launched(slot.gm)
-            per_kind = {k: [n * runs, None] for k, n in launched.items() if n}
-        elif last is None or accum is None:   # one variant runs in every micro-step
-            per_kind = {k: [n * runs, b * runs] for k, n, b in (last or accum).counts}
-        else:   # reduces locally accumulated gradients in the window's last micro-step only
-            n_last = max(runs // gas, 1)
-            what += f" ({n_last} in the last micro-step)"
-            per_kind = {}
-            for low, times in ((last, n_last), (accum, runs - n_last)):
-                for k, n, b in low.counts:
-                    c = per_kind.setdefault(k, [0, 0])
-                    c[0] += n * times
-                    c[1] += b * times
+        prof = profiles.get(key)
+        if prof is not None and prof.launched is not None:   # what the profiled runs launched
+            per_kind = {k: (round(n * runs), round(b * runs)) for k, (n, b) in prof.launched.items()}
+        else:
+            per_kind = {k: (n * runs, None) for k, n in collectives_launched(slot.gm).items()}
         for kind, (n, nbytes) in per_kind.items():
             if n:
-                rows.append({"where": key, "what": what, "kind": kind, "count": n,
-                             "bytes": nbytes})
+                rows.append({"where": key, "what": "in the graph" + (f", x{runs} runs" if runs > 1 else ""),
+                             "kind": kind, "count": n, "bytes": nbytes})
     rows += engine._runtime.after_step_collectives()
     if engine.config.max_grad_norm is not None:
         rows.append({"where": "after the backward", "what": "gradient-norm clipping",
