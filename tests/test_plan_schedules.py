@@ -154,6 +154,28 @@ def test_offload_when_the_state_does_not_fit():
     assert sch.decisions["offload_optimizer"]["unattainable"]
 
 
+def test_streamed_state_is_not_on_the_device_at_once():
+    """World size 1, a budget no graph can reload in: the offloaded chunks stream through the
+    optimizer step (runtime/offload.py `run_step`: two on the device at a time). The simulated
+    step holds what is resident plus the staging, not all the state (it held all of it, and a
+    plan that fits was reported as not fitting), and waits for the copies in."""
+    m = synthetic(layers=6)
+    s = setting(m, world=1)
+    _, r0 = run(s, ())
+    adam = sum(s.shard_numel(p) for p in m.params) * 8
+    budget = r0.peak_bytes - adam // 4
+    sch, r = run(setting(m, world=1, budget=budget), ("offload_optimizer",))
+    d = sch.decisions["offload_optimizer"]
+    assert not d["unattainable"] and d["offloaded_bytes"] >= adam // 4
+    assert d["predicted_copy_s"] == 0 and d["predicted_streamed_s"] > 0   # nothing reloaded
+    assert r.peak_bytes <= budget < r0.peak_bytes
+    assert r0.peak_bytes - r.peak_bytes < d["offloaded_bytes"]            # the staging stays
+    streamed = [e for e in sch.events if e.name == "stream state"]
+    assert len(streamed) == 1
+    assert streamed[0].dur == pytest.approx(s.cost.copy_s(d["offloaded_bytes"]))
+    assert r.step_s == pytest.approx(r0.step_s + streamed[0].dur, rel=0.05)
+
+
 def test_fsdp2_gathers_a_unit_one_ahead_and_reduces_per_layer():
     m = synthetic()
     s = setting(m)

@@ -34,8 +34,9 @@ runtime state it configured — when its re-profiled peak exceeds the budget (an
 it is slower with confidence: every measured step after it slower than every step before it
 (with 3 steps each, a chance of 1 in 20 when nothing changed), and the median slower by more
 than `TIME_MARGIN`. A pass within the noise is kept: plans do not flip with the load of the
-machine. A pass that brought a peak over the budget within it (`offload_optimizer`) is kept
-however slow: reverting it would run over the budget.
+machine. A pass that lowers a peak that is over the budget (`offload_optimizer`: within it,
+or toward it where nothing brings it within) is kept however slow: reverting it would raise a
+peak that already runs out of memory.
 """
 
 from __future__ import annotations
@@ -167,6 +168,9 @@ def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tup
         return False, f"re-profiled peak {_mib(pa)} exceeds the budget {_mib(budget)}"
     if pb > budget >= pa:   # reverting it would run over the budget, however slow it is
         return True, f"kept: brings the peak {_mib(pb)} within the budget {_mib(budget)}"
+    if pb > budget and pa < pb:   # over the budget either way: memory comes before time
+        return True, (f"kept: lowers the peak {_mib(pb)} -> {_mib(pa)}, still over the budget "
+                      f"{_mib(budget)} (reverting it would raise the peak)")
     b, a = before.get("measured_s") or [], after.get("measured_s") or []
     if not a or not b:
         return True, "kept (judged on memory only: steps not measured)"

@@ -98,7 +98,9 @@ class Plan:
     accumulated: set[int] = dataclasses.field(default_factory=set)
     offloaded: int = 0                       # bytes of optimizer state off the device
     reloads: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
-    # (bw node index after which, bytes, copy s) in the last micro-step; -1: at the step
+    # (bw node index after which, bytes, copy s) in the last micro-step
+    streamed: list[int] = dataclasses.field(default_factory=list)
+    # bytes of each offloaded chunk that no graph brings back: streamed through the step
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- sizes ------------------------------------------------------------------------
@@ -569,11 +571,11 @@ def _offload(plan: Plan) -> dict[str, Any]:
     d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget)
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
-        plan.reloads = [(int(r["after"]) if r["after"] is not None else -1, r["bytes"],
-                         r["predicted_s"]) for r in d["reloads"]]
+        plan.reloads = [(int(r["after"]), r["bytes"], r["predicted_s"]) for r in d["reloads"]]
+        plan.streamed = [c["bytes"] for c in d["chunks"] if c["streamed"]]
     return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
-                              "peak_before", "peak_after")}
+                              "predicted_streamed_s", "peak_before", "peak_after")}
 
 
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
@@ -659,9 +661,17 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     events: list[Event] = []
     counter = Counter()
     cid = [0]
-    if pl.offloaded:   # the previous step's state leaves on the copy lane (steady state)
+    # [Note: offload in the simulation] runtime/offload.py: the chunks a backward brings back
+    # leave the device after the optimizer step, overlapping the next forward (steady state:
+    # at the start of this one, on the copy lane); the streamed ones never stay on the device:
+    # the step copies them in (the next one's copy running while one steps), steps and copies
+    # them out, holding at most two of them (`staging_bytes`). Modelled as one copy
+    # in of all their bytes that the optimizer step waits for (PCIe is full duplex: the copies
+    # out run beside it), the step's memory as what is resident, what came back, and the staging.
+    reloaded = sum(r[1] for r in pl.reloads)
+    if reloaded:
         cid[0] += 1
-        events.append(Event("start", "offload state", s.cost.copy_s(pl.offloaded), 0.0, cid[0],
+        events.append(Event("start", "offload state", s.cost.copy_s(reloaded), 0.0, cid[0],
                             "copy", pl.persistent(), label="offload"))
     reload_ids: list[int] = []
     back = 0
@@ -681,13 +691,14 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
                     reload_ids.append(cid[0])
                     events.append(Event("start", "reload state", c, 0.0, cid[0], "copy",
                                         it.live + back, label="offload"))
-    live = pl.persistent() + pl.offloaded
-    for r in pl.reloads:
-        if r[0] < 0:
-            cid[0] += 1
-            reload_ids.append(cid[0])
-            events.append(Event("start", "reload state", r[2], 0.0, cid[0], "copy", live,
-                                label="offload"))
+    staging = offload_optimizer.staging_bytes(
+        [offload_optimizer.Item(i, b) for i, b in enumerate(pl.streamed)])
+    live = pl.persistent() + back + staging
+    if pl.streamed:
+        cid[0] += 1
+        reload_ids.append(cid[0])
+        events.append(Event("start", "stream state", s.cost.copy_s(sum(pl.streamed)), 0.0,
+                            cid[0], "copy", live, label="offload"))
     for c in reload_ids:
         events.append(Event("wait", "reload wait", cid=c, lane="copy", live=live))
     events += optimizer_events(s, live)
