@@ -208,3 +208,46 @@ def test_gpu_mode_smoke(tmp_path):
         assert e["memory"]["cuda_max_allocated"] > 0
         assert e["loss"]["max_abs_diff"] < 0.1, (name, e["loss"])  # bf16 vs the autocast reference
     assert (tmp_path / "bench.md").read_text().count("peak GPU MiB") == 1
+
+
+def test_paired_ratios_cancel_what_slows_a_round(tmp_path):
+    """benchmarks/paired.py: a load that moves every system of a round alike (here x1 to x3)
+    leaves the per-round ratio alone; the slowest rank's step counts; a launch's systems are
+    keyed by name. benchmarks/auto_vs_lists.py: the best other list of ours per workload, and
+    the verdict from the interval."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import auto_vs_lists
+    import paired
+
+    rng = random.Random(1)
+    launches = []
+    for _ in range(3):
+        load = [rng.uniform(1.0, 3.0) for _ in range(20)]
+        ranks = [{"a": {"step_s": [0.010 * x for x in load], "plan": None, "warmup_steps": 4},
+                  "b": {"step_s": [0.011 * x * (1 + 0.01 * r) for x in load], "plan": None,
+                        "warmup_steps": 9}} for r in range(2)]
+        launches.append(ranks)
+    s = paired.summarize(launches, ["a", "b"])
+    a, b = s["rows"]
+    assert s["reference"] == "a" and a["ratio_to_a"] == 1.0
+    assert b["ratio_to_a"] == pytest.approx(1.1 * 1.01)       # rank 1 is the slower one
+    lo, hi = b["interval_90"]
+    assert lo == pytest.approx(1.111) and hi == pytest.approx(1.111)
+    assert b["warmup_steps"] == [9, 9, 9] and b["built_first"] == 0 and a["built_first"] == 3
+
+    def result(system, medians):
+        return {"workload": "w", "system": system, "kind": "ours", "status": "ok",
+                "launches": [{"ok": True, "step_s_median": m} for m in medians]}
+
+    bench = {"results": [result("ours-z3-auto", [0.100, 0.101, 0.099]),
+                         result("ours-z3-all", [0.200, 0.201, 0.199]),
+                         result("ours-z3+overlap", [0.050, 0.051, 0.049]),
+                         {"workload": "w", "system": "fsdp2", "kind": "fsdp2", "status": "ok",
+                          "launches": [{"ok": True, "step_s_median": 0.01}]}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    [row] = auto_vs_lists.compare([path])
+    assert row["best"] == "ours-z3+overlap" and row["ratio"] == pytest.approx(2.0)
+    assert row["verdict"] == "more than 3% slower" and row["interval"][0] > 1.9

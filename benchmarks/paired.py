@@ -1,0 +1,222 @@
+"""Several systems in the same processes, their steady steps alternated: paired step times.
+
+    OMP_NUM_THREADS=1 python benchmarks/paired.py --workload tiny-llama \
+        --systems ours-z3-auto ours-z3+overlap ours-z3-all --launches 3 --rounds 20 --out F
+
+On the 2-core VM the same system's median step moves by 20-50% from one launch of
+`deepcompile bench` to the next (which cores, what else the VM's host runs), so a 3% difference
+between two pass lists cannot be seen in launch medians (issue 14, item 1;
+`benchmarks/auto_vs_lists.py` prints the intervals). Here every system of the list is built
+in the same ranks, on the same seeded model and data (`deepcompile bench`'s workloads and
+trainers), warmed up one after the other until each is steady (ours: passes planned, final
+graphs compiled), and then the timed rounds alternate them: in each round every system takes
+one optimizer step, in an order rotated from round to round. The order in which the systems
+are built rotates from launch to launch: the engine built first was 2-9% slower than the same
+system built later (seen on small-llama with a copy of a system beside it, `NAME#2`), so use a
+multiple of the number of systems as `--launches`. Whatever slows the machine for a
+while slows the systems of a round alike, so the per-round ratio of two systems' steps is
+measured against the same conditions. Reported per system against the first one: the median
+over all rounds of all launches of the per-round ratio, with a bootstrap 90% interval
+(launches resampled, then rounds within each), and each system's median step.
+
+The systems share the processes (their engines must not share state: one runtime per engine,
+which this also exercises). Writes JSON (`--out`: with rank 0's `engine.report()` of each
+system of ours, taken before the rounds) and prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue as queue_mod
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+DRAWS = 10_000
+
+
+def _rank(rank: int, world: int, args: dict, results) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from deepcompile._bench import systems, trainers, workloads
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+        w = workloads.get(args["workload"])
+        device = torch.device("cpu")
+        out: dict[str, dict] = {}
+        built = []
+        for name in args["build_order"]:
+            t = trainers.build(systems.get(name.split("#")[0]), w, device, world,
+                               args["compiler"], None)
+            micro = 0
+
+            def one_step(t=t):
+                nonlocal micro
+                start = time.perf_counter()
+                for m in range(w.gas):
+                    ids = workloads.local_batch(w, micro % 64, rank, world).to(device)
+                    micro += 1
+                    t.micro(ids, last=m == w.gas - 1)
+                t.step()
+                return time.perf_counter() - start
+
+            warm = 0
+            while True:
+                one_step()
+                warm += 1
+                if warm >= args["warmup"] and t.steady():
+                    break
+                if warm >= args["warmup"] + 80:
+                    raise RuntimeError(f"{name} not steady after {warm} steps")
+            info = t.info() if hasattr(t, "info") else {}
+            out[name] = {"warmup_steps": warm, "step_s": [],
+                         "plan": (info.get("plan") or {}).get("passes")}
+            if rank == 0 and hasattr(t, "engine"):   # ours: what the passes decided, and why
+                out[name]["report"] = str(t.engine.report())
+            built.append((name, one_step))
+        n = len(built)
+        for r in range(args["rounds"]):
+            for k in range(n):
+                name, one_step = built[(r + k) % n]
+                out[name]["step_s"].append(one_step())
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
+    import multiprocessing as mp
+
+    from deepcompile import _demo
+    from deepcompile._bench.worker import child_env
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _demo._free_port()
+    saved = dict(os.environ)
+    procs = []
+    try:
+        for r in range(world):
+            os.environ.update(child_env(r, world, port, "cpu"),
+                              TORCHINDUCTOR_CACHE_DIR=args["inductor_cache"])
+            p = ctx.Process(target=_rank, args=(r, world, args, results), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    got = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"launch timed out after {timeout_s:.0f} s")
+            try:
+                rank, status, data = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                if any(not p.is_alive() for r, p in enumerate(procs) if r not in got):
+                    raise RuntimeError("a rank exited without a result") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{data}")
+            got[rank] = data
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        _demo._terminate(procs)
+    return [got[r] for r in range(world)]
+
+
+def _per_round(ranks: list[dict], name: str) -> list[float]:
+    """A system's step per round: the slowest rank's (the ranks wait for each other)."""
+    return [max(v) for v in zip(*(r[name]["step_s"] for r in ranks))]
+
+
+def summarize(launches: list[list[dict]], systems: list[str]) -> dict:
+    ref = systems[0]
+    steps = {s: [_per_round(L, s) for L in launches] for s in systems}
+    rng = random.Random(0)
+    rows = []
+    for s in systems:
+        ratios = [[a / b for a, b in zip(x, y)] for x, y in zip(steps[s], steps[ref])]
+        flat = [q for L in ratios for q in L]
+        draws = []
+        for _ in range(DRAWS):
+            sample = []
+            for L in rng.choices(ratios, k=len(ratios)):
+                sample += rng.choices(L, k=len(L))
+            draws.append(statistics.median(sample))
+        draws.sort()
+        rows.append({"system": s, "step_ms": statistics.median(
+                         [t for L in steps[s] for t in L]) * 1e3,
+                     "launch_medians_ms": [statistics.median(L) * 1e3 for L in steps[s]],
+                     f"ratio_to_{ref}": statistics.median(flat),
+                     "interval_90": [draws[int(0.05 * DRAWS)], draws[int(0.95 * DRAWS) - 1]],
+                     "plans": [L[0][s]["plan"] for L in launches],
+                     "built_first": sum(next(iter(L[0])) == s for L in launches),
+                     "warmup_steps": [L[0][s]["warmup_steps"] for L in launches]})
+    return {"reference": ref, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--systems", nargs="+", required=True,
+                    help="the first is the reference of the ratios; NAME#2 is a second copy "
+                         "of NAME (an A/A check of the method)")
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--compiler", default="inductor")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    import torch
+
+    cache = tempfile.mkdtemp(prefix="paired-inductor-")
+    args = {"workload": a.workload, "systems": a.systems, "rounds": a.rounds,
+            "warmup": a.warmup, "compiler": a.compiler, "inductor_cache": cache}
+    launches = []
+    for i in range(a.launches):
+        t0 = time.perf_counter()
+        k = i % len(a.systems)   # the engine built first runs a few % slower: rotate
+        args["build_order"] = a.systems[k:] + a.systems[:k]
+        launches.append(launch(args, a.nproc, a.timeout))
+        print(f"[paired] launch {i + 1}/{a.launches}: {time.perf_counter() - t0:.0f} s, load "
+              f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    s = summarize(launches, a.systems)
+    ref = s["reference"]
+    print(f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
+          f"(every system one optimizer step per round, order rotated)\n")
+    print(f"| system | step ms (median) | launch medians ms | step / {ref}'s, per round "
+          "(median) | 90% interval |")
+    print("|---|---|---|---|---|")
+    for r in s["rows"]:
+        lo, hi = r["interval_90"]
+        print(f"| {r['system']} | {r['step_ms']:.1f} | "
+              f"{', '.join(f'{x:.1f}' for x in r['launch_medians_ms'])} | "
+              f"{r[f'ratio_to_{ref}']:.3f} | [{lo:.3f}, {hi:.3f}] |")
+    if a.out:
+        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "command": " ".join(["python"] + sys.argv), "torch": torch.__version__,
+                "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
+                "python": platform.python_version()}
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "summary": s, "launches": launches}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
