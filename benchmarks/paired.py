@@ -57,8 +57,8 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
         out: dict[str, dict] = {}
         built = []
         for name in args["build_order"]:
-            t = trainers.build(systems.get(name.split("#")[0]), w, device, world,
-                               args["compiler"], None)
+            system = systems.get(name.split("#")[0])
+            t = trainers.build(system, w, device, world, args["compiler"], None)
             micro = 0
 
             def one_step(t=t):
@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
             info = t.info() if hasattr(t, "info") else {}
             out[name] = {"warmup_steps": warm, "step_s": [],
                          "plan": (info.get("plan") or {}).get("passes")}
-            if rank == 0 and hasattr(t, "engine"):   # ours: what the passes decided, and why
+            if rank == 0 and system.kind == "ours":   # what the passes decided, and why
                 out[name]["report"] = str(t.engine.report())
             built.append((name, one_step))
         n = len(built)

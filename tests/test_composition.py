@@ -3,10 +3,12 @@ accumulation 2, clipping): parity with the eager reference, and each pass a no-o
 pattern is absent.
 
   * ZeRO-1 and ZeRO-2 with every ZeRO-3 pass configured: `prefetch` and `selective_unshard` find
-    no gathers and change nothing; `offload_optimizer` (unbounded budget) runs its start-up
-    offload and reload through the warm-up and profiled steps, then keeps everything;
+    no gathers and change nothing; `offload_optimizer` (a budget the step fits in: 1 GiB) runs
+    its start-up offload and reload through the warm-up and profiled steps, then keeps
+    everything;
   * ZeRO-3 with all four passes, unbounded budget: everything is kept gathered, nothing is
-    offloaded, one all-gather (the refresh) per optimizer step.
+    offloaded (nor ever was: no provisional offload without a budget), one all-gather (the
+    refresh) per optimizer step.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def _sc(id, steps=6, **config):
 
 
 _SCENARIOS = [
-    _sc("zero1-all-passes", zero_stage=1, passes=ALL),
-    _sc("zero2-all-passes", zero_stage=2, passes=ALL),
+    _sc("zero1-all-passes", zero_stage=1, passes=ALL, memory_budget=1 << 30),
+    _sc("zero2-all-passes", zero_stage=2, passes=ALL, memory_budget=1 << 30),
     # warm-up 2, profile 1, a re-profile after each pass that changed a graph: steady by step 8
     _sc("zero3-all-passes", steps=10, zero_stage=3, passes=ALL),
 ]
@@ -45,6 +47,9 @@ def test_zero3_passes_change_nothing_at_stages_1_and_2(sid):
         assert set(passes) == set(ALL)
         assert passes["prefetch"]["changed"] == [] and passes["selective_unshard"]["changed"] == []
         assert passes["bucket_reduce"]["changed"], "bucket_reduce buckets the reduce-scatters"
+        # profiled with the state off the device (provisional), then all of it back
+        off = passes["offload_optimizer"]["decisions"]
+        assert off["profiled_offloaded_bytes"] > 0 and off["chunks"] == []
         # no collective in the forward, never an all-reduce of gradients
         assert all(f["all_gather"] == (0, 0) and f["reduce_scatter"] == (0, 0)
                    for f in r["comm_fwd"])
@@ -54,6 +59,8 @@ def test_zero3_passes_change_nothing_at_stages_1_and_2(sid):
 def test_zero3_all_passes_unbounded_keeps_everything():
     for r in JOBS.results("fx2", "zero3-all-passes"):
         assert r["report"]["phase"] == "steady"
+        off = next(e for e in r["report"]["passes"] if e["pass"] == "offload_optimizer")
+        assert off["changed"] == [] and off["decisions"]["profiled_offloaded_bytes"] == 0
         # steady state (the last steps): no gather inside the graphs, one refresh after the step
         for f, b in zip(r["comm_fwd"][-4:], r["comm_bwd"][-4:]):
             assert f["all_gather"][0] == 0 and b["all_gather"][0] == 0, (f, b)

@@ -122,7 +122,10 @@ class Engine:
             # the CPU memory model counts the state (and held gradients) where the pass is on:
             # its plan and every pass before or after it read one budget for all of it
             self._runtime.count_offload_bytes = True
-            self._offload.provisional = True   # until planned, the state of every chunk leaves
+            if self._pipeline.memory_budget != float("inf"):
+                # until planned, the state of every chunk leaves ([Note: provisional offload]);
+                # unbounded, nothing is ever offloaded: the pass plans nothing, changes no graph
+                self._offload.provisional = True
         elif config.auto_passes and self._pipeline.memory_budget != float("inf"):
             # auto may choose offload_optimizer from the profile: the state is in the budget
             # (profiled on the device: name the pass to profile with it offloaded)

@@ -17,7 +17,9 @@ needs room for at most two offloaded chunks, not for all the state.
 [Note: provisional offload] Until the pass has planned, an engine configured with it keeps
 every chunk at tier 1 (`provisional`): the warm-up and profiled steps fit whatever the budget is
 (that is what the plan is about), the profiles are measured without the state, and the planner
-adds it back (`profile_offset`).
+adds it back (`profile_offset`). Under an unbounded budget nothing would ever be offloaded, and
+the chunks stay on the device from the start (the pass then plans nothing and changes no graph:
+no re-profile, no timed verdict).
 
 [Note: offload streams] On CUDA the copies run on two copy streams (`_CudaCopier`), one per
 direction (PCIe is full duplex), ordered by events, never by luck:
