@@ -20,7 +20,7 @@ over all rounds of all launches of the per-round ratio, with a bootstrap 90% int
 (launches resampled, then rounds within each), and each system's median step.
 
 The systems share the processes (their engines must not share state: one runtime per engine,
-which this also exercises). Writes JSON (`--out`: with rank 0's `engine.report()` of each
+which this also exercises); DeepSpeed's systems cannot (they change the process: see `main`). Writes JSON (`--out`: with rank 0's `engine.report()` of each
 system of ours, taken before the rounds) and prints markdown.
 """
 
@@ -185,6 +185,16 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     import torch
+
+    from deepcompile._bench import systems
+
+    deepspeed = [n for n in a.systems if systems.get(n.split("#")[0]).kind == "deepspeed"]
+    if deepspeed and len(a.systems) > 1:
+        # seen: ours recompiled its graphs after DeepSpeed's engine was built beside it, and
+        # the new graphs differed (its plan could not apply: the engine stopped, as it should)
+        ap.error(f"{', '.join(deepspeed)} cannot share processes with other systems: DeepSpeed's "
+                 "ZeRO-3 replaces torch.nn.functional.linear for the whole process ('This will "
+                 "persist unless manually reset'), so the others would trace its linear")
 
     cache = tempfile.mkdtemp(prefix="paired-inductor-")
     args = {"workload": a.workload, "systems": a.systems, "rounds": a.rounds,
