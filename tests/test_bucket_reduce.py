@@ -90,6 +90,18 @@ def test_buckets_form_when_and_only_when_the_cost_model_favours_them():
     assert [len(b["members"]) for b in capped["buckets"]] == [2, 2]
 
 
+def test_accumulated_gradients_get_buckets_of_their_own():
+    """`accumulate_grad`s (reduced on the window's last micro-step only) and `reduce_grad`s
+    (every micro-step) never share a bucket; each kind fuses as before."""
+    import dataclasses
+
+    steps, rs = _graph([0.001] * 6, {0: 64, 1: 64, 2: 64, 3: 64, 4: 64})
+    rs = [dataclasses.replace(r, accumulated=i in (0, 1, 3)) for i, r in enumerate(rs)]
+    plan = B.plan_graph(steps, rs, _cost(1.0, 1e-6), INF)
+    assert [(b["members"], b["accumulated"]) for b in plan["buckets"]] == [
+        (["r0", "r1"], True), (["r2"], False), (["r3"], True), (["r4"], False)]
+
+
 def test_a_gradient_is_not_held_back_longer_than_its_collective_takes():
     # the compute between the first and the second gradient (5 s) exceeds the second's
     # predicted time (1 s): no bucket, though latency favours one

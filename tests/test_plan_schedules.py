@@ -286,13 +286,21 @@ def test_auto_chooses_as_the_runtime_does():
     assert all(v.startswith(("kept", "reverted")) for v in d["verdicts"].values())
 
 
-def test_bucket_reduce_leaves_accumulated_gradients_alone():
+def test_bucket_reduce_buckets_accumulated_gradients_on_the_last_micro_step():
     """auto's order: selective_unshard first accumulates gradients locally (accumulate_grad
-    nodes); bucket_reduce buckets only the runtime's reduce_grad nodes that are left."""
+    nodes); bucket_reduce puts them in buckets of their own, launched on the window's last
+    micro-step only (as the runtime's `accumulate_start`): one reduce-scatter per bucket per
+    optimizer step, not one per parameter."""
     m = synthetic(node_s=0.01 * MS)
-    sch, _ = run(setting(m, gas=4), ("selective_unshard", "prefetch", "bucket_reduce"))
+    unbucketed, r0 = run(setting(m, gas=4), ("selective_unshard", "prefetch"))
+    sch, r = run(setting(m, gas=4), ("selective_unshard", "prefetch", "bucket_reduce"))
     d = sch.decisions["selective_unshard"]
     assert d["accumulated"] == len(m.params)
-    assert sch.decisions["bucket_reduce"]["reduces"] == 0
-    # each accumulated gradient reduced once, on the last micro-step
-    assert sch.collectives["reduce_scatter"]["count"] == len(m.params)
+    b = sch.decisions["bucket_reduce"]
+    assert b["reduces"] == len(m.params) and 0 < b["buckets"] < len(m.params)
+    assert unbucketed.collectives["reduce_scatter"]["count"] == len(m.params)
+    assert sch.collectives["reduce_scatter"] == {
+        "count": b["buckets"], "bytes": unbucketed.collectives["reduce_scatter"]["bytes"]}
+    # launched once per optimizer step (the last micro-step), not once per backward
+    starts = [e for e in sch.events if e.kind == "start" and e.label == "reduce_scatter"]
+    assert len(starts) == b["buckets"]

@@ -297,10 +297,14 @@ BASE = scenario("llama-adamw-gas4-clip", "llama", "adamw", 1e-2, gas=GAS, clip=0
                 steps=STEPS, record=("comm", "report"), warmup_steps=1)
 FITS_ALL = scenario("llama-adamw-gas4-clip-unshard", "llama", "adamw", 1e-2, gas=GAS, clip=0.1,
                     steps=STEPS, record=_REC, **_UNSHARD)
+# auto's order: bucket_reduce after selective_unshard buckets the accumulated gradients
+UNSHARD_REDUCE = scenario("llama-adamw-gas4-clip-unshard-reduce", "llama", "adamw", 1e-2,
+                          gas=GAS, clip=0.1, steps=STEPS, record=_REC, warmup_steps=1,
+                          passes=("selective_unshard", "bucket_reduce"))
 
 JOBS = Jobs({
     "fx2": (2, [
-        BASE, FITS_ALL,
+        BASE, FITS_ALL, UNSHARD_REDUCE,
         scenario("llama-adamw-gas2-clip-prefetch-unshard", "llama", "adamw", 1e-2, gas=2,
                  clip=0.1, record=_REC, passes=("prefetch", "selective_unshard"), warmup_steps=1),
         scenario("llama-sgd-gas2-prefetch-reduce-unshard", "llama", "sgd", 0.1, gas=2,
@@ -354,7 +358,8 @@ def _check_kept(result, entry):
         assert c["stale"] == [], c["stale"]
 
 
-@pytest.mark.parametrize("job, sc", [p for p in JOBS.params() if p.values[1] is not BASE])
+@pytest.mark.parametrize("job, sc", [p for p in JOBS.params()
+                                     if p.values[1] not in (BASE, UNSHARD_REDUCE)])
 def test_parity_with_selective_unshard(job, sc):
     results = JOBS.results(job, sc["id"])
     compare_to_reference(sc, results, kind=_kind(sc))
@@ -375,6 +380,31 @@ def test_parity_with_selective_unshard(job, sc):
                for k in measured}
     assert counted == {k: v["count"] for k, v in measured.items()}, rep["step_collectives"]
     assert rep["step_summary"]["collectives"] == sum(v["count"] for v in measured.values())
+
+
+def test_accumulated_gradients_are_reduced_in_buckets():
+    """selective_unshard then bucket_reduce (auto's order), 4 micro-steps: every gradient is
+    accumulated locally, and the last micro-step reduces the accumulators in bucket_reduce's
+    buckets, one reduce-scatter per bucket, not one per parameter (21 here); parity with the
+    eager reference, and the report counts them where they run."""
+    results = JOBS.results("fx2", UNSHARD_REDUCE["id"])
+    compare_to_reference(UNSHARD_REDUCE, results, kind=_kind(UNSHARD_REDUCE))
+    r = results[0]
+    d = _decisions(r)["decisions"]
+    padded = _padded_bytes("llama", 2)
+    assert sorted(d["accumulate"]) == sorted(padded)
+    (br,) = [p for p in r["report"]["passes"] if p["pass"] == "bucket_reduce"]
+    buckets = [b for g in br["decisions"].values() for b in g["buckets"]]
+    assert buckets and all(b["accumulated"] for b in buckets)
+    assert sorted(n for b in buckets for n in b["params"]) == sorted(padded)
+    measured = _per_step(r, GAS)
+    assert measured["reduce_scatter"] == {"count": len(buckets), "bytes": sum(padded.values())}
+    assert len(buckets) < len(padded)
+    # reduced on the last micro-step only: nothing in the earlier backward runs
+    assert all(b["reduce_scatter"] == (0, 0) for b in r["comm_bwd"][-GAS:-1])
+    counted = sum(row["count"] for row in r["report"]["step_collectives"]
+                  if row["kind"] == "reduce_scatter")
+    assert counted == len(buckets)
 
 
 def _padded_bytes(model_name, world):

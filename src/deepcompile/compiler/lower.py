@@ -16,7 +16,7 @@ planned one describes; nothing in it calls back into Python.
 | `kept_param` | an input: the runtime's kept tensor | same |
 | `reduce_grad` | flatten, cast, pad, `reduce_scatter_tensor("sum")`, wait, divide, cast | flatten, cast |
 | `reduce_start` / `_wait` | per member flatten/cast/pad as [W, n], one `cat` along dim 1, one reduce-scatter; wait, divide, one slice copy per member | per member flatten, cast |
-| accumulated (`accumulate_grad`, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad`, zero the accumulator | ZeRO-1: not deferred |
+| accumulated (`accumulate_grad` / `accumulate_start` bucket, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad` (a bucket: one reduce-scatter), zero the accumulator | ZeRO-1: not deferred |
 | `reload_state` (offload) | unchanged: the one Python op left, once per reload group | |
 
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
@@ -107,7 +107,7 @@ def needs_variants(gm: fx.GraphModule, runtime) -> bool:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target is ops.ACCUMULATE_GRAD:
+        if node.target is ops.ACCUMULATE_GRAD or node.target is ops.ACCUMULATE_START:
             return True
         if runtime.defers_reduce and (
                 (node.target is ops.REDUCE_GRAD and ops.reduce_grad_shard(node) is not None)
@@ -424,6 +424,9 @@ class _Lowering:
                 self.env[node] = self.reduce_sync(node, not gas1)
             elif t is ops.REDUCE_START:
                 self.reduce_start(node, defer and len(node.args) > 2 and bool(node.args[2]))
+                self.env[node] = None
+            elif t is ops.ACCUMULATE_START:
+                self.reduce_start(node, not gas1)
                 self.env[node] = None
             elif t is ops.REDUCE_WAIT:
                 self.env[node] = self.reduce_wait(node)

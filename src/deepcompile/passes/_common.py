@@ -46,15 +46,16 @@ def compute_times(steps: list[Step]) -> list[float]:
 
 
 def profiled_graphs(ctx: PassContext, target) -> Iterator[tuple[str, list[Step], list[tuple[int, fx.Node]]]]:
-    """(slot key, its profiled steps, (step index, node) of every call of `target`) for each
-    profiled graph that calls `target`, in key order."""
+    """(slot key, its profiled steps, (step index, node) of every call of `target`, an op or a
+    tuple of them) for each profiled graph that calls it, in key order."""
+    targets = target if isinstance(target, tuple) else (target,)
     for key in sorted(ctx.slots):
         prof = ctx.profiles.get(key)
         if prof is None:
             continue
         by_name = {n.name: n for n in ctx.slots[key].gm.graph.nodes}
         calls = [(i, by_name[n.name]) for i, n in enumerate(prof.nodes)
-                 if by_name[n.name].op == "call_function" and by_name[n.name].target is target]
+                 if by_name[n.name].op == "call_function" and by_name[n.name].target in targets]
         if calls:
             yield key, steps_of(prof), calls
 

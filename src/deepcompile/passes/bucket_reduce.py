@@ -18,6 +18,12 @@ gradients are produced:
   returns, before the optimizer can need it;
 * a budget below the graph's insertion-only peak is unattainable: the plan says so and changes
   nothing.
+
+Gradients `selective_unshard` accumulates locally (`accumulate_grad`: reduced once per
+accumulation window, on its last micro-step) are bucketed the same way, in buckets of their own
+(`accumulate_start` / `reduce_wait`): on the last micro-step a bucket is one reduce-scatter of
+its accumulators instead of one per parameter (the host's launches per step do not grow with the
+number of parameters), on the others it adds each gradient into its accumulator.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Reduce(Collective):
     """A gradient reduce-scatter; `nbytes` is the padded gradient in the reduce dtype."""
     grad_bytes: int = 0    # bytes of the gradient itself, held while its bucket fills
     shard_bytes: int = 0   # bytes of the reduced shard this rank keeps while in flight
+    accumulated: bool = False   # an `accumulate_grad`: never in a bucket with a `reduce_grad`
 
 
 def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
@@ -71,8 +78,9 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
             nxt, first = reduces[k], members[0]
             # the members' gradients stay alive from where each was produced to the newcomer
             held = [(m.index, m.grad_bytes) for m in members]
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_bucket_bytes, host,
-                      policy)
+            if (nxt.accumulated == first.accumulated
+                    and fuses(c, members, nxt, sum(compute[first.index:nxt.index]),
+                              max_bucket_bytes, host, policy)
                     and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
                             for j in range(first.index, nxt.index))):
                 members.append(nxt)
@@ -94,6 +102,7 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
             extra[j] += nbytes
         buckets.append({
             "members": [m.name for m in members], "pids": [m.pid for m in members],
+            "accumulated": members[0].accumulated,
             "start_after": last.name, "wait_before": steps[w].name if w < n else None,
             "bytes": sum(m.nbytes for m in members), "predicted_s": need, "hidden_s": hidden,
             "overlaps": [steps[last.index + 1].name, steps[w - 1].name] if w > last.index + 1
@@ -112,7 +121,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     decisions: dict[str, Any] = {}
     if ctx.world_size == 1:   # a reduction is a cast of the local gradient: nothing to bucket
         return decisions
-    for key, steps, calls in profiled_graphs(ctx, ops.REDUCE_GRAD):
+    for key, steps, calls in profiled_graphs(ctx, (ops.REDUCE_GRAD, ops.ACCUMULATE_GRAD)):
         reduces = []
         for i, node in calls:
             entry = lookup(int(node.args[1]))
@@ -120,7 +129,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
             reduces.append(Reduce(node.name, i, entry.padded_numel * size, entry.pid,
                                   str(entry.reduce_dtype),
                                   grad_bytes=_nbytes(node.args[0].meta.get("val")),
-                                  shard_bytes=entry.shard.numel() * size))
+                                  shard_bytes=entry.shard.numel() * size,
+                                  accumulated=node.target is ops.ACCUMULATE_GRAD))
         decision = plan_graph(steps, reduces, ctx.cost, ctx.memory_budget, policy=ctx.fusion)
         if decision["unattainable"]:
             warn_unattainable("bucket_reduce", key, decision, "reduce-scatters stay synchronous")
@@ -155,8 +165,13 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                     raise RuntimeError(f"deepcompile bucket_reduce: {key}: a bucket mixes "
                                        "reductions with and without their shards")
                 args += (shards,)
+            accumulated = {m.target is ops.ACCUMULATE_GRAD for m in members}
+            if len(accumulated) > 1:
+                raise RuntimeError(f"deepcompile bucket_reduce: {key}: a bucket mixes gradients "
+                                   "accumulated locally with gradients reduced every micro-step")
+            marker = ops.ACCUMULATE_START if accumulated.pop() else ops.REDUCE_START
             with graph.inserting_after(nx.by_name[b["start_after"]]):
-                start = graph.call_function(ops.REDUCE_START, args)
+                start = graph.call_function(marker, args)
             start.meta["val"] = _fake_in_flight(members)
             with graph.inserting_before(anchor):
                 wait = graph.call_function(ops.REDUCE_WAIT, (start, list(pids)))

@@ -99,6 +99,8 @@ def collectives_of(graphs: dict[str, fx.GraphModule], order: list[str]) -> list[
             t = node.target
             if t is _GATHER_SYNC or t is _REDUCE_SYNC:
                 kind, pids = ("all_gather" if t is _GATHER_SYNC else "reduce_scatter"), [node.args[1]]
+            elif t in _REDUCE_GROUPS and node.args[0].target is ops.ACCUMULATE_START:
+                continue   # accumulated already (as `accumulate_grad`s are: not counted)
             elif t in _GATHER_GROUPS or t in _REDUCE_GROUPS:
                 kind, pids = ("all_gather" if t in _GATHER_GROUPS else "reduce_scatter"), node.args[1]
             else:
@@ -321,7 +323,8 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
             changed |= _pull(graph, node, start, keep, _kept_from(start.args[0], start.args[2]))
         elif t is ops.ALLGATHER_FROM_PREV:
             changed |= _pull(graph, node, node, keep, _kept_from(node.args[0], node.args[2]))
-        elif t is ops.REDUCE_WAIT:
+        elif t is ops.REDUCE_WAIT and node.args[0].target is ops.REDUCE_START:
+            # (a bucket of `accumulate_start` holds gradients accumulated already)
             start = node.args[0]
             changed |= _pull(graph, node, start, accumulate, _accumulated_from(start.args[0]))
         elif t is ops.ALLGATHER_FOR_NEXT:

@@ -72,6 +72,7 @@ class Bucket:
     wait_before: int       # n: at the end of the graph
     nbytes: int            # wire bytes
     inflight: int          # wire bytes + reduced shards, held from start to wait
+    accumulated: bool = False   # gradients accumulated locally: launched on the last micro-step
 
 
 @dataclasses.dataclass
@@ -124,8 +125,10 @@ class Plan:
         n = len(g.nodes)
         cost = s.cost
         grouped = {p for grp in self.groups[key] for p in grp.pids}
-        # ZeRO-1 launches nothing before the last micro-step: its buckets accumulate locally
-        buckets = self.buckets if key == "bw" and (s.stage != 1 or last) else []
+        # ZeRO-1 launches nothing before the last micro-step: its buckets accumulate locally;
+        # so do ZeRO-3's buckets of accumulated gradients (their members accumulate alone)
+        buckets = [b for b in self.buckets if key == "bw" and
+                   (last or (s.stage != 1 and not b.accumulated))]
         bucketed = {p for b in buckets for p in b.pids}
         before: dict[int, list] = {}
         after: dict[int, list] = {}
@@ -375,12 +378,13 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
     reduces = []
     for i, it in enumerate(items):
         # gradients accumulated locally (selective_unshard before it: `accumulate_grad` nodes)
-        # are not the runtime's `reduce_grad`s, and bucket_reduce leaves them alone
-        if it.kind == "reduce_scatter" and it.ref[2][1] not in plan.accumulated:
+        # go into buckets of their own, as the runtime's pass puts them
+        if it.kind == "reduce_scatter":
             p = s.model.params[it.ref[2][1]]
             reduces.append(bucket_reduce.Reduce(
                 it.name, i, it.nbytes, p.pid, str(s.model.dtype),
-                grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize))
+                grad_bytes=s.full_bytes(p), shard_bytes=s.shard_numel(p) * s.csize,
+                accumulated=s.stage == 3 and p.pid in plan.accumulated))
     forced = (s.replay or {}).get("bucket_reduce")
     if forced is None:
         d = bucket_reduce.plan_graph(st, reduces, s.planner_cost, s.budget, policy=s.fusion)
@@ -397,7 +401,7 @@ def _bucket_reduce(plan: Plan) -> dict[str, Any]:
         shards = sum(s.shard_numel(s.model.params[p]) * s.csize for p in pids)
         wait = n if b["wait_before"] is None else where[b["wait_before"]]
         plan.buckets.append(Bucket(pids, max(grad_at[p] for p in pids), wait, b["bytes"],
-                                   b["bytes"] + shards))
+                                   b["bytes"] + shards, b["accumulated"]))
     return {"unattainable": d["unattainable"], "reduces": len(reduces),
             "buckets": len(d["buckets"]), "hidden_s": sum(b["hidden_s"] for b in d["buckets"]),
             "predicted_s": sum(b["predicted_s"] for b in d["buckets"]),

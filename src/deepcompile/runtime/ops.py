@@ -107,6 +107,10 @@ kept_param = _marker(
 accumulate_grad = _marker(
     "accumulate_grad", "(grad, pid, shard_numel, shard_dtype) -> shard_grad: accumulated "
     "locally over the micro-steps, reduced on the last one.")
+accumulate_start = _marker(
+    "accumulate_start", "(grads, pids) -> token: a bucket of `accumulate_grad`s: each gradient "
+    "added to its accumulator; on the window's last micro-step one reduce-scatter of them all "
+    "(`reduce_wait` hands out the shard gradients, zeros before the last micro-step).")
 
 ALLGATHER = torch.ops.deepcompile.allgather_param.default
 REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default
@@ -118,8 +122,9 @@ REDUCE_START = reduce_start
 REDUCE_WAIT = reduce_wait
 KEPT_PARAM = kept_param
 ACCUMULATE_GRAD = accumulate_grad
+ACCUMULATE_START = accumulate_start
 MARKERS = (ALLGATHER_START, ALLGATHER_WAIT, ALLGATHER_FOR_NEXT, ALLGATHER_FROM_PREV,
-           REDUCE_START, REDUCE_WAIT, KEPT_PARAM, ACCUMULATE_GRAD)
+           REDUCE_START, REDUCE_WAIT, KEPT_PARAM, ACCUMULATE_GRAD, ACCUMULATE_START)
 torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
 
 
@@ -153,3 +158,6 @@ register_comm_op(REDUCE_WAIT, "reduce_scatter_wait", blocking=True)
 # accumulate_grad blocks on a reduce-scatter on the last micro-step only, so it names no
 # collective launched per run; a kept parameter is a graph input: no communication.
 register_comm_op(ACCUMULATE_GRAD, "reduce_scatter_accumulate", blocking=True)
+# its bucket: the start launches on the last micro-step only (counted by the lowered graphs,
+# `Lowered.counts`); the bucket's `reduce_wait` is where the graph waits
+register_comm_op(ACCUMULATE_START, "reduce_scatter_accumulate_start")
