@@ -11,9 +11,10 @@ in the same ranks, on the same seeded model and data (`deepcompile bench`'s work
 trainers), warmed up one after the other until each is steady (ours: passes planned, final
 graphs compiled), and then the timed rounds alternate them: in each round every system takes
 one optimizer step, in an order rotated from round to round. The order in which the systems
-are built rotates from launch to launch: the engine built first was 2-9% slower than the same
-system built later (seen on small-llama with a copy of a system beside it, `NAME#2`), so use a
-multiple of the number of systems as `--launches`. Whatever slows the machine for a
+are built rotates from launch to launch, so use a multiple of the number of systems as
+`--launches`: in an A/A run (`--systems ours-z3-auto ours-z3-auto#2`, small-llama, 2 launches)
+the copy built first was the slower one in both launches (264.8 vs 246.9 ms, 295.2 vs
+255.9 ms; cause not found). Whatever slows the machine for a
 while slows the systems of a round alike, so the per-round ratio of two systems' steps is
 measured against the same conditions. Reported per system against the first one: the median
 over all rounds of all launches of the per-round ratio, with a bootstrap 90% interval
@@ -202,7 +203,7 @@ def main() -> None:
     launches = []
     for i in range(a.launches):
         t0 = time.perf_counter()
-        k = i % len(a.systems)   # the engine built first runs a few % slower: rotate
+        k = i % len(a.systems)   # the engine built first ran slower in an A/A run: rotate
         args["build_order"] = a.systems[k:] + a.systems[:k]
         launches.append(launch(args, a.nproc, a.timeout))
         print(f"[paired] launch {i + 1}/{a.launches}: {time.perf_counter() - t0:.0f} s, load "
@@ -220,8 +221,11 @@ def main() -> None:
               f"{', '.join(f'{x:.1f}' for x in r['launch_medians_ms'])} | "
               f"{r[f'ratio_to_{ref}']:.3f} | [{lo:.3f}, {hi:.3f}] |")
     if a.out:
+        from deepcompile._bench.run import _git_commit
+
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "command": " ".join(["python"] + sys.argv), "torch": torch.__version__,
+                "command": " ".join(["python"] + sys.argv), "commit": _git_commit(),
+                "torch": torch.__version__,
                 "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
                 "python": platform.python_version()}
         with open(a.out, "w") as f:
