@@ -304,3 +304,17 @@ def test_bucket_reduce_buckets_accumulated_gradients_on_the_last_micro_step():
     # launched once per optimizer step (the last micro-step), not once per backward
     starts = [e for e in sch.events if e.kind == "start" and e.label == "reduce_scatter"]
     assert len(starts) == b["buckets"]
+
+
+def test_selective_unshard_after_bucket_reduce_keeps_whole_buckets():
+    """The canonical order (bucket_reduce before selective_unshard), everything accumulated:
+    each bucket stays one reduce-scatter on the last micro-step (the runtime retargets it to
+    `accumulate_start`), as selective_unshard predicts."""
+    m = synthetic(node_s=0.01 * MS)
+    sch, _ = run(setting(m, gas=4), ("prefetch", "bucket_reduce", "selective_unshard"))
+    d = sch.decisions
+    assert d["selective_unshard"]["accumulated"] == len(m.params)
+    buckets = d["bucket_reduce"]["buckets"]
+    assert 0 < buckets < len(m.params)
+    assert sch.collectives["reduce_scatter"]["count"] == buckets
+    assert d["selective_unshard"]["per_step"]["reduce_scatter"]["after"]["count"] == buckets

@@ -34,9 +34,11 @@ kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it
 of the fused groups `prefetch` made (`allgather_start`/`wait`, `allgather_for_next`/`from_prev`:
 each group is rebuilt with the remaining members, or erased when none remain); an accumulated
 gradient's `reduce_grad` becomes `accumulate_grad` and is pulled out of `bucket_reduce`'s
-buckets the same way. So the pass works with or after `prefetch` and `bucket_reduce`, in any
-order. The kept parameters are gathered at once (apply runs at an optimizer-step boundary,
-after the update), also when the plan comes from the plan cache.
+buckets the same way, except that a bucket whose members are all accumulated stays one bucket
+(`accumulate_start`: one reduce-scatter on the last micro-step). So the pass works with or
+after `prefetch` and `bucket_reduce`, in any order. The kept parameters are gathered at once
+(apply runs at an optimizer-step boundary, after the update), also when the plan comes from the
+plan cache.
 """
 
 from __future__ import annotations
@@ -200,9 +202,10 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
         if left:
             after["count"] += c.runs
             after["bytes"] += c.runs * sum(left)
-        if c.kind == "reduce_scatter":   # accumulated: each reduced alone, last micro-step only
-            once = [b for p, b in c.members if p in accumulate]
-            after["count"] += c.runs // gas * len(once)
+        if c.kind == "reduce_scatter":   # accumulated: reduced on the last micro-step only,
+            once = [b for p, b in c.members if p in accumulate]   # a bucket whole, else alone
+            whole = len(c.members) > 1 and len(once) == len(c.members)
+            after["count"] += c.runs // gas * (1 if whole else len(once))
             after["bytes"] += c.runs // gas * sum(once)
     out["all_gather"]["after"]["count"] += len(refresh)
     out["all_gather"]["after"]["bytes"] += sum(refresh)
@@ -326,7 +329,12 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
         elif t is ops.REDUCE_WAIT and node.args[0].target is ops.REDUCE_START:
             # (a bucket of `accumulate_start` holds gradients accumulated already)
             start = node.args[0]
-            changed |= _pull(graph, node, start, accumulate, _accumulated_from(start.args[0]))
+            if len(start.args) < 3 and len(node.args[1]) > 1 and set(node.args[1]) <= accumulate:
+                # every member accumulated: the bucket stays, reduced on the last micro-step
+                start.target = ops.ACCUMULATE_START
+                changed = True
+            else:
+                changed |= _pull(graph, node, start, accumulate, _accumulated_from(start.args[0]))
         elif t is ops.ALLGATHER_FOR_NEXT:
             pids = node.args[1]
             left = [p for p in pids if p not in keep]
@@ -405,7 +413,7 @@ def _in_flight(start: fx.Node, pids: list[int]):
     if not isinstance(val, torch.Tensor):
         return val
     entries = [lookup(p) for p in pids]
-    if start.target is ops.REDUCE_START:
+    if start.target is ops.REDUCE_START or start.target is ops.ACCUMULATE_START:
         return val.new_empty((sum(e.padded_numel + e.shard.numel() for e in entries),))
     return val.new_empty((sum(e.padded_numel for e in entries),))
 

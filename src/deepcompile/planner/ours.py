@@ -514,7 +514,9 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     kept_buckets = []
     for b in plan.buckets:
         left = [p for p in b.pids if p not in plan.accumulated]
-        if left:
+        if not left and len(b.pids) > 1 and s.stage == 3:   # the runtime keeps such a bucket
+            kept_buckets.append(dataclasses.replace(b, accumulated=True))
+        elif left:
             wire = sum(s.padded(params[p]) * s.csize for p in left)
             shards = sum(s.shard_numel(params[p]) * s.csize for p in left)
             grad_at = {g.pid: g.at for g in plan.model.bw.grads}
