@@ -60,14 +60,12 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
         for name in args["build_order"]:
             system = systems.get(name.split("#")[0])
             t = trainers.build(system, w, device, world, args["compiler"], None)
-            micro = 0
 
-            def one_step(t=t):
-                nonlocal micro
+            def one_step(t=t, micro=[0]):   # each system its own batch counter: the same data
                 start = time.perf_counter()
                 for m in range(w.gas):
-                    ids = workloads.local_batch(w, micro % 64, rank, world).to(device)
-                    micro += 1
+                    ids = workloads.local_batch(w, micro[0] % 64, rank, world).to(device)
+                    micro[0] += 1
                     t.micro(ids, last=m == w.gas - 1)
                 t.step()
                 return time.perf_counter() - start
