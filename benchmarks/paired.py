@@ -21,8 +21,9 @@ over all rounds of all launches of the per-round ratio, with a bootstrap 90% int
 (launches resampled, then rounds within each), and each system's median step.
 
 The systems share the processes (their engines must not share state: one runtime per engine,
-which this also exercises); DeepSpeed's systems cannot (they change the process: see `main`). Writes JSON (`--out`: with rank 0's `engine.report()` of each
-system of ours, taken before the rounds) and prints markdown.
+which this also exercises); DeepSpeed's systems cannot (they change the process: see `main`).
+Writes JSON (`--out`: with rank 0's `engine.report()` of each system of ours, taken before the
+rounds) and prints markdown.
 """
 
 from __future__ import annotations
@@ -78,9 +79,8 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
                     break
                 if warm >= args["warmup"] + 80:
                     raise RuntimeError(f"{name} not steady after {warm} steps")
-            info = t.info() if hasattr(t, "info") else {}
             out[name] = {"warmup_steps": warm, "step_s": [],
-                         "plan": (info.get("plan") or {}).get("passes")}
+                         "plan": (t.info().get("plan") or {}).get("passes")}
             if rank == 0 and system.kind == "ours":   # what the passes decided, and why
                 out[name]["report"] = str(t.engine.report())
             built.append((name, one_step))

@@ -292,8 +292,8 @@ def test_bucket_reduce_buckets_accumulated_gradients_on_the_last_micro_step():
     micro-step only (as the runtime's `accumulate_start`): one reduce-scatter per bucket per
     optimizer step, not one per parameter."""
     m = synthetic(node_s=0.01 * MS)
-    unbucketed, r0 = run(setting(m, gas=4), ("selective_unshard", "prefetch"))
-    sch, r = run(setting(m, gas=4), ("selective_unshard", "prefetch", "bucket_reduce"))
+    unbucketed, _ = run(setting(m, gas=4), ("selective_unshard", "prefetch"))
+    sch, _ = run(setting(m, gas=4), ("selective_unshard", "prefetch", "bucket_reduce"))
     d = sch.decisions["selective_unshard"]
     assert d["accumulated"] == len(m.params)
     b = sch.decisions["bucket_reduce"]

@@ -264,7 +264,8 @@ def test_rewrite_pulls_kept_members_out_of_cross_graph_groups(entries):
                                              torch.ops.aten.add.default]
 
 
-def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
+def _reduce_bucket():
+    """A graph with one bucket of two gradients (pids 1 and 2): (graph, ga, gb, start, wait)."""
     g = fx.Graph()
     x = g.placeholder("x")
     ga = g.call_function(torch.ops.aten.relu.default, (x,), name="ga")
@@ -275,6 +276,11 @@ def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
     w.meta["val"] = [_val(3)] * 2
     outs = [g.call_function(operator.getitem, (w, i)) for i in range(2)]
     g.output(tuple(outs))
+    return g, ga, gb, tok, w
+
+
+def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
+    g, ga, gb, tok, w = _reduce_bucket()
     # kept but not accumulated: the reduce stays in its bucket
     assert not S.rewrite(g, keep={1}, accumulate=set())
     assert S.rewrite(g, keep={1, 2}, accumulate={1})
@@ -291,16 +297,7 @@ def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
 def test_rewrite_keeps_a_bucket_whose_members_are_all_accumulated(entries):
     """Every member accumulated: the bucket stays whole, as `accumulate_start` (one
     reduce-scatter on the window's last micro-step), not one `accumulate_grad` per member."""
-    g = fx.Graph()
-    x = g.placeholder("x")
-    ga = g.call_function(torch.ops.aten.relu.default, (x,), name="ga")
-    gb = g.call_function(torch.ops.aten.sin.default, (x,), name="gb")
-    tok = g.call_function(ops.REDUCE_START, ([ga, gb], [1, 2]), name="start")
-    tok.meta["val"] = _val(18)
-    w = g.call_function(ops.REDUCE_WAIT, (tok, [1, 2]), name="wait")
-    w.meta["val"] = [_val(3)] * 2
-    outs = [g.call_function(operator.getitem, (w, i)) for i in range(2)]
-    g.output(tuple(outs))
+    g, ga, gb, tok, w = _reduce_bucket()
     assert S.rewrite(g, keep={1, 2}, accumulate={1, 2})
     assert tok.target is ops.ACCUMULATE_START and tok.args == ([ga, gb], [1, 2])
     assert w.args == (tok, [1, 2]) and not any(n.target is ops.ACCUMULATE_GRAD for n in _calls(g))

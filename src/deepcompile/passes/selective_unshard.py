@@ -187,6 +187,12 @@ def choose(options: list[list[tuple[int, float]]], capacity: float,
     return out
 
 
+def stays_whole(pids: list[int], accumulate: set[int]) -> bool:
+    """Whether a gradient bucket survives accumulation as one bucket (`accumulate_start`): more
+    than one member, every member accumulated; otherwise its accumulated members leave it."""
+    return len(pids) > 1 and set(pids) <= accumulate
+
+
 def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int], gas: int,
                    refresh: list[int]) -> dict[str, dict[str, dict[str, int]]]:
     """Collectives and bytes per optimizer step, before and after (`refresh`: the bytes of
@@ -204,7 +210,7 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
             after["bytes"] += c.runs * sum(left)
         if c.kind == "reduce_scatter":   # accumulated: reduced on the last micro-step only,
             once = [b for p, b in c.members if p in accumulate]   # a bucket whole, else alone
-            whole = len(c.members) > 1 and len(once) == len(c.members)
+            whole = stays_whole([p for p, _ in c.members], accumulate)
             after["count"] += c.runs // gas * (1 if whole else len(once))
             after["bytes"] += c.runs // gas * sum(once)
     out["all_gather"]["after"]["count"] += len(refresh)
@@ -329,7 +335,7 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
         elif t is ops.REDUCE_WAIT and node.args[0].target is ops.REDUCE_START:
             # (a bucket of `accumulate_start` holds gradients accumulated already)
             start = node.args[0]
-            if len(start.args) < 3 and len(node.args[1]) > 1 and set(node.args[1]) <= accumulate:
+            if len(start.args) < 3 and stays_whole(node.args[1], accumulate):   # 3: ZeRO-1
                 # every member accumulated: the bucket stays, reduced on the last micro-step
                 start.target = ops.ACCUMULATE_START
                 changed = True

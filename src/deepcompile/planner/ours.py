@@ -514,7 +514,7 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     kept_buckets = []
     for b in plan.buckets:
         left = [p for p in b.pids if p not in plan.accumulated]
-        if not left and len(b.pids) > 1 and s.stage == 3:   # the runtime keeps such a bucket
+        if s.stage == 3 and selective_unshard.stays_whole(b.pids, plan.accumulated):
             kept_buckets.append(dataclasses.replace(b, accumulated=True))
         elif left:
             wire = sum(s.padded(params[p]) * s.csize for p in left)
