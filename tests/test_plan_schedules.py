@@ -145,7 +145,8 @@ def test_offload_when_the_state_does_not_fit():
     # the profiler's memory model: live bytes after each node within the budget (while a node
     # runs, the parameters it frees are still there: the simulated peak may be above)
     assert max(e.live for e in sch.events) <= budget < r0.peak_bytes
-    assert any(e.lane == "copy" for e in sch.events if e.kind == "start")
+    copies = {e.lane for e in sch.events if e.kind == "start" and e.label == "offload"}
+    assert copies == {"h2d", "d2h"}   # reloaded in a backward, back to the host after the step
     # the passes before it planned with the state off the device (the runtime's provisional
     # offload): they did move gathers although the state-on curve is over the budget
     assert sch.decisions["prefetch"]["fw"]["groups"] > 0
@@ -318,3 +319,58 @@ def test_selective_unshard_after_bucket_reduce_keeps_whole_buckets():
     assert 0 < buckets < len(m.params)
     assert sch.collectives["reduce_scatter"]["count"] == buckets
     assert d["selective_unshard"]["per_step"]["reduce_scatter"]["after"]["count"] == buckets
+
+
+def test_selective_unshard_takes_accumulated_members_out_of_buckets_together():
+    """bucket_reduce before selective_unshard under budgets that accumulate a part: in every
+    bucket the accumulated members (two or more) become one bucket of their own, launched on
+    the last micro-step, one alone is reduced by itself, the others stay together (as the
+    runtime's rewrite); the schedule launches what selective_unshard predicts."""
+    m = synthetic(layers=8, node_s=0.01 * MS)
+    passes = ("prefetch", "bucket_reduce", "selective_unshard")
+    s0 = setting(m, gas=4)
+    _, lo = run(s0, passes[:2])
+    _, hi = run(s0, passes)
+    before = ours.plan(s0, passes[:2]).buckets
+    together = 0
+    for frac in (0.5, 0.6, 0.7, 0.8, 0.9):
+        s = setting(m, gas=4, budget=lo.peak_bytes + frac * (hi.peak_bytes - lo.peak_bytes))
+        pl = ours.plan(s, passes)
+        acc = pl.accumulated
+        if not 0 < len(acc) < len(m.params):
+            continue
+        expect = []
+        for b in before:
+            a = [p for p in b.pids if p in acc]
+            rest = [p for p in b.pids if p not in acc]
+            expect += ([(a, True)] if len(a) > 1 else []) + ([(rest, False)] if rest else [])
+            together += len(a) > 1 and bool(rest)
+        assert sorted((b.pids, b.accumulated) for b in pl.buckets) == sorted(expect)
+        sch, _ = run(s, passes)
+        d = sch.decisions["selective_unshard"]
+        assert sch.collectives["reduce_scatter"]["count"] == \
+            d["per_step"]["reduce_scatter"]["after"]["count"]
+    assert together, "no budget split a bucket: the test did not test the split"
+
+
+def test_copies_to_and_from_the_host_run_in_both_directions_at_once():
+    """The runtime copies on two streams, one per direction (PCIe is full duplex): the copy out
+    of the state that came back in the last step overlaps this step's reloads. On a slow host
+    link (the copy out outlasts the forward) the schedule is shorter than the same events on
+    one lane, where the reloads wait for the copy out."""
+    import dataclasses
+
+    m = synthetic(act=16 << 20)
+    s0 = setting(m)
+    _, r0 = run(s0, ())
+    adam = sum(s0.shard_numel(p) for p in m.params) * 8
+    slow = Fabric(1, 8, nvlink_bw=450e9, nic_bw=50e9, pcie_bw=2e9, launch_host_s=0.0)
+    s = dataclasses.replace(s0, cost=slow, budget=r0.peak_bytes - adam // 4)
+    sch, two = run(s, ("offload_optimizer",))
+    assert any(e.name == "reload state" for e in sch.events), "nothing reloaded in a backward"
+    one = simulate([dataclasses.replace(e, lane="copy") if e.lane in ("h2d", "d2h") else e
+                    for e in sch.events])
+    (out,) = [x for x in two.segments if x.lane == "d2h"]
+    first_in = min(x.t0 for x in two.segments if x.lane == "h2d")
+    assert first_in < out.t1                 # a reload started while the copy out ran
+    assert two.step_s < one.step_s

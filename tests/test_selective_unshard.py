@@ -148,10 +148,10 @@ def test_values_count_runs_per_optimizer_step_and_fused_shares():
                                     "after": {"count": 4 + 1, "bytes": 200 + 100}}
     assert counts["reduce_scatter"] == {"before": {"count": 4, "bytes": 400},
                                         "after": {"count": 1, "bytes": 100}}
-    # accumulated members of a bucket are each reduced alone, on the last micro-step
+    # accumulated members of a bucket are reduced together, once, on the last micro-step
     bucket = [S.Collective("reduce_scatter", 4, [(1, 100), (2, 50), (3, 30)])]
     assert S.predict_counts(bucket, keep={1, 2}, accumulate={1, 2}, gas=gas, refresh=[]) \
-        ["reduce_scatter"]["after"] == {"count": 4 + 2, "bytes": 4 * 30 + 150}
+        ["reduce_scatter"]["after"] == {"count": 4 + 1, "bytes": 4 * 30 + 150}
     # without accumulation (gas 1) there is no accumulate option
     (o,) = S.options_of(cands[:1], colls, cost, 1, excluded=set())
     assert o["keep_accumulate"] is None
@@ -292,6 +292,43 @@ def test_rewrite_pulls_accumulated_gradients_out_of_reduce_buckets(entries):
     assert [n.target for n in _calls(g)] == [torch.ops.aten.relu.default,
                                              torch.ops.aten.sin.default,
                                              ops.ACCUMULATE_GRAD, ops.ACCUMULATE_GRAD]
+
+
+def test_rewrite_takes_accumulated_members_out_of_a_bucket_together(entries):
+    """A bucket of three gradients, two of them accumulated (a budget that keeps a part): the
+    two leave together as one `accumulate_start` bucket (one reduce-scatter on the last
+    micro-step), not as one `accumulate_grad` each; the third stays in the old bucket; every
+    output reads the value of its own member."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    grads = [g.call_function(torch.ops.aten.relu.default, (x,), name=f"g{i}") for i in (1, 2, 3)]
+    tok = g.call_function(ops.REDUCE_START, (grads, [1, 2, 3]), name="start")
+    tok.meta["val"] = _val(27)
+    w = g.call_function(ops.REDUCE_WAIT, (tok, [1, 2, 3]), name="wait")
+    w.meta["val"] = [_val(3), _val(3), _val(3)]
+    outs = [g.call_function(operator.getitem, (w, i)) for i in range(3)]
+    g.output(tuple(outs))
+    assert S.rewrite(g, keep={1, 3}, accumulate={1, 3})
+    g.lint()
+    starts = [n for n in _calls(g) if n.target in (ops.REDUCE_START, ops.ACCUMULATE_START)]
+    assert [(n.target, n.args) for n in starts] == [
+        (ops.ACCUMULATE_START, ([grads[0], grads[2]], [1, 3])), (ops.REDUCE_START, ([grads[1]], [2]))]
+    acc = starts[0]
+    assert acc.meta["val"].numel() == 2 * (6 + 3)         # padded gradient + shard, per member
+    assert tok.meta["val"].numel() == 6 + 3 and w.args == (tok, [2])
+    (acc_wait,) = [n for n in acc.users]
+    assert acc_wait.target is ops.REDUCE_WAIT and acc_wait.args == (acc, [1, 3])
+    out = next(n for n in g.nodes if n.op == "output").args[0]
+    assert [o.args for o in out] == [(acc_wait, 0), (w, 0), (acc_wait, 1)]
+    assert not any(n.target is ops.ACCUMULATE_GRAD for n in _calls(g))
+    assert not S.rewrite(g, keep={1, 3}, accumulate={1, 3})   # done already: unchanged
+    # one accumulated member alone: an accumulate_grad of its own, the others stay bucketed
+    counts = S.predict_counts([S.Collective("reduce_scatter", 4, [(1, 10), (2, 10), (3, 10)])],
+                              keep=set(), accumulate={1, 3}, gas=4, refresh=[])
+    assert counts["reduce_scatter"]["after"] == {"count": 4 + 1, "bytes": 4 * 10 + 20}
+    counts = S.predict_counts([S.Collective("reduce_scatter", 4, [(1, 10), (2, 10), (3, 10)])],
+                              keep=set(), accumulate={1}, gas=4, refresh=[])
+    assert counts["reduce_scatter"]["after"] == {"count": 4 + 1, "bytes": 4 * 20 + 10}
 
 
 def test_rewrite_keeps_a_bucket_whose_members_are_all_accumulated(entries):
@@ -525,7 +562,21 @@ def test_budget_shared_with_prefetch_and_bucket_reduce(budget_runs):
     for r in results:
         _check_kept(r, _decisions(r))
     assert d["keep"] and max(_all_peaks(results[0])) <= budget
-    assert _per_step(results[0], GAS) == {k: v["after"] for k, v in d["per_step"].items()}
+    measured = _per_step(results[0], GAS)
+    assert measured == {k: v["after"] for k, v in d["per_step"].items()}
+    # bucket_reduce's buckets as selective_unshard leaves them: the accumulated members of a
+    # bucket reduced together once per optimizer step (one alone by itself), the others per run
+    (br,) = [p for p in results[0]["report"]["passes"] if p["pass"] == "bucket_reduce"]
+    acc = set(d["accumulate"])
+    expect, split = 0, 0
+    for g in br["decisions"].values():
+        for b in g["buckets"]:
+            a = [n for n in b["params"] if n in acc]
+            expect += (1 if a else 0) + (GAS if len(a) < len(b["params"]) else 0)
+            split += 1 < len(a) < len(b["params"])
+    print(f"accumulated {len(acc)}; buckets split in two: {split}; reduce-scatters per step "
+          f"{measured['reduce_scatter']['count']}")
+    assert measured["reduce_scatter"]["count"] == expect
     compare_to_reference(sc, results, kind=_kind(sc) + " (budget)")
 
 

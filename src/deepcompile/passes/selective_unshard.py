@@ -33,9 +33,10 @@ Apply (passes only schedule: inputs and outputs of graphs never change): in ever
 kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it is pulled out
 of the fused groups `prefetch` made (`allgather_start`/`wait`, `allgather_for_next`/`from_prev`:
 each group is rebuilt with the remaining members, or erased when none remain); an accumulated
-gradient's `reduce_grad` becomes `accumulate_grad` and is pulled out of `bucket_reduce`'s
-buckets the same way, except that a bucket whose members are all accumulated stays one bucket
-(`accumulate_start`: one reduce-scatter on the last micro-step). So the pass works with or
+gradient's `reduce_grad` becomes `accumulate_grad`, and a `bucket_reduce` bucket's accumulated
+members, two or more, leave it together as a bucket of their own (`accumulate_start`: one
+reduce-scatter on the last micro-step; a bucket whose members are all accumulated is retargeted
+whole), one alone as an `accumulate_grad` (`accumulated_together`). So the pass works with or
 after `prefetch` and `bucket_reduce`, in any order. The kept parameters are gathered at once
 (apply runs at an optimizer-step boundary, after the update), also when the plan comes from the
 plan cache.
@@ -187,10 +188,13 @@ def choose(options: list[list[tuple[int, float]]], capacity: float,
     return out
 
 
-def stays_whole(pids: list[int], accumulate: set[int]) -> bool:
-    """Whether a gradient bucket survives accumulation as one bucket (`accumulate_start`): more
-    than one member, every member accumulated; otherwise its accumulated members leave it."""
-    return len(pids) > 1 and set(pids) <= accumulate
+def accumulated_together(pids: list[int], accumulate: set[int]) -> list[int]:
+    """The members of a gradient bucket (ZeRO-3) whose accumulated gradients stay together as
+    one bucket (`accumulate_start`: one reduce-scatter on the window's last micro-step): the
+    accumulated ones, when there are two or more (all of them: the bucket itself); one alone
+    becomes an `accumulate_grad`. The others stay in the bucket."""
+    acc = [p for p in pids if p in accumulate]
+    return acc if len(acc) > 1 else []
 
 
 def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int], gas: int,
@@ -209,9 +213,9 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
             after["count"] += c.runs
             after["bytes"] += c.runs * sum(left)
         if c.kind == "reduce_scatter":   # accumulated: reduced on the last micro-step only,
-            once = [b for p, b in c.members if p in accumulate]   # a bucket whole, else alone
-            whole = stays_whole([p for p, _ in c.members], accumulate)
-            after["count"] += c.runs // gas * (1 if whole else len(once))
+            once = [b for p, b in c.members if p in accumulate]   # together, or one alone
+            together = accumulated_together([p for p, _ in c.members], accumulate)
+            after["count"] += c.runs // gas * (1 if together else len(once))
             after["bytes"] += c.runs // gas * sum(once)
     out["all_gather"]["after"]["count"] += len(refresh)
     out["all_gather"]["after"]["bytes"] += sum(refresh)
@@ -335,10 +339,16 @@ def rewrite(graph: fx.Graph, keep: set[int], accumulate: set[int]) -> bool:
         elif t is ops.REDUCE_WAIT and node.args[0].target is ops.REDUCE_START:
             # (a bucket of `accumulate_start` holds gradients accumulated already)
             start = node.args[0]
-            if len(start.args) < 3 and stays_whole(node.args[1], accumulate):   # 3: ZeRO-1
+            together = accumulated_together(node.args[1], accumulate) \
+                if len(start.args) < 3 else []   # 3: ZeRO-1 (nothing is accumulated there)
+            if together == list(node.args[1]):
                 # every member accumulated: the bucket stays, reduced on the last micro-step
                 start.target = ops.ACCUMULATE_START
                 changed = True
+            elif together:
+                # the accumulated members leave as one bucket of their own, the others stay
+                changed |= _pull(graph, node, start, set(together),
+                                 _accumulated_bucket(graph, start, node, together))
             else:
                 changed |= _pull(graph, node, start, accumulate, _accumulated_from(start.args[0]))
         elif t is ops.ALLGATHER_FOR_NEXT:
@@ -367,6 +377,30 @@ def _accumulated_from(grads: list[fx.Node]) -> Callable[[fx.Graph, int, int], fx
         e = lookup(pid)
         return graph.call_function(ops.ACCUMULATE_GRAD,
                                    (grads[i], pid, e.shard.numel(), e.shard.dtype))
+    return make
+
+
+def _accumulated_bucket(graph: fx.Graph, start: fx.Node, wait: fx.Node,
+                        together: list[int]) -> Callable[[fx.Graph, int, int], fx.Node]:
+    """A new `accumulate_start` / `reduce_wait` pair for the members `together` of the bucket
+    (`start`, `wait`): the start right before `start` (every member's gradient exists there),
+    the wait right before `wait`; `_pull` then takes the members out of the old bucket and
+    hands out this wait's values in their place."""
+    pids = list(wait.args[1])
+    idx = [pids.index(p) for p in together]
+    with graph.inserting_before(start):
+        new_start = graph.call_function(ops.ACCUMULATE_START,
+                                        ([start.args[0][i] for i in idx], list(together)))
+    new_start.meta["val"] = start.meta.get("val")      # its device and dtype, for:
+    new_start.meta["val"] = _in_flight(new_start, list(together))
+    with graph.inserting_before(wait):
+        new_wait = graph.call_function(ops.REDUCE_WAIT, (new_start, list(together)))
+    vals = wait.meta.get("val") or [None] * len(pids)
+    new_wait.meta["val"] = [vals[i] for i in idx]
+    slot = {p: k for k, p in enumerate(together)}
+
+    def make(graph: fx.Graph, i: int, pid: int) -> fx.Node:
+        return graph.call_function(operator.getitem, (new_wait, slot[pid]))
     return make
 
 

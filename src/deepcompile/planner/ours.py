@@ -512,17 +512,21 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
                     grp, pids=left, nbytes=sum(s.gather_bytes(params[p]) for p in left)))
         plan.groups[key] = kept_groups
     kept_buckets = []
+    grad_at = {g.pid: g.at for g in plan.model.bw.grads}
     for b in plan.buckets:
+        # as the runtime's rewrite: the accumulated members together (two or more) in a bucket
+        # of their own, one alone reduced by itself, the others left in the bucket
+        together = selective_unshard.accumulated_together(b.pids, plan.accumulated) \
+            if s.stage == 3 else []
         left = [p for p in b.pids if p not in plan.accumulated]
-        if s.stage == 3 and selective_unshard.stays_whole(b.pids, plan.accumulated):
-            kept_buckets.append(dataclasses.replace(b, accumulated=True))
-        elif left:
-            wire = sum(s.padded(params[p]) * s.csize for p in left)
-            shards = sum(s.shard_numel(params[p]) * s.csize for p in left)
-            grad_at = {g.pid: g.at for g in plan.model.bw.grads}
+        for pids, accumulated in ((together, True), (left, b.accumulated)):
+            if not pids:
+                continue
+            wire = sum(s.padded(params[p]) * s.csize for p in pids)
+            shards = sum(s.shard_numel(params[p]) * s.csize for p in pids)
             kept_buckets.append(dataclasses.replace(
-                b, pids=left, nbytes=wire, inflight=wire + shards,
-                start_after=max(grad_at[p] for p in left)))
+                b, pids=pids, nbytes=wire, inflight=wire + shards, accumulated=accumulated,
+                start_after=max(grad_at[p] for p in pids)))
     plan.buckets = kept_buckets
     entries = [_Entry(s.padded(params[p]), s.model.dtype) for p in sorted(plan.kept)]
     refresh = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
@@ -669,16 +673,18 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     cid = [0]
     # [Note: offload in the simulation] runtime/offload.py: the chunks a backward brings back
     # leave the device after the optimizer step, overlapping the next forward (steady state:
-    # at the start of this one, on the copy lane); the streamed ones never stay on the device:
+    # at the start of this one, on the "d2h" lane); the streamed ones never stay on the device:
     # the step copies them in (the next one's copy running while one steps), steps and copies
     # them out, holding at most two of them (`staging_bytes`). Modelled as one copy
     # in of all their bytes that the optimizer step waits for (PCIe is full duplex: the copies
     # out run beside it), the step's memory as what is resident, what came back, and the staging.
+    # Copies to the host and to the device have a lane each ("d2h", "h2d": the runtime's two
+    # copy streams), so the copy out at the start of a step does not hold up the reloads.
     reloaded = sum(r[1] for r in pl.reloads)
     if reloaded:
         cid[0] += 1
         events.append(Event("start", "offload state", s.cost.copy_s(reloaded), 0.0, cid[0],
-                            "copy", pl.persistent(), label="offload"))
+                            "d2h", pl.persistent(), label="offload"))
     reload_ids: list[int] = []
     back = 0
     for m in range(s.gas):
@@ -695,7 +701,7 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
                     back += nb
                     cid[0] += 1
                     reload_ids.append(cid[0])
-                    events.append(Event("start", "reload state", c, 0.0, cid[0], "copy",
+                    events.append(Event("start", "reload state", c, 0.0, cid[0], "h2d",
                                         it.live + back, label="offload"))
     staging = offload_optimizer.staging_bytes(
         [offload_optimizer.Item(i, b) for i, b in enumerate(pl.streamed)])
@@ -704,9 +710,9 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
         cid[0] += 1
         reload_ids.append(cid[0])
         events.append(Event("start", "stream state", s.cost.copy_s(sum(pl.streamed)), 0.0,
-                            cid[0], "copy", live, label="offload"))
+                            cid[0], "h2d", live, label="offload"))
     for c in reload_ids:
-        events.append(Event("wait", "reload wait", cid=c, lane="copy", live=live))
+        events.append(Event("wait", "reload wait", cid=c, lane="h2d", live=live))
     events += optimizer_events(s, live)
     for nb in pl.decisions.get("refresh", []):
         if s.world == 1:   # the shards cast and copied into the replicas: no collective

@@ -179,7 +179,7 @@ def picture(plan, path: Path, systems: list[str] | None = None) -> Path | None:
     fig, axes = plt.subplots(2 * len(results), 1, figsize=(13, 2.6 * len(results) + 1.2),
                              gridspec_kw={"height_ratios": [1.2, 1] * len(results)},
                              sharex=True)
-    lanes = ["host", "compute", "comm", "copy"]
+    lanes = ["host", "compute", "comm", "h2d", "d2h"]
     for k, r in enumerate(results):
         ax, axm = axes[2 * k], axes[2 * k + 1]
         used = [ln for ln in lanes if any(s.lane == ln for s in r.result.segments)]

@@ -5,7 +5,7 @@ issues them). The host spends `host_s` on each; then
 
 * `compute`: runs on the compute lane for `dur` once the host has issued it and the lane is
   free (a GPU stream: the host runs ahead of the device until it waits on something);
-* `start`: a collective (or a host<->device copy) on its lane (`lane`: "comm", "copy"): it
+* `start`: a collective (or a host<->device copy) on its lane (`lane`: "comm", "h2d", "d2h"): it
   begins when the host has issued it, its lane is free (collectives of one lane run in issue
   order, as on one NCCL stream) and the compute issued before it has run (its input is
   ready); it ends `dur` later;
@@ -36,7 +36,7 @@ class Event:
     dur: float = 0.0           # lane time (compute or start)
     host_s: float = 0.0        # host time to issue it
     cid: int | None = None     # the collective a start launches / a wait waits for
-    lane: str = "comm"         # start: "comm" or "copy"
+    lane: str = "comm"         # start: "comm", or a copy's direction: "h2d", "d2h"
     live: int = 0              # bytes live after the event
     peak: int | None = None    # most bytes live while it runs (default: live)
     label: str = ""            # what the picture names it (block, pass)
@@ -45,7 +45,7 @@ class Event:
 
 @dataclasses.dataclass
 class Segment:
-    lane: str                  # "host", "compute", "comm", "copy"
+    lane: str                  # "host", "compute", "comm", "h2d", "d2h"
     name: str
     t0: float
     t1: float
