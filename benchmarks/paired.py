@@ -169,9 +169,40 @@ def summarize(launches: list[list[dict]], systems: list[str]) -> dict:
     return {"reference": ref, "rows": rows}
 
 
+def pool(runs: list[dict], systems: list[str]) -> list[list[dict]]:
+    """The launches of several saved runs (`--out` JSON) restricted to `systems`, which every
+    run must have measured (`--pool`: more launches for a narrower interval, e.g. runs of
+    one workload at commits that do not change its plans; the plans are in the JSON)."""
+    out = []
+    for run in runs:
+        for L in run["launches"]:
+            missing = [s for s in systems if s not in L[0]]
+            if missing:
+                raise ValueError(f"a run ({run['meta'].get('command')}) did not measure "
+                                 f"{', '.join(missing)}")
+            out.append([{s: r[s] for s in systems} for r in L])
+    return out
+
+
+def _print(s: dict, title: str) -> None:
+    ref = s["reference"]
+    print(f"{title}\n")
+    print(f"| system | step ms (median) | launch medians ms | step / {ref}'s, per round "
+          "(median) | 90% interval |")
+    print("|---|---|---|---|---|")
+    for r in s["rows"]:
+        lo, hi = r["interval_90"]
+        print(f"| {r['system']} | {r['step_ms']:.1f} | "
+              f"{', '.join(f'{x:.1f}' for x in r['launch_medians_ms'])} | "
+              f"{r[f'ratio_to_{ref}']:.3f} | [{lo:.3f}, {hi:.3f}] |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True)
+    ap.add_argument("--workload")
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="no run: summarize the launches of these saved runs together, for "
+                         "--systems (which each of them measured)")
     ap.add_argument("--systems", nargs="+", required=True,
                     help="the first is the reference of the ratios; NAME#2 is a second copy "
                          "of NAME (an A/A check of the method)")
@@ -183,6 +214,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.pool:
+        runs = [json.load(open(f)) for f in a.pool]
+        launches = pool(runs, a.systems)
+        _print(summarize(launches, a.systems),
+               f"{len(launches)} launches pooled from {len(runs)} runs "
+               f"(commits {', '.join(str(r['meta'].get('commit')) for r in runs)})")
+        return
+    if not a.workload:
+        ap.error("--workload is required (unless --pool)")
     import torch
 
     from deepcompile._bench import systems
@@ -207,17 +247,8 @@ def main() -> None:
         print(f"[paired] launch {i + 1}/{a.launches}: {time.perf_counter() - t0:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     s = summarize(launches, a.systems)
-    ref = s["reference"]
-    print(f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
-          f"(every system one optimizer step per round, order rotated)\n")
-    print(f"| system | step ms (median) | launch medians ms | step / {ref}'s, per round "
-          "(median) | 90% interval |")
-    print("|---|---|---|---|---|")
-    for r in s["rows"]:
-        lo, hi = r["interval_90"]
-        print(f"| {r['system']} | {r['step_ms']:.1f} | "
-              f"{', '.join(f'{x:.1f}' for x in r['launch_medians_ms'])} | "
-              f"{r[f'ratio_to_{ref}']:.3f} | [{lo:.3f}, {hi:.3f}] |")
+    _print(s, f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
+              f"(every system one optimizer step per round, order rotated)")
     if a.out:
         from deepcompile._bench.run import _git_commit
 

@@ -236,6 +236,15 @@ def test_paired_ratios_cancel_what_slows_a_round(tmp_path):
     lo, hi = b["interval_90"]
     assert lo == pytest.approx(1.111) and hi == pytest.approx(1.111)
     assert b["warmup_steps"] == [9, 9, 9] and b["built_first"] == 0 and a["built_first"] == 3
+    # --pool: the launches of saved runs together, for the systems every run measured (a run
+    # with a third system contributes a and b only)
+    third = [{**r, "c": r["a"]} for r in launches[0]]
+    runs = [{"meta": {}, "launches": launches[:2]}, {"meta": {}, "launches": [third]}]
+    pooled = paired.pool(runs, ["a", "b"])
+    assert len(pooled) == 3 and all(set(r) == {"a", "b"} for L in pooled for r in L)
+    assert paired.summarize(pooled, ["a", "b"])["rows"][1]["ratio_to_a"] == b["ratio_to_a"]
+    with pytest.raises(ValueError, match="did not measure c"):
+        paired.pool(runs, ["a", "c"])
 
     def result(system, medians):
         return {"workload": "w", "system": system, "kind": "ours", "status": "ok",
