@@ -169,3 +169,20 @@ def test_offload_optimizer_parity_and_budget(nccl, compiler):
     assert off["pinned"] and off["measured_copy_s"] > 0
     last = off["last_step"]
     assert last["h2d_bytes"] == last["d2h_bytes"] == d["offloaded_bytes"]
+
+
+def test_a_released_engine_gives_its_device_memory_back(nccl):
+    """tests/test_release.py on the GPU: dropping the engine frees its device memory (at least
+    its flat masters and AdamW's two moments), without torch._dynamo.reset()."""
+    engine, _, _ = _train({"compiler": "inductor", "warmup_steps": 1}, steps=4)
+    own = 3 * sum(c.nbytes for c in engine._flat.chunks)
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    print(f"device bytes: with the engine {held}, after releasing it {after}; masters + "
+          f"moments {own}")
+    assert held - after >= own, (held, after, own)

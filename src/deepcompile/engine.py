@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _compat
-from .compiler.backend import Backend
+from .compiler.backend import Backend, WeakBackend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
 from .guard import ModelGuard
@@ -135,7 +135,9 @@ class Engine:
             # running out of memory (compiler/drift.py)
             self._pipeline.on_drift.append(self._replan_offload)
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
-        self._compiled = torch.compile(module, backend=self._backend)
+        # Dynamo keeps its backend for the life of the process: it gets a weak handle ([Note:
+        # what Dynamo holds] in compiler/backend.py), so that a released engine is freed
+        self._compiled = torch.compile(module, backend=WeakBackend(self._backend))
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
         self._guard = ModelGuard(module, self._registry, config.zero_stage)
         self._compiled = self._guard.wrap(self._compiled)

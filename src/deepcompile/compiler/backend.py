@@ -15,6 +15,16 @@ For each Dynamo graph:
      the passes, and finally compiled by Inductor or run as FX code ("fx").
 The returned callable swaps each parameter argument for its shard at run time (ZeRO-1/2:
 appends the shards).
+
+[Note: what Dynamo holds] Dynamo keeps what a backend gives it for the life of the process:
+the backend object itself (`torch._dynamo.eval_frame.cached_backends`, cleared only by
+`torch._dynamo.reset()`) and every compiled callable (in the code object's cache, which the
+garbage collector cannot see into). Held strongly, they would keep a released engine — its flat
+masters, optimizer state, kept parameters, accumulators: on a GPU, its memory — alive until the
+process ends: a notebook that builds a second engine would run out of memory. So what Dynamo
+and AOTAutograd get holds the engine's objects through one weak reference each (`WeakBackend`,
+the argument swap's `_Swap`, `_WeakSlot`), dereferenced once per call; the engine owns them
+(`Backend.keep`, `Pipeline.slots`). A graph of a released engine that runs again says so.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import operator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -53,12 +64,48 @@ class GraphRecord:
     slots: list[str] = dataclasses.field(default_factory=list)
 
 
+class WeakBackend:
+    """What `torch.compile` gets: the engine's backend through a weak reference ([Note: what
+    Dynamo holds])."""
+
+    def __init__(self, backend: "Backend") -> None:
+        self._ref = weakref.ref(backend)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        return _alive(self._ref)(gm, example_inputs)
+
+
+def _alive(ref: weakref.ref):
+    obj = ref()
+    if obj is None:
+        raise RuntimeError("deepcompile: this model's compiled code belongs to an engine that no "
+                           "longer exists (it was released); call deepcompile.initialize again "
+                           "on a freshly built model")
+    return obj
+
+
+class _WeakSlot:
+    """What AOTAutograd gets for a partitioned graph: the pipeline's slot, weakly."""
+
+    _boxed_call = True
+
+    def __init__(self, slot) -> None:
+        self._ref = weakref.ref(slot)
+
+    def __call__(self, args: list[Any]) -> Any:
+        slot = self._ref()
+        if slot is None:
+            _alive(self._ref)
+        return slot(args)
+
+
 class Backend:
     def __init__(self, registry: ParamRegistry, compiler: str, pipeline: Pipeline) -> None:
         self.registry = registry
         self.compiler = compiler
         self.pipeline = pipeline
         self.records: list[GraphRecord] = []
+        self.keep: list = []   # what the compiled callables hold weakly ([Note: what Dynamo holds])
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -92,6 +139,8 @@ class Backend:
             gm, inputs, links = replicated.add_shard_inputs(gm, example_inputs, params, fake_mode)
             partition_fn = functools.partial(_partition, links=links, n_inputs=len(inputs))
 
+        backend = weakref.ref(self)   # AOTAutograd keeps the backward's compiler: held weakly
+
         def make_slot(kind: str):
             def compile_piece(piece: fx.GraphModule, _example_inputs):
                 if kind == "fw":
@@ -101,9 +150,10 @@ class Backend:
                 for node in piece.graph.nodes:
                     node.meta.pop("recompute", None)
                     node.meta.pop("ac_graph_id", None)
-                slot = self.pipeline.add_slot(record.family, kind, piece, record.params)
+                slot = _alive(backend).pipeline.add_slot(record.family, kind, piece,
+                                                          record.params)
                 record.slots.append(slot.key)
-                return slot
+                return _WeakSlot(slot)
             return compile_piece
 
         with _compat.no_autograd_cache():
@@ -114,8 +164,8 @@ class Backend:
         log.info("deepcompile: graph %d: %d parameters %s (%s)", record.index, len(params),
                  "gathered" if self.registry.zero_stage == 3 else "replicated", self.compiler)
         if self.registry.zero_stage == 3:
-            return _swap_params(compiled, params, self.registry)
-        return replicated.append_shards(compiled, links, self.registry, _reused_entry)
+            return _swap_params(compiled, params, self.registry, self.keep)
+        return replicated.append_shards(compiled, links, self.registry, _reused_entry, self.keep)
 
 
 def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
@@ -182,7 +232,7 @@ def _param_name(pid: int) -> str:
 
 
 def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
-                 registry: ParamRegistry) -> Callable:
+                 registry: ParamRegistry, keep: list) -> Callable:
     """At run time each parameter argument is replaced by its shard.
 
     [Note: graph reuse] Dynamo may run one compiled graph with *different* parameters of the
@@ -196,28 +246,46 @@ def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
     that plan by `pid`.
 
     The common case (the parameters seen at compile time) costs a fixed number of Python
-    operations per call, none per parameter: the check and the swap run in C (`map`).
+    operations per call, none per parameter: the check and the swap run in C (`map`). The
+    parameters and shards are held by the engine (`keep`), the returned callable holds them
+    weakly ([Note: what Dynamo holds]).
     """
     if not params:
         return compiled
     positions = [i for i, _ in params]
-    expected = tuple(e.param for _, e in params)
-    shards = tuple(e.shard for _, e in params)
     pick = _picker(positions)
+    sw = _Swap(tuple(e.param for _, e in params), tuple(e.shard for _, e in params),
+               params, registry)
+    keep.append(sw)
+    ref = weakref.ref(sw)
+    del params, registry   # the closure below must not hold them (they hold the shards)
     index: list[int] = []
 
     def run(*args):
+        sw = ref()
+        if sw is None:
+            _alive(ref)
         if not index:   # argument i of the call, or shard k (after the arguments)
             at = {i: len(args) + k for k, i in enumerate(positions)}
             index.extend(at.get(i, i) for i in range(len(args)))
-        if all(map(operator.is_, pick(args), expected)):
-            src = args + shards
+        if all(map(operator.is_, pick(args), sw.expected)):
+            src = args + sw.shards
         else:
-            src = args + tuple(e.shard if arg is e.param else _reused_entry(registry, arg, e).shard
-                               for (_, e), arg in zip(params, pick(args)))
+            src = args + tuple(e.shard if arg is e.param else
+                               _reused_entry(sw.registry, arg, e).shard
+                               for (_, e), arg in zip(sw.params, pick(args)))
         return compiled(*map(src.__getitem__, index))
 
     return run
+
+
+@dataclasses.dataclass(eq=False)
+class _Swap:
+    """What a compiled graph's argument swap needs; owned by the engine's backend."""
+    expected: tuple
+    shards: tuple
+    params: list
+    registry: ParamRegistry
 
 
 def _picker(indices: list[int]) -> Callable[[tuple], tuple]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -111,34 +112,55 @@ def _check(value: Any, shape: tuple, dtype: torch.dtype, entry: ParamEntry, what
 
 
 def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry,
-                  resolve: Callable) -> Callable:
+                  resolve: Callable, keep: list) -> Callable:
     """At run time the shards of the parameters actually passed follow Dynamo's arguments, and
     each replicated parameter is passed as its detached alias (`ParamEntry.replica`): the
     graph routes the gradient to the shard, so autograd needs no edge to the replica (no
     accumulation, no gradient hook run per parameter and micro-step). A fixed number of Python
-    operations per call when the parameters are the compile-time ones."""
+    operations per call when the parameters are the compile-time ones. The tensors are held
+    by the engine (`keep`), the returned callable holds them weakly ([Note: what Dynamo holds]
+    in compiler/backend.py)."""
     if not links:
         return compiled
     positions = [link.param_pos for link in links]
-    expected = tuple(link.entry.param for link in links)
-    fixed = tuple(link.entry.replica for link in links) + tuple(link.entry.shard for link in links)
     pick = operator.itemgetter(*positions) if len(positions) > 1 else \
         operator.itemgetter(slice(positions[0], positions[0] + 1))
+    held = _Appended(tuple(link.entry.param for link in links),
+                     tuple(link.entry.replica for link in links) +
+                     tuple(link.entry.shard for link in links), links, registry)
+    keep.append(held)
+    ref = weakref.ref(held)
+    n_links = len(links)
+    del links   # the closure below must not hold them (they hold the shards)
     index: list[int] = []
 
     def run(*args):
+        h = ref()
+        if h is None:
+            raise RuntimeError("deepcompile: this model's compiled code belongs to an engine "
+                               "that no longer exists (it was released); call "
+                               "deepcompile.initialize again on a freshly built model")
         if not index:   # argument i, its replica's alias, then the shards
             n = len(args)
             at = {i: n + k for k, i in enumerate(positions)}
             index.extend(at.get(i, i) for i in range(n))
-            index.extend(range(n + len(links), n + 2 * len(links)))
+            index.extend(range(n + n_links, n + 2 * n_links))
         got = pick(args)
-        if all(map(operator.is_, got, expected)):
-            src = args + fixed
+        if all(map(operator.is_, got, h.expected)):
+            src = args + h.fixed
         else:
-            entries = [link.entry if arg is link.entry.param else resolve(registry, arg, link.entry)
-                       for link, arg in zip(links, got)]
+            entries = [link.entry if arg is link.entry.param else
+                       resolve(h.registry, arg, link.entry) for link, arg in zip(h.links, got)]
             src = args + tuple(e.replica for e in entries) + tuple(e.shard for e in entries)
         return compiled(*map(src.__getitem__, index))
 
     return run
+
+
+@dataclasses.dataclass(eq=False)
+class _Appended:
+    """What a compiled graph's argument list needs (ZeRO-1/2); owned by the engine's backend."""
+    expected: tuple
+    fixed: tuple
+    links: list
+    registry: ParamRegistry

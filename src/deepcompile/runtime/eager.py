@@ -19,6 +19,8 @@ kept local until the last micro-step, in the same accumulator the compiled graph
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -39,17 +41,24 @@ class EagerFallback:
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
         self._by_ptr: dict[int, ParamEntry] = {}  # data_ptr of materialized storage -> entry
         self._handles = []
+        # the hooks live on the user's module and parameters (the parameters' in C++, where the
+        # garbage collector does not look): they hold this object weakly and name their entries
+        # by index, so that they keep nothing of a released engine alive
+        self._groups: list[list[ParamEntry]] = []
         for mod in module.modules() if gather else ():
             entries = [registry.entry_for(p) for p in mod._parameters.values() if p is not None]
             entries = [e for e in entries if e is not None]
             if not entries:
                 continue
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook(entries)))
-            self._handles.append(mod.register_forward_hook(self._post_hook(entries), always_call=True))
-        for entry in registry:
-            if entry.param.requires_grad:
-                self._handles.append(entry.param.register_post_accumulate_grad_hook(
-                    self._grad_hook(entry)))
+            self._groups.append(entries)
+            k = len(self._groups) - 1
+            self._handles.append(mod.register_forward_pre_hook(_weak_hook(self._pre_hook, k)))
+            self._handles.append(mod.register_forward_hook(_weak_hook(self._post_hook, k),
+                                                           always_call=True))
+        self._grad_entries = [e for e in registry if e.param.requires_grad]
+        for k, entry in enumerate(self._grad_entries):
+            self._handles.append(entry.param.register_post_accumulate_grad_hook(
+                _weak_hook(self._grad_hook, k)))
         self.materializations = 0  # how often eager code needed a gathered parameter
 
     def remove(self) -> None:
@@ -57,37 +66,33 @@ class EagerFallback:
             h.remove()
         self._handles.clear()
 
-    def _pre_hook(self, entries: list[ParamEntry]):
-        def hook(mod, args):
-            if torch.compiler.is_compiling():
-                return
-            for entry in entries:
-                depth = self._depth.get(entry.pid, 0)
-                if depth == 0:
-                    entry.materialize()
-                    self.materializations += 1
-                    self._by_ptr[entry.param.untyped_storage().data_ptr()] = entry
-                self._depth[entry.pid] = depth + 1
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            ctx.__enter__()
-            mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
-        return hook
+    def _pre_hook(self, k: int, mod, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for entry in self._groups[k]:
+            depth = self._depth.get(entry.pid, 0)
+            if depth == 0:
+                entry.materialize()
+                self.materializations += 1
+                self._by_ptr[entry.param.untyped_storage().data_ptr()] = entry
+            self._depth[entry.pid] = depth + 1
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
 
-    def _post_hook(self, entries: list[ParamEntry]):
-        def hook(mod, args, output):
-            if torch.compiler.is_compiling():
-                return
-            stack = getattr(mod, "_deepcompile_saved_hooks", None)
-            if not stack:
-                return
-            stack.pop().__exit__(None, None, None)
-            for entry in entries:
-                depth = self._depth[entry.pid] - 1
-                self._depth[entry.pid] = depth
-                if depth == 0:
-                    self._by_ptr.pop(entry.param.untyped_storage().data_ptr(), None)
-                    entry.release()
-        return hook
+    def _post_hook(self, k: int, mod, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = getattr(mod, "_deepcompile_saved_hooks", None)
+        if not stack:
+            return
+        stack.pop().__exit__(None, None, None)
+        for entry in self._groups[k]:
+            depth = self._depth[entry.pid] - 1
+            self._depth[entry.pid] = depth
+            if depth == 0:
+                self._by_ptr.pop(entry.param.untyped_storage().data_ptr(), None)
+                entry.release()
 
     def _pack(self, t: torch.Tensor):
         if self._by_ptr and isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -103,21 +108,36 @@ class EagerFallback:
             return full.as_strided(packed.size, packed.stride, packed.offset)
         return packed
 
-    def _grad_hook(self, entry: ParamEntry):
-        def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
+    def _grad_hook(self, k: int, param: torch.Tensor) -> None:
+        entry = self._grad_entries[k]
+        grad, param.grad = param.grad, None
+        if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
+            return
+        rt = self._runtime
+        if rt.defers_reduce:
+            rt.accum.enable([entry])
+            if not rt.step.last_micro_step:
+                rt.accum.add(entry, grad)
                 return
-            rt = self._runtime
-            if rt.defers_reduce:
-                rt.accum.enable([entry])
-                if not rt.step.last_micro_step:
-                    rt.accum.add(entry, grad)
-                    return
-                grad = rt.accum.take(entry, grad)
-            shard_grad = entry.reduce_grad(grad)
-            if entry.shard.grad is None:
-                entry.shard.grad = shard_grad
-            else:
-                entry.shard.grad.add_(shard_grad)
-        return hook
+            grad = rt.accum.take(entry, grad)
+        shard_grad = entry.reduce_grad(grad)
+        if entry.shard.grad is None:
+            entry.shard.grad = shard_grad
+        else:
+            entry.shard.grad.add_(shard_grad)
+
+
+def _weak_hook(method, k: int):
+    """A hook calling `method(k, *args)` while its object lives (a released engine's hooks do
+    nothing). Dynamo traces module hooks: while compiling it returns at once (the compiled
+    graphs gather by themselves), before the weak reference, which Dynamo cannot trace."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        if torch.compiler.is_compiling():
+            return None
+        m = ref()
+        if m is not None:
+            return m(k, *args)
+        return None
+    return hook
