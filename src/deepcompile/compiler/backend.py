@@ -45,6 +45,7 @@ from ..runtime.registry import ParamEntry, ParamRegistry, lookup
 from . import graph as G
 from . import replicated
 from .pipeline import Pipeline
+from .slots import alive
 
 log = logging.getLogger("deepcompile")
 
@@ -72,16 +73,7 @@ class WeakBackend:
         self._ref = weakref.ref(backend)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        return _alive(self._ref)(gm, example_inputs)
-
-
-def _alive(ref: weakref.ref):
-    obj = ref()
-    if obj is None:
-        raise RuntimeError("deepcompile: this model's compiled code belongs to an engine that no "
-                           "longer exists (it was released); call deepcompile.initialize again "
-                           "on a freshly built model")
-    return obj
+        return alive(self._ref)(gm, example_inputs)
 
 
 class _WeakSlot:
@@ -95,7 +87,7 @@ class _WeakSlot:
     def __call__(self, args: list[Any]) -> Any:
         slot = self._ref()
         if slot is None:
-            _alive(self._ref)
+            alive(self._ref)
         return slot(args)
 
 
@@ -150,7 +142,7 @@ class Backend:
                 for node in piece.graph.nodes:
                     node.meta.pop("recompute", None)
                     node.meta.pop("ac_graph_id", None)
-                slot = _alive(backend).pipeline.add_slot(record.family, kind, piece,
+                slot = alive(backend).pipeline.add_slot(record.family, kind, piece,
                                                           record.params)
                 record.slots.append(slot.key)
                 return _WeakSlot(slot)
@@ -264,7 +256,7 @@ def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
     def run(*args):
         sw = ref()
         if sw is None:
-            _alive(ref)
+            alive(ref)
         if not index:   # argument i of the call, or shard k (after the arguments)
             at = {i: len(args) + k for k, i in enumerate(positions)}
             index.extend(at.get(i, i) for i in range(len(args)))

@@ -38,6 +38,7 @@ from torch import fx
 from .. import _compat
 from ..runtime import ops
 from ..runtime.registry import ParamEntry, ParamRegistry
+from .slots import alive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +138,7 @@ def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry
     def run(*args):
         h = ref()
         if h is None:
-            raise RuntimeError("deepcompile: this model's compiled code belongs to an engine "
-                               "that no longer exists (it was released); call "
-                               "deepcompile.initialize again on a freshly built model")
+            alive(ref)
         if not index:   # argument i, its replica's alias, then the shards
             n = len(args)
             at = {i: n + k for k, i in enumerate(positions)}

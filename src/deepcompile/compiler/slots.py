@@ -11,6 +11,7 @@ final compiled code.
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import fx
@@ -76,3 +77,14 @@ class GraphSlot:
     def __call__(self, args: list[Any]) -> Any:
         self.calls += 1
         return self.runner(self, args)
+
+
+def alive(ref: weakref.ref):
+    """The object behind `ref`, which compiled code of an engine holds weakly ([Note: what
+    Dynamo holds] in compiler/backend.py); a released engine's code says so."""
+    obj = ref()
+    if obj is None:
+        raise RuntimeError("deepcompile: this model's compiled code belongs to an engine that no "
+                           "longer exists (it was released); call deepcompile.initialize again "
+                           "on a freshly built model")
+    return obj
