@@ -100,6 +100,11 @@ def test_accumulated_gradients_get_buckets_of_their_own():
     plan = B.plan_graph(steps, rs, _cost(1.0, 1e-6), INF)
     assert [(b["members"], b["accumulated"]) for b in plan["buckets"]] == [
         (["r0", "r1"], True), (["r2"], False), (["r3"], True), (["r4"], False)]
+    # the summary says which buckets launch once per optimizer step, not per graph run
+    lines = B.summary({"g0.bw": plan})
+    assert lines[0] == "reduce-scatters per graph run: 5 -> 4"
+    assert lines[1].startswith("of which 2 buckets of 3 accumulated gradients: launched once "
+                               "per optimizer step")
 
 
 def test_a_gradient_is_not_held_back_longer_than_its_collective_takes():

@@ -6,8 +6,8 @@ live on the user's parameters (in C++, where the garbage collector does not look
 fix each of them held the engine: an engine dropped by its user stayed alive with its flat
 masters, optimizer state, kept parameters and accumulators — on a GPU, its memory — and a
 notebook that built a second engine ran out of memory. Here an engine trains (every stage, fx
-and Inductor, with offloading, at world size 1 and 2), is dropped with its model, and must be
-gone after one garbage collection: the engine, its runtime, a flat master chunk, the optimizer
+and Inductor, with offloading, at world size 1 and 2), is dropped while its user keeps the
+model, and must be gone after one garbage collection, its hooks off the model: the engine, its runtime, a flat master chunk, the optimizer
 and the offloader's host buffers; then a second engine trains in the same processes.
 """
 
@@ -60,12 +60,21 @@ def _job(rank, world, names):
                      for k, t in list(s.host.items())[:1]})
         refs = {k: weakref.ref(v) for k, v in refs.items()}
         host_buffers = sum(k.startswith("host buffer") for k in refs)
+        model = engine.module   # the user keeps the model: it must not keep the engine
+
+        def hooks():
+            n = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+            return n + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+                           for p in model.parameters())
+        hooks_before = hooks()
         del engine
         gc.collect()
         alive = sorted(k for k, r in refs.items() if r() is not None)
+        hooks_left = hooks()
+        del model
         # a second engine, on a new model, in the same processes
         second = _train(rank, world, CASES[name], 2)
-        out[name] = {"alive": alive, "host_buffers": host_buffers,
+        out[name] = {"alive": alive, "host_buffers": host_buffers, "hooks": (hooks_before, hooks_left),
                      "second_steps": second._optimizer_steps}
         del second
         gc.collect()
@@ -86,6 +95,8 @@ def test_a_released_engine_is_freed(released, world, name):
     for rank in released[world]:
         r = rank[name]
         assert r["alive"] == [], f"{name}: still alive after the engine was dropped: {r['alive']}"
+        before, left = r["hooks"]
+        assert before > 0 and left == 0   # the engine's hooks left the model with it
         assert r["second_steps"] == 2   # the second engine trained
     if name == "zero3-offload-fx":   # the offloader had host buffers to free
         assert released[world][0][name]["host_buffers"] > 0

@@ -193,7 +193,14 @@ def _fake_in_flight(members: list[fx.Node]):
 
 
 def summary(decisions: dict[str, Any]) -> list[str]:
-    return group_summary(decisions, "buckets", "reduce-scatters")
+    lines = group_summary(decisions, "buckets", "reduce-scatters")
+    acc = [b for d in decisions.values() if isinstance(d, dict) for b in d.get("buckets", [])
+           if b.get("accumulated")]
+    if acc and lines:
+        n = sum(len(b["members"]) for b in acc)
+        lines.insert(1, f"of which {len(acc)} buckets of {n} accumulated gradients: launched "
+                        "once per optimizer step (the window's last micro-step), not per run")
+    return lines
 
 
 register_pass("bucket_reduce", plan, apply, __doc__.splitlines()[0], summary=summary)

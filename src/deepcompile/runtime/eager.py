@@ -60,11 +60,12 @@ class EagerFallback:
             self._handles.append(entry.param.register_post_accumulate_grad_hook(
                 _weak_hook(self._grad_hook, k)))
         self.materializations = 0  # how often eager code needed a gathered parameter
+        # a released engine's hooks leave the module with it (the finalizer holds the handles,
+        # not this object)
+        weakref.finalize(self, _remove_all, self._handles)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _remove_all(self._handles)
 
     def _pre_hook(self, k: int, mod, args) -> None:
         if torch.compiler.is_compiling():
@@ -125,6 +126,12 @@ class EagerFallback:
             entry.shard.grad = shard_grad
         else:
             entry.shard.grad.add_(shard_grad)
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _weak_hook(method, k: int):
