@@ -244,13 +244,15 @@ def _swap_params(compiled: Callable, params: list[tuple[int, ParamEntry]],
     """
     if not params:
         return compiled
-    positions = [i for i, _ in params]
-    pick = _picker(positions)
     sw = _Swap(tuple(e.param for _, e in params), tuple(e.shard for _, e in params),
                params, registry)
     keep.append(sw)
-    ref = weakref.ref(sw)
-    del params, registry   # the closure below must not hold them (they hold the shards)
+    return _swap_runner(compiled, weakref.ref(sw), [i for i, _ in params])
+
+
+def _swap_runner(compiled: Callable, ref: weakref.ref, positions: list[int]) -> Callable:
+    """`_swap_params`' run-time callable; it holds the `_Swap` only through `ref`."""
+    pick = _picker(positions)
     index: list[int] = []
 
     def run(*args):

@@ -123,16 +123,18 @@ def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry
     in compiler/backend.py)."""
     if not links:
         return compiled
-    positions = [link.param_pos for link in links]
-    pick = operator.itemgetter(*positions) if len(positions) > 1 else \
-        operator.itemgetter(slice(positions[0], positions[0] + 1))
     held = _Appended(tuple(link.entry.param for link in links),
                      tuple(link.entry.replica for link in links) +
-                     tuple(link.entry.shard for link in links), links, registry)
+                     tuple(link.entry.shard for link in links), links, registry, resolve)
     keep.append(held)
-    ref = weakref.ref(held)
-    n_links = len(links)
-    del links   # the closure below must not hold them (they hold the shards)
+    return _append_runner(compiled, weakref.ref(held), [link.param_pos for link in links])
+
+
+def _append_runner(compiled: Callable, ref: weakref.ref, positions: list[int]) -> Callable:
+    """`append_shards`' run-time callable; it holds the `_Appended` only through `ref`."""
+    pick = operator.itemgetter(*positions) if len(positions) > 1 else \
+        operator.itemgetter(slice(positions[0], positions[0] + 1))
+    n_links = len(positions)
     index: list[int] = []
 
     def run(*args):
@@ -149,7 +151,7 @@ def append_shards(compiled: Callable, links: list[Link], registry: ParamRegistry
             src = args + h.fixed
         else:
             entries = [link.entry if arg is link.entry.param else
-                       resolve(h.registry, arg, link.entry) for link, arg in zip(h.links, got)]
+                       h.resolve(h.registry, arg, link.entry) for link, arg in zip(h.links, got)]
             src = args + tuple(e.replica for e in entries) + tuple(e.shard for e in entries)
         return compiled(*map(src.__getitem__, index))
 
@@ -163,3 +165,4 @@ class _Appended:
     fixed: tuple
     links: list
     registry: ParamRegistry
+    resolve: Callable

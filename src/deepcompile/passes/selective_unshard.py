@@ -391,8 +391,7 @@ def _accumulated_bucket(graph: fx.Graph, start: fx.Node, wait: fx.Node,
     with graph.inserting_before(start):
         new_start = graph.call_function(ops.ACCUMULATE_START,
                                         ([start.args[0][i] for i in idx], list(together)))
-    new_start.meta["val"] = start.meta.get("val")      # its device and dtype, for:
-    new_start.meta["val"] = _in_flight(new_start, list(together))
+    new_start.meta["val"] = _in_flight(start, list(together))
     with graph.inserting_before(wait):
         new_wait = graph.call_function(ops.REDUCE_WAIT, (new_start, list(together)))
     vals = wait.meta.get("val") or [None] * len(pids)

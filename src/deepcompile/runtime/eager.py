@@ -64,12 +64,7 @@ class EagerFallback:
         # not this object)
         weakref.finalize(self, _remove_all, self._handles)
 
-    def remove(self) -> None:
-        _remove_all(self._handles)
-
     def _pre_hook(self, k: int, mod, args) -> None:
-        if torch.compiler.is_compiling():
-            return
         for entry in self._groups[k]:
             depth = self._depth.get(entry.pid, 0)
             if depth == 0:
@@ -82,8 +77,6 @@ class EagerFallback:
         mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
 
     def _post_hook(self, k: int, mod, args, output) -> None:
-        if torch.compiler.is_compiling():
-            return
         stack = getattr(mod, "_deepcompile_saved_hooks", None)
         if not stack:
             return
