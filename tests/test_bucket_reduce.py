@@ -122,13 +122,13 @@ def test_budget_below_the_insertion_peak_is_unattainable():
     assert plan["insertion_peak_bytes"] == 300 and plan["budget_bytes"] == 200
 
 
-def test_apply_rewrites_a_backward_graph(monkeypatch):
+def _backward_graph(monkeypatch, use_ra=False):
     from deepcompile.runtime import ops
 
     class Entry:
         def __init__(self, pid):
             self.pid, self.padded_numel, self.reduce_dtype = pid, 16, torch.float32
-            self.shard = torch.empty(8)
+            self.shard, self.name = torch.empty(8), f"p{pid}"
 
     monkeypatch.setattr(B, "lookup", Entry)
     g = fx.Graph()
@@ -138,6 +138,8 @@ def test_apply_rewrites_a_backward_graph(monkeypatch):
     b = g.call_function(torch.ops.aten.sin.default, (x,), name="gb")
     rb = g.call_function(ops.REDUCE_GRAD, (b, 2, 8, torch.float32), name="rb")
     c = g.call_function(torch.ops.aten.cos.default, (x,), name="c")
+    if use_ra:   # a use of the reduction in the graph, before its planned wait
+        c = g.call_function(torch.ops.aten.add.Tensor, (c, ra), name="c")
     g.output((ra, rb, c))
     for n in (a, b, c):
         n.meta["val"] = torch.empty(4, 4)
@@ -154,6 +156,13 @@ def test_apply_rewrites_a_backward_graph(monkeypatch):
     decisions = {"g0.bw": {"buckets": [
         {"members": ["ra", "rb"], "pids": [1, 2], "start_after": "rb", "wait_before": None,
          "bytes": 128}]}}
+    return gm, ctx, decisions, (a, b)
+
+
+def test_apply_rewrites_a_backward_graph(monkeypatch):
+    from deepcompile.runtime import ops
+
+    gm, ctx, decisions, (a, b) = _backward_graph(monkeypatch)
     assert B.apply(ctx, decisions) == ["g0.bw"]
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     targets = [n.target for n in calls]
@@ -165,3 +174,31 @@ def test_apply_rewrites_a_backward_graph(monkeypatch):
     assert [o.target for o in out[:2]] == [operator.getitem, operator.getitem]
     assert [o.args for o in out[:2]] == [(calls[wait], 0), (calls[wait], 1)]
     assert calls[start].args[0] == [a, b]
+
+
+def test_apply_refuses_a_bucket_whose_value_the_graph_uses_before_the_wait(monkeypatch):
+    gm, ctx, decisions, _ = _backward_graph(monkeypatch, use_ra=True)
+    with pytest.raises(RuntimeError, match=r"bucket_reduce: g0.bw: the plan buckets \['ra'\]"):
+        B.apply(ctx, decisions)
+
+
+@pytest.mark.parametrize("use_ra", [False, True])
+def test_a_reduction_the_graph_uses_is_left_out_of_the_buckets(monkeypatch, use_ra):
+    from deepcompile.runtime import ops
+
+    gm, ctx, _, _ = _backward_graph(monkeypatch, use_ra=use_ra)
+    node = type("ProfiledNode", (), {})
+    nodes = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            p = node()
+            p.name, p.time_s, p.live_bytes = n.name, 1.0, 100
+            p.kind = "reduce_scatter" if n.target is ops.REDUCE_GRAD else "compute"
+            nodes.append(p)
+    ctx.profiles = {"g0.bw": type("Profile", (), {"nodes": nodes})()}
+    ctx.world_size, ctx.memory_budget, ctx.fusion = 2, INF, "overlap"
+    ctx.cost = _cost(1.0, 0.0)   # latency only: fusing the two always pays
+    (bucket,) = B.plan(ctx)["g0.bw"]["buckets"]
+    assert bucket["members"] == (["rb"] if use_ra else ["ra", "rb"])
+    B.apply(ctx, B.plan(ctx))
+    gm.graph.lint()

@@ -194,6 +194,24 @@ def test_config_needs_a_warmup_step_for_the_state_to_exist():
     assert "offload_optimizer" in known_passes()
 
 
+def test_a_reload_is_never_ordered_after_a_reduction_a_later_pass_moves():
+    # bucket_reduce (after this pass) replaces a reduction by a part of a bucket waited further
+    # down: a reload ordered after the reduction would use a value defined after it
+    from torch import fx
+
+    from deepcompile.runtime import ops
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    r = g.call_function(ops.REDUCE_GRAD, (a, 1, 8, torch.float32))
+    g.output((r,))
+    for n in (x, a, r):
+        n.meta["val"] = torch.empty(4)
+    assert O._order_input(g, a) is a
+    assert O._order_input(g, r) is x
+
+
 # --------------------------------------------- the planner fed what a GPU reports (issue 16)
 class SimCudaAllocator:
     """What `torch.cuda.memory_allocated()` reports: every live block of the process (any

@@ -204,6 +204,46 @@ def test_rewrite_of_a_synthetic_graph():
     assert names[2] is ops.ALLGATHER_WAIT and ops.ALLGATHER not in names
 
 
+def test_a_cross_graph_start_is_ordered_after_compute_not_after_a_collective(monkeypatch):
+    # CI (stop 22): the start for the next graph was ordered after the reduce-scatter right
+    # before its place; bucket_reduce then moved that reduction into a bucket waited at the end
+    # of the graph, and the start used a value defined after it (fx lint: "used before it has
+    # been defined"). It depended on the profile (where the start landed), so it was flaky.
+    from deepcompile.passes import bucket_reduce as B
+
+    class Entry:
+        def __init__(self, pid):
+            self.pid, self.padded_numel, self.reduce_dtype = pid, 16, torch.float32
+            self.compute_dtype, self.shard = torch.float32, torch.empty(8)
+
+    monkeypatch.setattr(P, "lookup", Entry)
+    monkeypatch.setattr(B, "lookup", Entry)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,), name="ga")
+    ra = g.call_function(ops.REDUCE_GRAD, (a, 1, 8, torch.float32), name="ra")
+    b = g.call_function(torch.ops.aten.sin.default, (x,), name="gb")
+    rb = g.call_function(ops.REDUCE_GRAD, (b, 2, 8, torch.float32), name="rb")
+    g.output((ra, rb))
+    for n in (x, a, b):
+        n.meta["val"] = torch.empty(4, 4)
+    for n in (ra, rb):
+        n.meta["val"] = torch.empty(8)
+    gm = fx.GraphModule(nn.Module(), g)
+    slot = type("Slot", (), {"gm": gm})()
+    registry = type("Registry", (), {"pid_by_name": staticmethod(lambda: {"w": 7})})()
+    ctx = type("Ctx", (), {"slots": {"g1.bw": slot}, "registry": registry})()
+    P.apply(ctx, {"g1.bw": {"groups": [], "for_next": [
+        {"for": "g0.bw", "pids": [7], "params": ["w"], "bytes": 64, "start_before": "gb"}]}})
+    (start,) = [n for n in gm.graph.nodes if n.target is ops.ALLGATHER_FOR_NEXT]
+    assert start.args[0] is a          # the gradient computed before it, not its reduction
+    B.apply(ctx, {"g1.bw": {"buckets": [
+        {"members": ["ra", "rb"], "pids": [1, 2], "start_after": "rb", "wait_before": None,
+         "bytes": 128}]}})
+    gm.graph.lint()
+    assert start.args[0] is a
+
+
 # ------------------------------------------------------------------------- multi-rank
 _PREFETCH = {"passes": ("prefetch",), "warmup_steps": 1}
 _BOTH = {"passes": ("prefetch", "bucket_reduce"), "warmup_steps": 1}

@@ -124,6 +124,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     for key, steps, calls in profiled_graphs(ctx, (ops.REDUCE_GRAD, ops.ACCUMULATE_GRAD)):
         reduces = []
         for i, node in calls:
+            if _used_in_graph(node):   # its value is needed before any later wait: stays
+                continue
             entry = lookup(int(node.args[1]))
             size = entry.reduce_dtype.itemsize
             reduces.append(Reduce(node.name, i, entry.padded_numel * size, entry.pid,
@@ -156,6 +158,11 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
                    for b in buckets]
         for b, anchor in zip(buckets, anchors):
             members = [nx.by_name[name] for name in b["members"]]
+            used = [m.name for m in members if _used_in_graph(m)]
+            if used:
+                raise RuntimeError(f"deepcompile bucket_reduce: {key}: the plan buckets "
+                                   f"{used}, whose values the graph uses before the end; the "
+                                   "plan was made for another graph")
             # pids from the graph's own nodes (a cached plan's may be another process's)
             pids = [int(m.args[1]) for m in members]
             args = ([m.args[0] for m in members], pids)
@@ -179,6 +186,11 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         graph.lint()
         changed.append(key)
     return changed
+
+
+def _used_in_graph(node: fx.Node) -> bool:
+    """A node other than the output uses the reduction's value: the wait could not move past it."""
+    return any(u.op != "output" for u in node.users)
 
 
 def _fake_in_flight(members: list[fx.Node]):

@@ -306,9 +306,12 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
 
 
 def _order_input(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    """The op's first input: `node` itself when it is a tensor (the op runs after it), else a
-    graph input (alive to the end anyway: using it changes no value's lifetime)."""
-    if isinstance(node.meta.get("val"), torch.Tensor) and node.target not in ops.MARKERS:
+    """The op's first input: `node` itself when it is a tensor computed here (the op runs after
+    it), else a graph input (alive to the end anyway: using it changes no value's lifetime).
+    Never a communication node: a later pass may replace it by one further down (bucket_reduce
+    waits a reduction at the end of the graph), and the op would use a value defined after it."""
+    if (isinstance(node.meta.get("val"), torch.Tensor) and node.target not in ops.MARKERS
+            and not ops.communicates(node)):
         return node
     return next(n for n in graph.nodes if n.op == "placeholder"
                 and isinstance(n.meta.get("val"), torch.Tensor))

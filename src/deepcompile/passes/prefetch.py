@@ -261,10 +261,13 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
 
 
 def _tensor_before(graph: fx.Graph, anchor: fx.Node) -> fx.Node:
-    """The last tensor-valued node before `anchor`: the input that orders a start there."""
+    """The last tensor-valued node before `anchor` that is not communication: the input that
+    orders a start there. Never a collective or a part of one: a later pass may replace it by a
+    node further down (bucket_reduce waits a reduction at the end of the graph), and the start
+    would use a value defined after it."""
     node = anchor.prev
     while node.op != "root":
-        if isinstance(node.meta.get("val"), torch.Tensor):
+        if isinstance(node.meta.get("val"), torch.Tensor) and not ops.communicates(node):
             return node
         node = node.prev
     raise RuntimeError("deepcompile prefetch: no tensor value to order a cross-graph start after")

@@ -25,6 +25,7 @@ micro-steps). Every marker's second argument is its parameter id or the list of 
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -145,6 +146,15 @@ def register_comm_op(op, kind: str, *, launches: str | None = None, blocking: bo
         LAUNCHES[kind] = launches
     if blocking:
         BLOCKING.add(kind)
+
+
+def communicates(node) -> bool:
+    """`node` is a communication op, or a part (`getitem`) of one."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return getattr(node, "target", None) in COMM_KINDS
 
 
 register_comm_op(ALLGATHER, "all_gather", launches="all_gather", blocking=True)
