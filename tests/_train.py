@@ -8,10 +8,12 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "optim": ("sgd", {"lr": 0.1}),         # optimizer class name and kwargs
      "config": {"compiler": "fx", "gradient_accumulation_steps": 4, "max_grad_norm": 0.1},
      "steps": 8,                            # optimizer steps
-     "record": ("comm", "memory")}          # optional extra measurements: "comm",
+     "record": ("comm", "memory"),          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
                                             # "replicas", "unshard"
+     "profile_seed": 3}                     # optional: profiled times randomized
+                                            # (`random_times`)
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -47,7 +49,8 @@ LEGACY_PASSES = {1: ("bucket_reduce",), 2: ("bucket_reduce",), 3: ()}
 # ------------------------------------------------------------------------------- scenarios
 def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
              clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
-             record: tuple[str, ...] = (), chunk_bytes: int | None = None, **config) -> dict:
+             record: tuple[str, ...] = (), chunk_bytes: int | None = None,
+             profile_seed: int | None = None, **config) -> dict:
     """Build a scenario dict (see module docstring). `chunk_bytes`: the flat layout's chunk
     size (runtime/flat.py; tiny models fit one chunk of the default size, and offloading
     moves whole chunks)."""
@@ -60,6 +63,8 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
            "steps": steps, "record": tuple(record)}
     if chunk_bytes is not None:
         out["chunk_bytes"] = chunk_bytes
+    if profile_seed is not None:
+        out["profile_seed"] = profile_seed
     return out
 
 
@@ -77,13 +82,26 @@ def chunk_bytes(n: int | None):
         flat.CHUNK_BYTES = old
 
 
+def random_times(seed: int, prof) -> None:
+    """A profile hook (`Pipeline.perturb`): every node's measured time scaled by a factor in
+    [1/30, 30], drawn from (seed, graph, node), the same on every rank. Where the passes place
+    their ops depends on the times; a CPU's are one draw of many (a GPU's, a loaded machine's
+    are others): seeds make the placements a suite does not meet by chance."""
+    import random
+
+    for n in prof.nodes:
+        n.time_s *= 30.0 ** random.Random(f"{seed}/{prof.slot}/{n.name}").uniform(-1.0, 1.0)
+
+
 def make_optimizer(spec):
     name, kwargs = spec
     return functools.partial(OPTIMIZERS[name], **kwargs)
 
 
 def scenario_key(sc: dict) -> str:
-    return json.dumps({k: v for k, v in sc.items() if k != "record"}, sort_keys=True, default=str)
+    """What the reference training depends on."""
+    return json.dumps({k: v for k, v in sc.items() if k not in ("record", "profile_seed")},
+                      sort_keys=True, default=str)
 
 
 def gas_of(sc: dict) -> int:
@@ -217,6 +235,8 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
     with chunk_bytes(sc.get("chunk_bytes")):
         engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
                                         config=deepcompile.Config(**cfg))
+    if sc.get("profile_seed") is not None:
+        engine._pipeline.perturb = functools.partial(random_times, sc["profile_seed"])
     res: dict = {"id": sc["id"], "rank": rank, "world": world, "losses": [],
                  "model_shapes": model_shapes}
     if "memory" in record:

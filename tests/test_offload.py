@@ -473,6 +473,15 @@ def _parity_job(rank, world):
                       warmup_steps=1, passes=passes, memory_budget=budget, record=("report",),
                       chunk_bytes=CHUNK, measure_steps=0)   # plans, not timed verdicts
         out[passes] = (sc, _one_scenario(rank, world, sc))
+    # every pass under that budget, with seeded random profiled times: the places of the
+    # reloads and of the other passes' ops are others than this machine's times give
+    for seed in range(3):
+        sc = scenario(f"llama-adamw-all-times{seed}", "llama", "adamw", 1e-2, steps=4,
+                      warmup_steps=1, passes=("offload_optimizer", "selective_unshard",
+                                              "prefetch", "bucket_reduce"),
+                      memory_budget=budget, chunk_bytes=CHUNK, measure_steps=0,
+                      profile_seed=seed)
+        out[("times", seed)] = (sc, _one_scenario(rank, world, sc))
     return out
 
 
@@ -543,6 +552,12 @@ def test_half_budget_offloads_about_half_within_budget(parity, gas):
     bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
     nodes = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "state_reload"]
     assert len(nodes) == len(d["reloads"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_pass_under_the_budget_with_random_profiled_times(parity, seed):
+    sc, res = _runs(parity, ("times", seed))
+    compare_to_reference(sc, res, kind="llama/fx+every pass, random times")
 
 
 @pytest.mark.parametrize("order", [("offload_optimizer", "prefetch"),
