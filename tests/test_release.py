@@ -7,15 +7,20 @@ fix each of them held the engine: an engine dropped by its user stayed alive wit
 masters, optimizer state, kept parameters and accumulators — on a GPU, its memory — and a
 notebook that built a second engine ran out of memory. Here an engine trains (every stage, fx
 and Inductor, with offloading, at world size 1 and 2), is dropped while its user keeps the
-model, and must be gone after one garbage collection, its hooks off the model: the engine, its runtime, a flat master chunk, the optimizer
-and the offloader's host buffers; then a second engine trains in the same processes.
+model, and must be gone after one garbage collection, its hooks off the model: the engine, its
+runtime, a flat master chunk, the optimizer and the offloader's host buffers; then a second
+engine trains in the same processes. A sweep of more engines than Dynamo's recompile limit
+stays compiled, and a model that compiles no graph is told.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
+import torch
+from torch import nn
 
 from _dist import run_distributed
 
@@ -128,3 +133,63 @@ def test_code_of_a_released_engine_says_so():
     del backend
     with pytest.raises(RuntimeError, match="engine that no longer exists"):
         handle(None, [])
+
+
+# ------------------------------------------------------ many engines in one process (a sweep)
+SWEEP = 10   # > Dynamo's recompile_limit (8)
+
+
+class _Uncompiled(nn.Module):
+    """Its forward is never compiled: the engine runs it through its eager fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.fc(x).square().mean()
+
+
+def _sweep_job(rank, world):
+    import gc
+    import logging
+
+    import _models
+    import deepcompile
+
+    compiled = []
+    for _ in range(SWEEP):   # one model class, each engine released before the next is built
+        model = _models.build_model("mlp")
+        engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                        config={"warmup_steps": 1, "compiler": "fx"})
+        for i in range(2):
+            engine.backward(engine(**_models.local_batch("mlp", i, rank, world)))
+            engine.step()
+        compiled.append(len(engine._backend.records))
+        del engine, model
+        gc.collect()
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("deepcompile").addHandler(handler)
+    try:
+        engine = deepcompile.initialize(_Uncompiled(), optimizer=functools.partial(
+            torch.optim.SGD, lr=0.1), config={"warmup_steps": 1, "compiler": "fx"})
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 4)))
+            engine.step()
+    finally:
+        logging.getLogger("deepcompile").removeHandler(handler)
+    return {"compiled": compiled,
+            "warnings": [r.getMessage() for r in records if "compiled no graph" in r.getMessage()]}
+
+
+def test_a_sweep_of_engines_in_one_process_stays_compiled_and_an_uncompiled_model_is_told():
+    # Dynamo keeps a released engine's cache entries on the model class's code and counted them
+    # against recompile_limit (8): the ninth engine of a sweep ran uncompiled, said nothing
+    (r,) = run_distributed(_sweep_job, 1, timeout=600)
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:   # torch >= 2.13
+        assert all(n > 0 for n in r["compiled"]), r["compiled"]
+    assert len(r["warnings"]) == 1, r["warnings"]   # once per engine, not per forward

@@ -115,6 +115,18 @@ def set_pg_timeout(group, seconds: float) -> None:
 
 # --- Dynamo / AOTAutograd / Inductor -----------------------------------------------------------
 
+def compile_module(module, backend):
+    """`torch.compile(module, backend=backend)`, its recompilations counted apart from any
+    other `torch.compile` call's (`isolate_recompiles`, where torch has it): Dynamo keeps the
+    cache entries of a released engine on the model class's code, and by default counts them
+    against `recompile_limit` (8): the ninth engine of a sweep in one process ran uncompiled."""
+    import inspect
+
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(module, backend=backend, isolate_recompiles=True)
+    return torch.compile(module, backend=backend)
+
+
 def detect_fake_mode(example_inputs: Sequence[Any]):
     """The fake mode Dynamo traced with (from the tracing context or the inputs)."""
     from torch._guards import detect_fake_mode as _detect

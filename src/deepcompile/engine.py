@@ -137,7 +137,8 @@ class Engine:
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         # Dynamo keeps its backend for the life of the process: it gets a weak handle ([Note:
         # what Dynamo holds] in compiler/backend.py), so that a released engine is freed
-        self._compiled = torch.compile(module, backend=WeakBackend(self._backend))
+        self._compiled = _compat.compile_module(module, WeakBackend(self._backend))
+        self._warned_uncompiled = False
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
         self._guard = ModelGuard(module, self._registry, config.zero_stage)
         self._compiled = self._guard.wrap(self._compiled)
@@ -179,9 +180,18 @@ class Engine:
         if torch.is_grad_enabled():
             self._metrics.count_tokens(args, kwargs)
         try:
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         except BaseException as e:
             raise self._rails.on_exception(e, "forward", self._optimizer_steps, self._micro_steps)
+        if not self._backend.records and not self._warned_uncompiled and torch.is_grad_enabled():
+            self._warned_uncompiled = True
+            log.warning(
+                "deepcompile: the training forward compiled no graph: the model runs uncompiled "
+                "(the eager fallback: correct, slow). Dynamo's warnings say why (or "
+                "TORCH_LOGS=recompiles); with torch < 2.13 the cache entries of engines released "
+                "earlier in this process count against torch._dynamo.config.recompile_limit: "
+                "call torch._dynamo.reset() between engines")
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         if self._rails.stopped is not None:
