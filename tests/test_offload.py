@@ -480,7 +480,7 @@ def _parity_job(rank, world):
                       warmup_steps=1, passes=("offload_optimizer", "selective_unshard",
                                               "prefetch", "bucket_reduce"),
                       memory_budget=budget, chunk_bytes=CHUNK, measure_steps=0,
-                      profile_seed=seed)
+                      profile_seed=seed, record=("report",))
         out[("times", seed)] = (sc, _one_scenario(rank, world, sc))
     return out
 
@@ -558,6 +558,15 @@ def test_half_budget_offloads_about_half_within_budget(parity, gas):
 def test_every_pass_under_the_budget_with_random_profiled_times(parity, seed):
     sc, res = _runs(parity, ("times", seed))
     compare_to_reference(sc, res, kind="llama/fx+every pass, random times")
+    budget = sc["config"]["memory_budget"]
+    rep = res[0]["report"]
+    assert _offload_report(res[0])["decisions"]["chunks"]   # the budget needs offloading
+    for g in rep["graphs"]:   # measured after the last pass, with the state it offloaded
+        for s in g["slots"]:
+            last = s["profiles"][-1]
+            # prefetch's 1-byte start tokens: see test_composes_with_prefetch_under_one_budget
+            tokens = sum(n["kind"] == "all_gather_start" for n in last["nodes"])
+            assert last["peak_bytes"] <= budget + tokens, (seed, s["slot"], last["peak_bytes"])
 
 
 @pytest.mark.parametrize("order", [("offload_optimizer", "prefetch"),
