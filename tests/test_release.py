@@ -182,7 +182,7 @@ def _sweep_job(rank, world):
             engine.step()
     finally:
         logging.getLogger("deepcompile").removeHandler(handler)
-    return {"compiled": compiled,
+    return {"compiled": compiled, "report": str(engine.report()),
             "warnings": [r.getMessage() for r in records if "compiled no graph" in r.getMessage()]}
 
 
@@ -193,3 +193,4 @@ def test_a_sweep_of_engines_in_one_process_stays_compiled_and_an_uncompiled_mode
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:   # torch >= 2.13
         assert all(n > 0 for n in r["compiled"]), r["compiled"]
     assert len(r["warnings"]) == 1, r["warnings"]   # once per engine, not per forward
+    assert "graphs: none compiled: the model ran uncompiled" in r["report"]

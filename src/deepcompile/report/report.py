@@ -251,6 +251,11 @@ class Report:
         return out
 
     def _graph_lines(self) -> list[str]:
+        if not self.graphs:
+            if not self.step_log:
+                return ["graphs: none yet (no optimizer step)"]
+            return ["graphs: none compiled: the model ran uncompiled, through the eager fallback "
+                    "(correct, slow; the engine's warning says why)"]
         rows = []
         for g in self.graphs:
             for s in g["slots"]:
