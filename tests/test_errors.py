@@ -167,3 +167,35 @@ def test_config_dict_and_dataclass_equivalent():
     assert Config.from_dict(cfg.to_dict()) == cfg
     assert Config() == Config.from_dict({}) == Config.from_dict({"passes": "auto"})
     assert Config.from_dict(Config().to_dict()) == Config()
+
+
+# --------------------------------------------------------------------------- eager modules
+@pytest.mark.parametrize("names, match", [
+    (("Conv2d",), r"no submodule of class 'Conv2d' in the model; its classes: Linear, ReLU, "
+                  r"Sequential"),
+    (("Sequential",), r"'Sequential' is the model itself"),
+])
+def test_eager_modules_must_name_submodules_of_the_model(group, names, match):
+    with pytest.raises(ValueError, match=match):
+        deepcompile.initialize(_model(), optimizer=SGD,
+                               config={"compiler": "fx", "eager_modules": names})
+
+
+@pytest.mark.parametrize("bad", ["ReLU", ("",), (nn.ReLU,), 3])
+def test_eager_modules_is_a_tuple_of_class_names(bad):
+    with pytest.raises(ValueError, match=r"Config.eager_modules: .* allowed: a tuple of class"):
+        Config(eager_modules=bad)
+
+
+def test_an_eager_module_keeps_its_class_name_and_runs_its_hooks_eagerly(group):
+    model = _model()
+    engine = deepcompile.initialize(model, optimizer=SGD,
+                                    config={"compiler": "fx", "eager_modules": ("ReLU",)})
+    relu = model[1]
+    assert type(relu).__name__ == "ReLU" and isinstance(relu, nn.ReLU)
+    seen = []
+    relu.register_forward_pre_hook(lambda m, a: seen.append(torch.compiler.is_compiling()))
+    loss = engine(torch.ones(4, 5)).sum()
+    engine.backward(loss)
+    engine.step()
+    assert seen == [False]   # run eagerly, not traced into the compiled graphs

@@ -10,8 +10,8 @@ so not in the default run:
     DEEPCOMPILE_FUZZ=1 OMP_NUM_THREADS=1 python -m pytest tests/test_fuzz_schedules.py -q
 
 `DEEPCOMPILE_FUZZ=N` runs N seeds per case (1 counts as 3). The models whose eager code reads a
-parameter inside an inlined module's forward (nested_break, mixtral_eager) are a known limit
-(tests/test_models.py) and are left out.
+parameter inside an inlined module's forward (nested_break, mixtral_eager) need
+`Config.eager_modules` (tests/test_models.py) and are left out.
 """
 
 from __future__ import annotations

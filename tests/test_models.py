@@ -33,14 +33,21 @@ _SCENARIOS = [
     scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1),
     scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1),
+    # the same two with the module that reads its parameters eagerly named in
+    # Config.eager_modules ([Note: eager modules] in guard.py)
+    scenario("nested_break-sgd-gas2-clip-eager_modules", "nested_break", "sgd", 0.1, gas=2,
+             clip=0.1, record=("memory",), eager_modules=("_NestedBreakInner",)),
+    scenario("mixtral_eager-adamw-gas2-clip-eager_modules", "mixtral_eager", "adamw", 1e-2,
+             gas=2, clip=0.1, record=("memory",), eager_modules=("MixtralExperts",)),
 ]
 JOBS = Jobs({"fx2": (2, _SCENARIOS)})
 _BY_ID = {sc["id"]: sc for sc in _SCENARIOS}
 
-# Known limit (README): Dynamo inlines the submodule call (tracing its hooks, so the eager
-# fallback's module hooks do nothing at run time), graph-breaks inside its forward and runs the
-# rest eagerly, where the module's own parameter is read directly from freed storage. Strict:
-# these start failing the suite the day they pass, so the mark goes with the fix.
+# Without Config.eager_modules (README): Dynamo inlines the submodule call (tracing its hooks, so
+# the eager fallback's module hooks do nothing at run time), graph-breaks inside its forward and
+# runs the rest eagerly, where the module's own parameter is read directly from freed storage;
+# the error names Config.eager_modules, with which the same models pass (the -eager_modules
+# scenarios). Strict: these start failing the suite the day they pass unaided.
 _EAGER_INSIDE_FORWARD = pytest.mark.xfail(
     strict=True, raises=Exception,
     reason="eager code inside an inlined module's forward reads its parameters directly")
@@ -48,7 +55,7 @@ _EAGER_INSIDE_FORWARD = pytest.mark.xfail(
 
 def _limited(sid):
     return pytest.param(sid, marks=_EAGER_INSIDE_FORWARD) if sid.startswith(
-        ("nested_break", "mixtral_eager")) else sid
+        ("nested_break", "mixtral_eager")) and not sid.endswith("eager_modules") else sid
 
 
 def _results(sid):
@@ -79,10 +86,20 @@ def test_graph_break_model_compiles_two_graphs(sid):
 
 
 @pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "disabled-sgd-gas2", "loop_break-sgd-gas1",
-                                 _limited("nested_break-sgd-gas2-clip")])
+                                 _limited("nested_break-sgd-gas2-clip"),
+                                 "nested_break-sgd-gas2-clip-eager_modules",
+                                 "mixtral_eager-adamw-gas2-clip-eager_modules"])
 def test_parameters_freed_after_eager_use(sid):
     """Eagerly run submodules gather their parameters and free them again."""
     for r in _results(sid):
         for snap in [r["memory_init"]] + r["memory_micro"] + r["memory_step"]:
             assert all(n == 0 for n in snap["module_storage_nbytes"]), snap["module_storage_nbytes"]
             assert all(g is None for g in snap["module_grads"]), snap["module_grads"]
+
+
+@pytest.mark.parametrize("sid", ["nested_break-sgd-gas2-clip", "mixtral_eager-adamw-gas2-clip"])
+def test_a_parameter_read_eagerly_names_the_setting_that_fixes_it(sid):
+    from _dist import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=r"Config\.eager_modules"):
+        _results(sid)

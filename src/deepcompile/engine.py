@@ -15,7 +15,7 @@ from . import _compat
 from .compiler.backend import Backend, WeakBackend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
-from .guard import ModelGuard
+from .guard import ModelGuard, run_eagerly
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
@@ -28,6 +28,16 @@ from .runtime.runtime import EngineRuntime
 from .runtime.state import StepState
 
 log = logging.getLogger("deepcompile")
+
+# what torch says when eager code reads a parameter whose storage is freed (an op on it; a
+# view of it, such as indexing a 3-D expert weight)
+_FREED_STORAGE = ("data is not allocated yet", "out of bounds for storage of size 0")
+_EAGER_PARAMETER_READ = (
+    "deepcompile: code that ran eagerly inside the compiled model read a sharded parameter "
+    "directly (a module whose forward graph-breaks into code Dynamo cannot compile, e.g. a "
+    "loop with a graph break in it: Hugging Face Mixtral's experts_implementation=\"eager\"). "
+    "Name that module's class in Config.eager_modules (e.g. eager_modules=(\"MixtralExperts\",)): "
+    "it then runs eagerly with its parameters gathered ([Note: eager modules] in guard.py)")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -85,6 +95,7 @@ class Engine:
                  group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.module = module
+        run_eagerly(module, config.eager_modules)   # before anything is built ([Note: eager modules])
         self.device = _model_device(module)
         _check_backend(self.device, dist.get_backend(group))
         self._comm = Comm(group)
@@ -182,6 +193,8 @@ class Engine:
         try:
             out = self._compiled(*args, **kwargs)
         except BaseException as e:
+            if isinstance(e, RuntimeError) and any(m in str(e) for m in _FREED_STORAGE):
+                e.add_note(_EAGER_PARAMETER_READ)
             raise self._rails.on_exception(e, "forward", self._optimizer_steps, self._micro_steps)
         if not self._backend.records and not self._warned_uncompiled and torch.is_grad_enabled():
             self._warned_uncompiled = True
