@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -103,3 +105,50 @@ def test_a_parameter_read_eagerly_names_the_setting_that_fixes_it(sid):
 
     with pytest.raises(DistributedTestError, match=r"Config\.eager_modules"):
         _results(sid)
+
+
+# ------------------------------------------- saved views of a parameter, a different number per rank
+class _RankLoop(torch.nn.Module):
+    """Runs eagerly (`eager_modules`) and uses its weight once more on each higher rank: the
+    backward unpacks a different number of saved views of it on each rank (an experts loop's
+    data-dependent hits)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(6, 6) / 6 ** 0.5)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        for _ in range(1 + dist.get_rank()):
+            x = x @ self.w
+        return x
+
+
+def _rank_loop_job(rank, world):
+    import functools
+
+    import deepcompile
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _RankLoop())
+    engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                    config={"compiler": "fx", "warmup_steps": 1,
+                                            "startup_timeout_s": 60,
+                                            "eager_modules": ("_RankLoop",)})
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.ones(4, 6)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_a_parameter_saved_a_different_number_of_times_per_rank_is_gathered_once():
+    # one gather per unpacked view made rank 1 gather twice where rank 0 gathered once: the
+    # ranks' collectives no longer matched (a hang until the timeout, or wrong values)
+    from _dist import run_distributed
+
+    per_rank = run_distributed(_rank_loop_job, 2, timeout=300)
+    assert all(len(r) == 3 and all(map(math.isfinite, r)) for r in per_rank), per_rank

@@ -4,8 +4,9 @@ A skipped frame, a submodule called outside the compiled region, or the eager re
 frame with a graph break inside a loop run module code eagerly, where the parameters' storage is
 freed.  Forward hooks on every module that owns parameters gather them into the module's own
 parameter storage before its forward and free them after.  Tensors autograd saves that alias a
-gathered parameter are packed as a reference and re-gathered when the backward unpacks them, so
-nothing full-size outlives the forward.  Gradients that eager autograd accumulates into a
+gathered parameter are packed as a reference and re-gathered when the backward unpacks the
+first of them (once per module call and parameter, whatever the number of saved views:
+`_Regather`), so nothing full-size outlives the forward.  Gradients that eager autograd accumulates into a
 module parameter are reduce-scattered into the shard's gradient at once.
 
 The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves).
@@ -27,11 +28,29 @@ from torch import nn
 from .registry import ParamEntry
 
 
-class _SavedParamRef:
-    __slots__ = ("entry", "size", "stride", "offset")
+class _Regather:
+    """One materialization of a parameter, as the backward needs it again: gathered at the
+    first unpack of any tensor saved from it, shared by the others, freed with the last of them.
+    One gather per module call and parameter, not one per saved tensor: a module whose
+    data-dependent code (an experts loop) saves a different number of views of a parameter on
+    each rank still makes the same collectives on every rank."""
+    __slots__ = ("entry", "full")
 
-    def __init__(self, entry: ParamEntry, t: torch.Tensor) -> None:
-        self.entry, self.size, self.stride, self.offset = entry, t.size(), t.stride(), t.storage_offset()
+    def __init__(self, entry: ParamEntry) -> None:
+        self.entry, self.full = entry, None
+
+    def get(self) -> torch.Tensor:
+        if self.full is None:
+            self.full = self.entry.gather()
+        return self.full
+
+
+class _SavedParamRef:
+    __slots__ = ("regather", "size", "stride", "offset")
+
+    def __init__(self, regather: _Regather, t: torch.Tensor) -> None:
+        self.regather, self.size, self.stride, self.offset = \
+            regather, t.size(), t.stride(), t.storage_offset()
 
 
 class EagerFallback:
@@ -39,7 +58,7 @@ class EagerFallback:
         self._runtime = runtime
         registry = runtime.registry
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
-        self._by_ptr: dict[int, ParamEntry] = {}  # data_ptr of materialized storage -> entry
+        self._by_ptr: dict[int, _Regather] = {}   # data_ptr of materialized storage -> its regather
         self._handles = []
         # the hooks live on the user's module and parameters (the parameters' in C++, where the
         # garbage collector does not look): they hold this object weakly and name their entries
@@ -70,7 +89,7 @@ class EagerFallback:
             if depth == 0:
                 entry.materialize()
                 self.materializations += 1
-                self._by_ptr[entry.param.untyped_storage().data_ptr()] = entry
+                self._by_ptr[entry.param.untyped_storage().data_ptr()] = _Regather(entry)
             self._depth[entry.pid] = depth + 1
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
@@ -90,16 +109,15 @@ class EagerFallback:
 
     def _pack(self, t: torch.Tensor):
         if self._by_ptr and isinstance(t, torch.Tensor) and t.device.type != "meta":
-            entry = self._by_ptr.get(t.untyped_storage().data_ptr())
-            if entry is not None:
-                return _SavedParamRef(entry, t)
+            regather = self._by_ptr.get(t.untyped_storage().data_ptr())
+            if regather is not None:
+                return _SavedParamRef(regather, t)
         return t
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, _SavedParamRef):
-            full = packed.entry.gather()
-            return full.as_strided(packed.size, packed.stride, packed.offset)
+            return packed.regather.get().as_strided(packed.size, packed.stride, packed.offset)
         return packed
 
     def _grad_hook(self, k: int, param: torch.Tensor) -> None:
