@@ -33,7 +33,9 @@ class _Regather:
     first unpack of any tensor saved from it, shared by the others, freed with the last of them.
     One gather per module call and parameter, not one per saved tensor: a module whose
     data-dependent code (an experts loop) saves a different number of views of a parameter on
-    each rank still makes the same collectives on every rank."""
+    each rank still makes the same collectives on every rank, as long as it saves at least one
+    on each (a rank that saves none gathers nothing; an experts loop over one stacked weight
+    saves one wherever a token is routed)."""
     __slots__ = ("entry", "full")
 
     def __init__(self, entry: ParamEntry) -> None:
