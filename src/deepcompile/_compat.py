@@ -127,6 +127,16 @@ def compile_module(module, backend):
     return torch.compile(module, backend=backend)
 
 
+def never_a_dynamo_frame(code) -> None:
+    """Dynamo never compiles `code` as a frame of its own (it still inlines it into a frame it
+    traces). Eager code inside a compiled model — a frame Dynamo gave up on, e.g. torch 2.11's
+    "graph break in a for/while loop: skipping the frame" — calls its callees with Dynamo's frame
+    callback still on, and Dynamo then compiles those as frames of their own: a hook that checks
+    `torch.compiler.is_compiling()` is traced (True) into a no-op (`eval_frame.skip_code`,
+    private, the same in 2.11-2.15)."""
+    torch._dynamo.eval_frame.skip_code(code)
+
+
 def detect_fake_mode(example_inputs: Sequence[Any]):
     """The fake mode Dynamo traced with (from the tracing context or the inputs)."""
     from torch._guards import detect_fake_mode as _detect

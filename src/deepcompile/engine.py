@@ -34,10 +34,9 @@ log = logging.getLogger("deepcompile")
 _FREED_STORAGE = ("data is not allocated yet", "out of bounds for storage of size 0")
 _EAGER_PARAMETER_READ = (
     "deepcompile: code that ran eagerly inside the compiled model read a sharded parameter "
-    "directly (a module whose forward graph-breaks into code Dynamo cannot compile, e.g. a "
-    "loop with a graph break in it: Hugging Face Mixtral's experts_implementation=\"eager\"). "
-    "Name that module's class in Config.eager_modules (e.g. eager_modules=(\"MixtralExperts\",)): "
-    "it then runs eagerly with its parameters gathered ([Note: eager modules] in guard.py)")
+    "directly (eager code that no module hook of its module saw run). Name that module's class "
+    "in Config.eager_modules: it then runs eagerly with its parameters gathered ([Note: eager "
+    "modules] in guard.py)")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

@@ -186,15 +186,14 @@ def _set_class(params: list[nn.Parameter], cls: type) -> None:
 
 # [Note: eager modules] `Config.eager_modules` names submodule classes whose call Dynamo must not
 # trace. The eager fallback (runtime/eager.py) gathers a module's parameters in its forward
-# pre-hook at run time; but when Dynamo inlines a module's call, the hook is traced (where it
-# does nothing: the graph gathers for itself), and if the module's forward then graph-breaks
-# into code Dynamo cannot compile (a loop with a graph break in it), that code reads the
-# module's own parameters eagerly, from freed storage ("data is not allocated yet"). Each named
-# module gets a per-instance class (its own class's name; no process-wide patch) whose
-# `__call__` is `torch.compiler.disable`d: the call is a graph break in the compiled caller, the
-# module's hooks run eagerly, its parameters are gathered for its whole forward, on every rank
-# (every rank calls the module, whatever its data-dependent branches do inside). The class stays
-# after the engine is released, as the guarded model's does.
+# pre-hook when the module runs eagerly ([Note: eager hooks run eagerly] there: that is what
+# makes a module whose forward graph-breaks in a loop train without this setting); this
+# setting makes the whole call eager regardless of what Dynamo would do. Each named module gets
+# a per-instance class (its own class's name; no process-wide patch) whose `__call__` is
+# `torch.compiler.disable`d: the call is a graph break in the compiled caller, the module's
+# hooks run eagerly, its parameters are gathered for its whole forward, on every rank (every
+# rank calls the module, whatever its data-dependent branches do inside). The class stays after
+# the engine is released, as the guarded model's does.
 @torch.compiler.disable(recursive=True)
 def _eager_call(self, *args, **kwargs):
     return nn.Module.__call__(self, *args, **kwargs)

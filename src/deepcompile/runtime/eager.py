@@ -9,7 +9,8 @@ first of them (once per module call and parameter, whatever the number of saved 
 `_Regather`), so nothing full-size outlives the forward.  Gradients that eager autograd accumulates into a
 module parameter are reduce-scattered into the shard's gradient at once.
 
-The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves).
+The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves). Run
+eagerly, they run with Dynamo off ([Note: eager hooks run eagerly]).
 
 ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
 reads them directly and no forward hooks are installed; only the gradient hook is, so that a
@@ -25,6 +26,7 @@ import weakref
 import torch
 from torch import nn
 
+from .. import _compat
 from .registry import ParamEntry
 
 
@@ -93,7 +95,7 @@ class EagerFallback:
                 self.materializations += 1
                 self._by_ptr[entry.param.untyped_storage().data_ptr()] = _Regather(entry)
             self._depth[entry.pid] = depth + 1
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_eagerly, self._unpack_eagerly)
         ctx.__enter__()
         mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
 
@@ -122,6 +124,13 @@ class EagerFallback:
             return packed.regather.get().as_strided(packed.size, packed.stride, packed.offset)
         return packed
 
+    def _pack_eagerly(self, t):   # [Note: eager hooks run eagerly]
+        return _eagerly(self._pack, t)
+
+    @staticmethod
+    def _unpack_eagerly(packed):
+        return _eagerly(EagerFallback._unpack, packed)
+
     def _grad_hook(self, k: int, param: torch.Tensor) -> None:
         entry = self._grad_entries[k]
         grad, param.grad = param.grad, None
@@ -147,6 +156,20 @@ def _remove_all(handles: list) -> None:
     handles.clear()
 
 
+# [Note: eager hooks run eagerly] A module hook has two lives. Dynamo traces it inline into the
+# module's graph: `torch.compiler.is_compiling()` is True there and the hook is a no-op (the
+# compiled graph gathers by itself). Run by eager code, it must gather — but eager code inside a
+# compiled model can still have Dynamo's frame callback on (torch 2.11 gives up on a frame with
+# a graph break in a loop and runs it eagerly, compiling each frame it calls as a frame of its
+# own): compiled as a frame, the hook's check is traced True and the hook became a no-op that
+# never gathered (tests/test_models.py's loop_break and eager_modules scenarios failed on 2.11,
+# not on 2.13). So the hook's code is never compiled as a frame (`never_a_dynamo_frame`), and
+# what it runs runs with Dynamo off (`_eagerly`): the gathers, the saved-tensor hooks.
+@torch.compiler.disable
+def _eagerly(fn, *args):
+    return fn(*args)
+
+
 def _weak_hook(method, k: int):
     """A hook calling `method(k, *args)` while its object lives (a released engine's hooks do
     nothing). Dynamo traces module hooks: while compiling it returns at once (the compiled
@@ -158,6 +181,7 @@ def _weak_hook(method, k: int):
             return None
         m = ref()
         if m is not None:
-            return m(k, *args)
+            return _eagerly(m, k, *args)
         return None
+    _compat.never_a_dynamo_frame(hook.__code__)
     return hook
