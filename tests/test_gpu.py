@@ -125,36 +125,33 @@ def _offload_decisions(engine, last=False):
     return plans[-1 if last else 0]["decisions"]
 
 
-@pytest.mark.parametrize("compiler", ["fx", "inductor"])
-def test_offload_optimizer_parity_and_budget(nccl, compiler):
-    """Offloading half the optimizer state (a budget below the all-resident peak) trains
-    bitwise as without offloading; the measured CUDA profile after planning stays within the
-    budget; the copies ran on the copy streams from pinned memory.
-
-    The budget is read in this process's terms: `memory_allocated` counts everything the
-    process holds (the first GPU run derived it from an earlier engine's figures while that
-    engine, and the one before, were still alive: unattainable, nothing offloaded). Here it is
-    the unbounded run's peak less what the device held before that engine was built, plus what
-    it holds before this one is."""
+def _offload_under(compiler, own_budget):
+    """Train without the pass, unbounded with it, then under the budget `own_budget(decisions of
+    the unbounded run)` (in that run's terms) read in this process's terms: `memory_allocated`
+    counts everything the process holds (the first GPU run derived a budget from an earlier
+    engine's figures while that engine, and the one before, were still alive: unattainable,
+    nothing offloaded). Checks the plan holds, training is bitwise the same, and the measured
+    profiles after planning stay within the budget; returns (decisions, report's offload)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     base = {"compiler": compiler, "warmup_steps": 1, "passes": ("offload_optimizer",),
             "measure_steps": 0}
-    plain, plain_losses, _ = _train({"compiler": compiler, "warmup_steps": 1, "passes": ()}, chunk=CHUNK)
+    plain, plain_losses, _ = _train({"compiler": compiler, "warmup_steps": 1, "passes": ()},
+                                    chunk=CHUNK)
     ref = plain.full_state_dict()
     del plain
     unbounded, _, held0 = _train(base, chunk=CHUNK)
     d = _offload_decisions(unbounded)
     assert d["chunks"] == []
-    own_peak, state = d["peak_before"] - held0, d["state_bytes"]
+    own = own_budget(d) - held0
     del unbounded
     gc.collect()
-    held = torch.cuda.memory_allocated()
-    budget = int(held + own_peak - state // 2)
+    budget = int(torch.cuda.memory_allocated() + own)
     engine, losses, _ = _train({**base, "memory_budget": budget}, chunk=CHUNK)
     rep = engine.report().to_dict()
     d = _offload_decisions(engine)
-    print(f"offloaded {d['offloaded_bytes']} of {state} bytes; budget {budget}; "
-          f"peak {d['peak_before']} -> {d['peak_after']}; offload {rep['offload']}")
+    print(f"offloaded {d['offloaded_bytes']} of {d['state_bytes']} bytes of state, "
+          f"{d['offloaded_grad_bytes']} of gradients; budget {budget}; peak {d['peak_before']} "
+          f"-> {d['peak_after']}; offload {rep['offload']}")
     assert not d["unattainable"], d["reason"]
     assert d["chunks"] and d["peak_after"] <= budget
     assert losses == plain_losses
@@ -165,10 +162,34 @@ def test_offload_optimizer_parity_and_budget(nccl, compiler):
             prof = s["profiles"][-1]
             if prof["label"] == "after offload_optimizer":
                 assert prof["peak_bytes"] <= budget, s["slot"]
-    off = rep["offload"]
-    assert off["pinned"] and off["measured_copy_s"] > 0
+    assert rep["offload"]["pinned"]
+    return d, rep["offload"]
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_offload_optimizer_parity_and_budget(nccl, compiler):
+    """Offloading half the optimizer state (a budget below the all-resident peak) trains
+    bitwise as without offloading, within the budget; the copies ran on the copy streams from
+    pinned memory."""
+    d, off = _offload_under(compiler, lambda d: d["peak_before"] - d["state_bytes"] // 2)
+    assert off["measured_copy_s"] > 0
     last = off["last_step"]
     assert last["h2d_bytes"] == last["d2h_bytes"] == d["offloaded_bytes"]
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
+    """Offload tier 2 on CUDA ([Note: gradients on the host] in runtime/offload.py): a budget
+    below what all the state off the device reaches (halfway to all state and all gradients
+    off) sends gradients to the host, from pinned memory on the copy streams, and trains
+    bitwise the same within the budget."""
+    from deepcompile.runtime import offload
+
+    d, off = _offload_under(compiler, lambda d: (d["lowest_state_peak_bytes"]
+                                                 + d["lowest_peak_bytes"]) // 2)
+    assert any(c["tier"] == offload.GRADS for c in d["chunks"])
+    # bytes copied, against the device's count of them (rounded up to 512 per block)
+    assert 0 < off["last_step"]["grad_d2h_bytes"] <= d["offloaded_grad_bytes"]
 
 
 def test_a_released_engine_gives_its_device_memory_back(nccl):

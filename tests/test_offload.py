@@ -25,8 +25,8 @@ import torch
 
 import _models
 from _dist import run_distributed
-from _train import (_one_scenario, chunk_bytes, compare_to_reference, max_param_deviation,
-                    mean_losses, scenario)
+from _train import (_one_scenario, check_state_consistent, chunk_bytes, compare_to_reference,
+                    max_param_deviation, mean_losses, scenario)
 from deepcompile.passes import offload_optimizer as O
 from deepcompile.runtime import offload as R
 
@@ -133,6 +133,69 @@ def test_unattainable_budgets_are_reported_with_the_reason():
     state = O.plan_step(_points([100, 500]), _items([100, 100]), step_base=10,
                         copy_s=_copy(0, 0), budget=250)
     assert state["unattainable"] and "not enough" in state["reason"]
+
+
+def _grads(sizes, at, flat=None):
+    return [O.GradItem(chunk=i, nbytes=n, flat_bytes=(flat or sizes)[i], at=a, label=f"p{i}")
+            for i, (n, a) in enumerate(zip(sizes, at))]
+
+
+def _replayed_with_grads(live, items, grads, step_base, plan):
+    """Tier 2's curve and step peak, recomputed from the plan's decisions alone: all state
+    off; a chosen chunk's gradients off after the node that completes them; the step streams
+    every chunk (state, and the flat gradient of a chosen one), LOOKAHEAD + 1 at a time."""
+    chosen = {c["chunk"] for c in plan["chunks"] if c["tier"] == R.GRADS}
+    state = sum(i.nbytes for i in items)
+    curve = [b - state - sum(g.nbytes for g in grads if g.chunk in chosen and g.at < j)
+             for j, b in enumerate(live)]
+    size = {i.chunk: i.nbytes for i in items}
+    staging = sorted((size.get(g.chunk, 0) + (g.flat_bytes if g.chunk in chosen else 0)
+                      for g in grads), reverse=True)
+    step = step_base - sum(g.nbytes for g in grads if g.chunk in chosen) \
+        + sum(staging[:R.LOOKAHEAD + 1])
+    return curve, step
+
+
+def test_gradients_go_to_the_host_when_all_the_state_is_not_enough():
+    # the backward makes the gradients of chunks 3, 2, 1, 0 in that order; the peak is late
+    live = [600, 800, 1000, 1100, 1200, 1250, 1150]
+    items = _items([100, 100, 100, 100])
+    grads = _grads([50, 50, 50, 50], at=[4, 3, 2, 1])
+    budget = 1250 - 400 - 60     # all the state and a bit more
+    plan = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), budget, grads)
+    assert not plan["unattainable"], plan["reason"]
+    tiers = {c["chunk"]: c["tier"] for c in plan["chunks"]}
+    assert sorted(tiers) == [0, 1, 2, 3] and all(c["streamed"] for c in plan["chunks"])
+    assert plan["reloads"] == [] and plan["offloaded_bytes"] == 400
+    # the earliest complete first: chunk 3 (after node 1), then chunk 2 (after node 2)
+    assert [c for c, t in sorted(tiers.items()) if t == R.GRADS] == [2, 3]
+    curve, step = _replayed_with_grads(live, items, grads, 400, plan)
+    assert curve == plan["curve"] and max(curve + [step]) == plan["peak_after"] <= budget
+    assert plan["offloaded_grad_bytes"] == 100 and plan["predicted_grad_copy_s"] > 0
+    # the state alone is enough: no gradient moves
+    easy = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), 1250 - 300, grads)
+    assert not easy["unattainable"]
+    assert all(c["tier"] == R.STATE for c in easy["chunks"]) and easy["offloaded_grad_bytes"] == 0
+
+
+def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not():
+    # the step holds every gradient: with it over the budget even with all state streamed,
+    # gradients that are made only at the end of the backward still help (at the step)
+    items = _items([100, 100, 100, 100, 100])
+    grads = _grads([200] * 5, at=[7] * 5, flat=[200] * 5)   # never made inside a graph
+    plan = O.plan_step(_points([500] * 5), items, 1300, _copy(0, 0), 1250, grads)
+    assert not plan["unattainable"], plan["reason"]
+    curve, step = _replayed_with_grads([500] * 5, items, grads, 1300, plan)
+    assert step <= 1250 and max(curve) <= 1250
+    # three leave 1300 - 600 + 2 x 300 = 1300 on the device: four
+    assert sum(c["tier"] == R.GRADS for c in plan["chunks"]) == 4
+
+
+def test_unattainable_with_gradients_says_so():
+    plan = O.plan_step(_points([2000, 2100]), _items([100, 100]), 500, _copy(0, 0), 1000,
+                       _grads([100, 100], at=[1, 1]))
+    assert plan["unattainable"] and "all gradients" in plan["reason"]
+    assert plan["chunks"] == []
 
 
 def test_copies_back_start_as_late_as_their_copy_time_allows():
@@ -465,8 +528,14 @@ def _parity_job(rank, world):
         half = scenario(f"llama-adamw-gas{gas}-half", "llama", "adamw", 1e-2, gas=gas,
                         steps=STEPS, warmup_steps=1, passes=("offload_optimizer",),
                         memory_budget=budget, record=("report",), chunk_bytes=CHUNK)
+        # below what all the state off the device reaches: gradients go too (tier 2)
+        low = (d["lowest_state_peak_bytes"] + d["lowest_peak_bytes"]) // 2
+        grads = scenario(f"llama-adamw-gas{gas}-grads", "llama", "adamw", 1e-2, gas=gas,
+                         steps=STEPS, warmup_steps=1, passes=("offload_optimizer",),
+                         memory_budget=low, record=("report",), chunk_bytes=CHUNK)
         out[gas] = {"base": (base, r0), "half": (half, _one_scenario(rank, world, half)),
-                    "plain": (plain, _one_scenario(rank, world, plain))}
+                    "plain": (plain, _one_scenario(rank, world, plain)),
+                    "grads": (grads, _one_scenario(rank, world, grads))}
     budget = out[1]["half"][0]["config"]["memory_budget"]
     for passes in (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer")):
         sc = scenario("llama-adamw-" + "-".join(passes), "llama", "adamw", 1e-2, steps=STEPS,
@@ -552,6 +621,36 @@ def test_half_budget_offloads_about_half_within_budget(parity, gas):
     bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
     nodes = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "state_reload"]
     assert len(nodes) == len(d["reloads"])
+
+
+@pytest.mark.parametrize("gas", [1, 4])
+def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(parity, gas):
+    plain_sc, plain = _runs(parity, gas, "plain")
+    sc, runs = _runs(parity, gas, "grads")
+    budget = sc["config"]["memory_budget"]
+    for res in runs:
+        d = _offload_report(res)["decisions"]
+        tier2 = [c for c in d["chunks"] if c["tier"] == R.GRADS]
+        print(f"\n[offload gas={gas}] budget {budget} (all state off: "
+              f"{d['lowest_state_peak_bytes']}, and all gradients: {d['lowest_peak_bytes']}): "
+              f"gradients of {len(tier2)} of {len(d['chunks'])} chunks to the host, "
+              f"{d['offloaded_grad_bytes']} bytes; peak {d['peak_before']} -> {d['peak_after']}")
+        assert tier2 and not d["unattainable"] and d["peak_after"] <= budget
+        assert d["offloaded_bytes"] == d["state_bytes"]
+        rep = res["report"]
+        for g in rep["graphs"]:   # measured with the plan
+            for s in g["slots"]:
+                assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+        # every micro-step sends them; the step brings each chunk's flat gradient back once
+        last = rep["offload"]["last_step"]
+        assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"]
+        bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
+        sent = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "grad_offload"]
+        assert sent
+    loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
+    param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])
+    assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)
+    check_state_consistent(runs)
 
 
 @pytest.mark.parametrize("seed", range(3))

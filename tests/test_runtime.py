@@ -112,6 +112,10 @@ def _opcheck_job(rank, world):
     group = engine._offload.add_reload_group([])
     e = next(iter(engine._registry))
     torch.library.opcheck(offload.reload_state, (e.shard.detach(), [e.pid], group))
+    # at tier 0 the gradient goes to `shard.grad` (a graph planned for tier 2, run after a
+    # re-plan); the tier-2 path runs in tests/test_offload_grads.py
+    torch.library.opcheck(offload.grad_to_host, (torch.randn(e.shard.numel()), e.pid))
+    out["grad_to_host_accumulated"] = e.shard.grad is not None
     out["custom_ops"] = sorted(
         n for n in dir(torch.ops.deepcompile) if not n.startswith("_")
         and isinstance(getattr(torch.ops.deepcompile, n), torch._ops.OpOverloadPacket))
@@ -121,7 +125,9 @@ def _opcheck_job(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_custom_op_passes_opcheck(world):
     for r in run_distributed(_opcheck_job, world, timeout=300):
-        assert r["custom_ops"] == ["allgather_param", "reduce_grad", "reload_state"]
+        assert r["custom_ops"] == ["allgather_param", "grad_to_host", "reduce_grad",
+                                   "reload_state"]
+        assert r.pop("grad_to_host_accumulated") is True
         assert len([k for k, v in r.items() if v is True]) == 2
 
 

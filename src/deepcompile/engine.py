@@ -250,12 +250,15 @@ class Engine:
         flat = self._flat
         if flat.inner is not None:   # the flat step ([Note: flat step] in runtime/flat.py)
             self._offload.begin_step()
-            flat.fold_grads()
+            flat.fold_grads(self._offload.device_grad_chunks())
             grads = flat.grads()
+            # gradients on the host (offload tier 2) are checked by their norms, and scaled as
+            # they come back for the step ([Note: gradients on the host] in runtime/offload.py)
+            host_sq = self._offload.host_grad_sumsq()
             # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
-            finite, bad = self._grads_finite(grads)
+            finite, bad = self._grads_finite(grads, host_sq)
             if finite and self.config.max_grad_norm is not None:
-                self._clip_grad_norm(self.config.max_grad_norm, grads)
+                self._clip_grad_norm(self.config.max_grad_norm, grads, host_sq)
             if finite:
                 pre, post = _compat.optimizer_step_hooks(self.optimizer)
                 for hook in pre:   # the user's hooks on engine.optimizer, as its step would
@@ -298,8 +301,8 @@ class Engine:
                          f"{self._optimizer_steps}, micro-step {self._micro_steps}).")
         return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
 
-    def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None
-                      ) -> tuple[bool, str | None]:
+    def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None,
+                      host_sq: torch.Tensor | None = None) -> tuple[bool, str | None]:
         """Whether to take the step (the shards' gradients checked and unscaled, or the flat
         step's `flat_grads`), and (Config.on_nonfinite="raise") what to say in the
         NonFiniteError; the same on every rank ([Note: overflow agreement] in
@@ -307,8 +310,10 @@ class Engine:
         policy, scaler = self.config.on_nonfinite, self._scaler
         if scaler is None and policy == "off":
             return True, None
-        found = self._grad_check(scaler.inv_scale() if scaler is not None else None,
-                                 flat_grads)
+        inv = scaler.inv_scale() if scaler is not None else None
+        found = self._grad_check(inv, flat_grads, host_sq)
+        if host_sq is not None and inv is not None:
+            self._offload.grad_scale = inv.clone()   # unscaled as they come back for the step
         if self._check_losses:   # a loss names the rank it came from; its gradient reaches all
             grads, losses = nonfinite_ranks(self._comm, found, self._loss_bad)
             self._loss_bad.zero_()
@@ -375,15 +380,23 @@ class Engine:
                 "their gradients cannot be told apart. Leave out the pass `selective_unshard`.")
 
     @torch.no_grad()
-    def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor],
+                        host_sq: torch.Tensor | None = None) -> torch.Tensor:
         if grads:   # shards are disjoint; padding gradients and alignment gaps are 0
             norms = torch._foreach_norm(grads, 2.0)
             local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if host_sq is not None:   # offload tier 2: the host gradients' squared norm, unscaled
+            scale = self._offload.grad_scale
+            local = local + (host_sq if scale is None else host_sq * scale.square())
         total = self._comm.all_reduce(local).sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        if host_sq is not None:
+            scale = self._offload.grad_scale
+            self._offload.grad_scale = coef if scale is None else scale * coef
         return total
 
     # -- state -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ planned one describes; nothing in it calls back into Python.
 | `reduce_start` / `_wait` | per member flatten/cast/pad as [W, n], one `cat` along dim 1, one reduce-scatter; wait, divide, one slice copy per member | per member flatten, cast |
 | accumulated (`accumulate_grad` / `accumulate_start` bucket, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad` (a bucket: one reduce-scatter), zero the accumulator | ZeRO-1: not deferred |
 | `reload_state` (offload) | unchanged: the one Python op left, once per reload group | |
+| `grad_to_host` (offload, tier 2) | unchanged (a Python op per gradient sent to the host); the gradient's output becomes None | |
 
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
 gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of
@@ -43,7 +44,7 @@ import torch
 from torch import fx
 
 from .. import _compat
-from ..runtime import ops
+from ..runtime import offload, ops
 from ..runtime.registry import ParamEntry, lookup
 from .profiler import GraphProfile, NodeProfile
 
@@ -139,6 +140,7 @@ class _Lowering:
         self.counts: dict[str, list[int]] = {}
         self.origin = ""
         self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
+        self.to_host: set[fx.Node] = set()           # gradients sent to the host: None outputs
 
     # -- building blocks ------------------------------------------------------------------------
     def op(self, target, *args, **kwargs) -> fx.Node:
@@ -398,6 +400,8 @@ class _Lowering:
                 continue
             if node.op == "output":
                 outs = self.arg(node.args[0])
+                if self.to_host:   # autograd accumulates nothing for these ([Note: gradients on
+                    outs = type(outs)(None if o in self.to_host else o for o in outs)   # the host])
                 if self.outputs_extra:
                     outs = tuple(outs) + tuple(self.outputs_extra)
                 self.g.output(outs)
@@ -436,6 +440,8 @@ class _Lowering:
                 new = self.g.node_copy(node, self.env.__getitem__)
                 new.meta["dc_origin"] = node.name
                 self.env[node] = new
+                if t is offload.GRAD_TO_HOST:
+                    self.to_host.add(self.env[node.args[0]])
         if self.pending:
             raise RuntimeError("deepcompile lower: a start without its wait in "
                                f"{sorted(n.name for n in self.pending)}")

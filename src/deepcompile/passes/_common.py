@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 
 from torch import fx
 
+from ..runtime import ops
 from . import PassContext
 
 log = logging.getLogger("deepcompile")
@@ -124,7 +125,8 @@ def first_kept(order: list[fx.Node], start: int, erased: set[str], default: fx.N
 
 def replace_with_parts(graph: fx.Graph, fused: fx.Node, members: list[fx.Node]) -> None:
     """`fused` returns one value per member: route each member's users to its part (inserted
-    right after `fused`, in member order) and erase the members."""
+    right after `fused`, in member order) and erase the members; a member's followers
+    (ops.FOLLOWERS) move right after the parts."""
     fused.meta["val"] = [m.meta.get("val") for m in members]
     parts = []
     with graph.inserting_before(fused.next):
@@ -135,6 +137,11 @@ def replace_with_parts(graph: fx.Graph, fused: fx.Node, members: list[fx.Node]) 
     for m, part in zip(members, parts):
         m.replace_all_uses_with(part)
         graph.erase_node(m)
+    last = parts[-1] if parts else fused
+    for part in parts:   # ops that follow a value where it is produced come along (ops.FOLLOWERS)
+        for user in [u for u in part.users if u.target in ops.FOLLOWERS]:
+            last.append(user)
+            last = user
 
 
 def size(nbytes: float) -> str:

@@ -189,8 +189,9 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
 
 
 def _used_in_graph(node: fx.Node) -> bool:
-    """A node other than the output uses the reduction's value: the wait could not move past it."""
-    return any(u.op != "output" for u in node.users)
+    """A node other than the output uses the reduction's value: the wait could not move past it
+    (a follower, ops.FOLLOWERS, moves with it)."""
+    return any(u.op != "output" and u.target not in ops.FOLLOWERS for u in node.users)
 
 
 def _fake_in_flight(members: list[fx.Node]):

@@ -33,8 +33,14 @@ The plan:
   memory allows (the bytes back on the device after node j, plus the curve at j minus
   everything offloaded, stay within the budget at every later node and at the step). A chunk
   that cannot come back in a graph is streamed through the device during the step;
-* a budget that even all state off the device does not meet is unattainable: the plan says so
-  with the figures and changes nothing.
+* when all state off the device is not enough (the graphs' curve, or the step, stays over the
+  budget), the gradients of chunks go too (tier 2, [Note: gradients on the host] in
+  runtime/offload.py): every chunk's state is streamed through the step, and chunks are taken in
+  the order their gradients are complete in the backward (the earliest are off the device for
+  longest) until the curve — less each taken chunk's gradients after the node that completes
+  them — and the step fit. A `grad_to_host` op goes right after each of their gradients;
+* a budget that even all state and all gradients off the device does not meet is
+  unattainable: the plan says so with the figures and changes nothing.
 
 Re-planning: `apply` first removes the reload ops a previous plan inserted, so the pass can run
 again on new profiles (the pipeline re-plans when steady-state memory drifts).
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from typing import Any, Callable
 
 import torch
@@ -75,6 +82,16 @@ class Item:
     chunk: int
     nbytes: int            # as the device counts it
     label: str = ""        # its first parameter, for reports
+
+
+@dataclasses.dataclass
+class GradItem:
+    """One chunk's shard gradients, which tier 2 keeps off the device."""
+    chunk: int
+    nbytes: int            # the shard gradients as the device counts them
+    flat_bytes: int        # the chunk's flat gradient (the step streams it in)
+    at: int                # the point after which all of them exist (len(points): never in a graph)
+    label: str = ""
 
 
 def select(items: list[Item], need: int) -> list[Item] | None:
@@ -113,12 +130,14 @@ def staging_bytes(streamed: list[Item]) -> int:
 
 
 def plan_step(points: list[Point], items: list[Item], step_base: int,
-              copy_s: Callable[[int], float], budget: float) -> dict[str, Any]:
+              copy_s: Callable[[int], float], budget: float,
+              grads: list[GradItem] | None = None) -> dict[str, Any]:
     """The offload plan of one optimizer step; pure (unit-tested on synthetic curves).
 
     `points`: the graphs' curve with every item on the device; `step_base`: the device's bytes
     during the step with no item on it (masters, gradients, the fold's flat gradient, what is
-    not this engine's)."""
+    not this engine's); `grads`: the chunks whose gradients may go to the host if the state
+    alone is not enough (tier 2)."""
     n = len(points)
     live = [p.live_bytes for p in points]
     state = sum(i.nbytes for i in items)
@@ -134,11 +153,17 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         "offloaded_bytes": 0, "chunks": [], "reloads": [],
         "predicted_copy_s": 0.0, "predicted_hidden_s": 0.0, "predicted_exposed_s": 0.0,
         "predicted_streamed_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
-        "curve": live}
+        "curve": live, "offloaded_grad_bytes": 0, "predicted_grad_copy_s": 0.0}
+    # the lowest peaks this pass can reach: all state off; all state and all gradients off
+    for key, chosen in (("lowest_state_peak_bytes", []), ("lowest_peak_bytes", grads or [])):
+        curve, step = _all_state_off(live, items, chosen, step_base)
+        out[key] = max(curve + [step])
     if peak_before <= budget:
         return out
     # the step with nothing resident needs room for the streamed chunks
     if step_base + staging_bytes(items) > budget:
+        if grads:
+            return _with_grads(out, live, items, grads, step_base, copy_s, budget)
         return {**out, "unattainable": True,
                 "reason": f"the optimizer step needs {step_base} bytes with no optimizer state "
                           f"on the device, plus {staging_bytes(items)} to stream the state "
@@ -151,6 +176,8 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
             break
         chosen = select(items, sum(i.nbytes for i in chosen) + step_need)
     if chosen is None:
+        if grads:
+            return _with_grads(out, live, items, grads, step_base, copy_s, budget)
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) is not enough: the "
                           f"curve exceeds the budget by {need} bytes"}
@@ -226,6 +253,106 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
             "peak_after": max(max(curve, default=0), step_peak), "curve": curve}
 
 
+def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: list[GradItem],
+                step_base: int, copy_s: Callable[[int], float], budget: float) -> dict[str, Any]:
+    """Tier 2: every chunk's state streamed through the step, and the gradients of as many
+    chunks as the curve and the step need, earliest complete first."""
+    state = sum(i.nbytes for i in items)
+    state_of = {i.chunk: i.nbytes for i in items}
+
+    def figures(chosen: list[GradItem]):
+        return _all_state_off(live, items, chosen, step_base)
+
+    chosen: list[GradItem] = []
+    curve, step = figures(chosen)
+    for g in sorted(grads, key=lambda g: (g.at, g.chunk)):
+        if max(curve + [step]) <= budget:
+            break
+        chosen.append(g)
+        curve, step = figures(chosen)
+    if max(curve + [step]) > budget:
+        return {**out, "unattainable": True,
+                "reason": f"offloading all optimizer state ({state} bytes) and all gradients "
+                          f"({sum(g.nbytes for g in grads)} bytes) is not enough: the peak stays "
+                          f"at {max(curve + [step])} bytes"}
+    tier = {g.chunk: g for g in chosen}
+    chunks = [{"chunk": c, "tier": offload.GRADS if c in tier else offload.STATE,
+               "bytes": state_of.get(c, 0), "grad_bytes": tier[c].nbytes if c in tier else 0,
+               "label": tier[c].label if c in tier else next(
+                   (i.label for i in items if i.chunk == c), ""), "streamed": True}
+              for c in sorted(set(state_of) | set(tier))]
+    return {**out, "offloaded_bytes": state, "chunks": chunks, "reloads": [],
+            "offloaded_grad_bytes": sum(g.nbytes for g in chosen),
+            "predicted_streamed_s": sum(2 * copy_s(i.nbytes) for i in items)
+            + sum(copy_s(g.flat_bytes) for g in chosen),
+            "predicted_grad_copy_s": sum(copy_s(g.nbytes) for g in chosen),
+            "peak_after": max(curve + [step]), "curve": curve}
+
+
+def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
+                   step_base: int) -> tuple[list[int], int]:
+    """The curve and the step peak with every chunk's state streamed through the step and the
+    gradients of `chosen` on the host after the node that completes them."""
+    n = len(live)
+    drop = [0] * (n + 1)
+    for g in chosen:
+        drop[min(g.at + 1, n)] += g.nbytes
+    state = sum(i.nbytes for i in items)
+    curve, saved = [], 0
+    for j in range(n):
+        saved += drop[j]
+        curve.append(live[j] - state - saved)
+    state_of = {i.chunk: i.nbytes for i in items}
+    flat = {g.chunk: g.flat_bytes for g in chosen}
+    staging = sorted((state_of.get(c, 0) + flat.get(c, 0)
+                      for c in set(state_of) | set(flat)), reverse=True)
+    step = step_base - sum(g.nbytes for g in chosen) + sum(staging[:offload.LOOKAHEAD + 1])
+    return curve, step
+
+
+def grad_outputs(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
+    """The shard gradients a backward graph returns, with their parameters: its outputs made by
+    a reduction (`reduce_grad`, `accumulate_grad`, a part of a bucket's `reduce_wait`)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    found = []
+    vals = out.args[0] if out.args else ()
+    for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+        if not isinstance(v, fx.Node) or v.op != "call_function":
+            continue
+        if v.target in (ops.REDUCE_GRAD, ops.ACCUMULATE_GRAD):
+            found.append((v, int(v.args[1])))
+        elif (v.target is operator.getitem and isinstance(v.args[0], fx.Node)
+              and v.args[0].target is ops.REDUCE_WAIT):
+            found.append((v, int(v.args[0].args[1][v.args[1]])))
+    return found
+
+
+def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
+    """Per chunk: its shard gradients and the point after which the backward graphs have made
+    all of them (the first micro-step's)."""
+    store = ctx.runtime.offload
+    index = {}
+    for j, p in enumerate(points):
+        index.setdefault((p.slot, p.name), j)
+    made: dict[int, int] = {}
+    for key in dict.fromkeys(ctx.order):
+        slot = ctx.slots.get(key)
+        if slot is None or slot.kind != "bw":
+            continue
+        for node, pid in grad_outputs(slot.gm.graph):
+            j = index.get((key, node.name))
+            if j is not None:
+                made[pid] = min(made.get(pid, j), j)
+    n = len(points)
+    out = []
+    for s in store.slots:
+        at = max((made.get(e.pid, n) for e in s.chunk.entries), default=n)
+        out.append(GradItem(s.chunk.index, store.grad_bytes(s),
+                            offload.device_bytes(s.chunk.nbytes, store.device), at,
+                            s.chunk.entries[0].name))
+    return out
+
+
 def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
     """The profiled nodes of one optimizer step in execution order, `offset` bytes added to
     each (state the profiled steps kept off the device). Reloads may start in the first run,
@@ -255,8 +382,9 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # the profiles were measured with every chunk's state off the device ([Note: provisional
     # offload] in runtime/offload.py): add it back
     offset = store.profile_offset()
-    decision = plan_step(timeline(ctx, offset), items_of(store), store.step_base(),
-                         ctx.cost.copy_s, ctx.memory_budget)
+    points = timeline(ctx, offset)
+    decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
+                         ctx.memory_budget, grad_items(ctx, points))
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:
@@ -268,11 +396,12 @@ def plan(ctx: PassContext) -> dict[str, Any]:
 
 
 def remove_reloads(ctx: PassContext) -> list[str]:
-    """Remove the reload ops a previous plan inserted; the keys of the slots that had some."""
+    """Remove the reload and gradient ops a previous plan inserted; the keys of the slots that
+    had some."""
     changed = []
     for key, slot in ctx.slots.items():
-        nodes = [n for n in slot.gm.graph.nodes
-                 if n.op == "call_function" and n.target is offload.RELOAD_STATE]
+        nodes = [n for n in slot.gm.graph.nodes if n.op == "call_function"
+                 and n.target in (offload.RELOAD_STATE, offload.GRAD_TO_HOST)]
         for n in nodes:
             slot.gm.graph.erase_node(n)
         if nodes:
@@ -299,6 +428,20 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         op.meta["val"] = None
         graph.lint()
         changed.add(r["slot"])
+    to_host = {c["chunk"] for c in decisions["chunks"] if c["tier"] >= offload.GRADS}
+    if to_host:   # tier 2: each of their gradients leaves where it is made
+        chunk_of = store.flat.chunk_of
+        for key, slot in ctx.slots.items():
+            if slot.kind != "bw":
+                continue
+            graph = slot.gm.graph
+            for node, pid in grad_outputs(graph):
+                if chunk_of[pid].index in to_host:
+                    with graph.inserting_after(node):
+                        op = graph.call_function(offload.GRAD_TO_HOST, (node, pid))
+                    op.meta["val"] = None
+                    changed.add(key)
+            graph.lint()
     if decisions["chunks"] or decisions.get("profiled_offloaded_bytes"):
         # every graph's memory curve changes (the state is off the device, or back on it)
         changed |= {k for k in set(ctx.order) if k in ctx.slots}
@@ -330,6 +473,11 @@ def summary(d: dict[str, Any]) -> list[str]:
     streamed = [c for c in d["chunks"] if c["streamed"]]
     shown = ", ".join(c["label"] for c in d["chunks"][:3])
     more = len(d["chunks"]) - 3
+    with_grads = [c for c in d["chunks"] if c.get("grad_bytes")]
+    grads = [f"gradients of {len(with_grads)} chunks off the device too, "
+             f"{_mib(d['offloaded_grad_bytes'])}: each sent to the host where the backward makes "
+             f"it (predicted {d['predicted_grad_copy_s'] * 1e3:.3f} ms of copies), streamed back "
+             "at the step"] if with_grads else []
     return [
         f"optimizer state of {len(d['chunks'])} chunks off the device, "
         f"{_mib(d['offloaded_bytes'])} of {_mib(d['state_bytes'])} (excess over budget "
@@ -340,6 +488,7 @@ def summary(d: dict[str, Any]) -> list[str]:
         f"predicted copies back in graphs {d['predicted_copy_s'] * 1e3:.3f} ms: hidden "
         f"{d['predicted_hidden_s'] * 1e3:.3f} ms, exposed {d['predicted_exposed_s'] * 1e3:.3f} ms; "
         f"streamed at the step {d['predicted_streamed_s'] * 1e3:.3f} ms",
+        *grads,
         f"peak {_mib(d['peak_before'])} -> {_mib(d['peak_after'])} (budget "
         f"{_mib(d['budget_bytes'])}; optimizer step with all state {_mib(d['step_bytes'])})",
     ]

@@ -324,6 +324,11 @@ class Report:
                        f"reloaded in graphs, {last.get('streamed_at_step', 0)} streamed at the step); measured "
                        f"copies {o['measured_copy_s'] * 1e3:.2f} ms, hidden "
                        f"{o['measured_hidden_s'] * 1e3:.2f} ms, exposed {o['measured_exposed_s'] * 1e3:.2f} ms")
+            if o.get("offloaded_grad_bytes"):
+                out.append(f"gradients on the host: {_mib(o['offloaded_grad_bytes'])} MiB of "
+                           f"{sum(1 for c in o['chunks'] if c.get('grad_bytes'))} chunks; last "
+                           f"step sent {_mib(last.get('grad_d2h_bytes', 0))} MiB, brought "
+                           f"{_mib(last.get('grad_h2d_bytes', 0))} MiB back")
         if self.graph_reuse:
             out.append(f"graph reuse: {len(self.graph_reuse)} parameter pairs share compiled graphs")
         t = self.timings

@@ -91,12 +91,16 @@ class GradCheck:
 
     @torch.no_grad()
     def __call__(self, inv_scale: torch.Tensor | None = None,
-                 flat_grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 flat_grads: list[torch.Tensor] | None = None,
+                 host_sq: torch.Tensor | None = None) -> torch.Tensor:
         """1.0 when a gradient of this rank holds an inf/NaN, else 0.0 (a device tensor): the
         shards' gradients, or the flat step's gradients (`flat_grads`: the shards' were folded
-        into them, runtime/flat.py)."""
+        into them, runtime/flat.py), and the gradients on the host by their squared norm
+        (`host_sq`, runtime/offload.py: inf/NaN if one of them is, or if it overflows)."""
         found = self.found.zero_()
         inv = self.one if inv_scale is None else inv_scale
+        if host_sq is not None:
+            found.copy_((~torch.isfinite(host_sq)).float())
         if flat_grads is not None:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for g in flat_grads:

@@ -7,7 +7,10 @@ says what of it lives on the host between optimizer steps:
   0  everything on the device;
   1  its optimizer state (Adam's moments), on the host from the end of one optimizer step to
      the backward of the next window's last micro-step (`reload_state` ops bring it back where
-     the plan says) or, if no graph brought it back, streamed in during the step itself.
+     the plan says) or, if no graph brought it back, streamed in during the step itself;
+  2  its optimizer state and its gradients: each shard gradient leaves the device where the
+     backward graph produces it (`grad_to_host` ops, [Note: gradients on the host]), and the
+     step streams the chunk's gradient in with its state.
 
 The optimizer step runs on the device, chunk by chunk where it must (`run_step`): the chunks
 whose state is on the device step in one inner-optimizer call; each remaining chunk's state is
@@ -39,6 +42,26 @@ for its event (so a step that forgot to wait reads garbage and the parity tests 
 to the host is immediate. Everything else — which chunks, which events, which storage is
 released — is the same code on both.
 
+[Note: gradients on the host] A tier-2 chunk's shard gradients never reach `shard.grad`: the
+pass puts a `grad_to_host(grad, pid)` op right after the node that produces each of them in
+the backward graphs, and the lowering (compiler/lower.py) returns None in that gradient's place
+(autograd then accumulates nothing), so the value is freed once its copy has read it. The op
+copies the gradient into its slice of the chunk's host gradient buffer (`Slot.host_grad`): the
+first gradient of the window is copied, a later one (the next micro-step, or a second use of
+the parameter) is added to it on the device — the slice is copied back, `old + new` added as
+autograd's accumulation does, and copied out again — so the sum is bitwise the one autograd
+makes. Each write also records the norm of the slice's new value (`Slot.sumsq`, per shard,
+overwritten: the last write is the window's gradient), from which the step gets the gradient
+norm and the inf/NaN check without reading the host buffers (`host_grad_sumsq`). At the step
+(`run_step`) the chunk's gradient is copied into its flat gradient with its state, the slices
+of shards no graph wrote are zeroed, the loss scale and clipping factor the engine decided are
+applied (`grad_scale`), and the chunk steps. A stray device gradient of a tier-2 shard (the eager
+fallback, a local accumulator flushed at the step) is sent to the host before the check
+(`begin_step`). A graph planned for a tier that is no longer in force (a re-plan in the middle
+of an accumulation window) still calls the op: the gradient then goes to `shard.grad` as
+autograd would have put it, and the host gradients of a chunk leaving tier 2 are brought back
+into `shard.grad` (`_grads_back`).
+
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
 offloaded chunk has no storage between steps: a direct read fails loudly instead of returning
 stale values. `engine.optimizer.state_dict()` gets the values through a post-hook that puts
@@ -57,11 +80,11 @@ from torch.profiler import record_function
 
 from .. import _compat
 from . import ops
-from .flat import Chunk, FlatState
+from .flat import Chunk, FlatState, _grad_of, _is_not_none
 from .registry import lookup
 
-RESIDENT, STATE = 0, 1
-TIER_NAMES = {RESIDENT: "resident", STATE: "state"}
+RESIDENT, STATE, GRADS = 0, 1, 2
+TIER_NAMES = {RESIDENT: "resident", STATE: "state", GRADS: "state+grads"}
 LOOKAHEAD = 1      # offloaded chunks whose copy in runs while the step works on another
 
 
@@ -82,6 +105,11 @@ class Slot:
     offloaded: bool = False          # device storage released; the values live in `host`
     loaded: object = None            # event: copy to the device done
     saved: object = None             # event: copy to the host done
+    # tier 2 ([Note: gradients on the host]): the chunk's gradient on the host
+    host_grad: torch.Tensor | None = None
+    grad_saved: object = None        # event: the last copy into `host_grad` done
+    written: set = dataclasses.field(default_factory=set)   # shards written this window
+    sumsq: torch.Tensor | None = None   # device, per shard: squared norm of its window gradient
 
     def tensors(self, optimizer) -> dict[str, torch.Tensor]:
         return self.chunk.state_tensors(optimizer)
@@ -234,11 +262,14 @@ class Offloader:
         # a reload that would go over the budget now is left to the step). Tests set a model.
         self.meter: Callable[[], int] | None = (
             (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else None)
-        self.stats = {"steps": 0, "d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0,
-                      "streamed_at_step": 0, "deferred_by_meter": 0}
+        self.stats = {"steps": 0, **self._zero_counts()}
         self.last_step: dict[str, int] = {}
         self._counts = self._zero_counts()
         self.step_starts: list[int] = []   # CUDA: device bytes at profiled steps' start, no state
+        # tier 2: where each parameter's gradient goes, and the factor the engine decided for
+        # the host gradients (loss scale, clipping; None: 1)
+        self._where = {e.pid: (s, i) for s in self.slots for i, e in enumerate(s.chunk.entries)}
+        self.grad_scale: torch.Tensor | None = None
         if flat.inner is not None:
             flat.facade.register_state_dict_post_hook(self._state_dict_hook)
             flat.on_load.append(self._after_load)
@@ -251,11 +282,22 @@ class Offloader:
     def tier(self, slot: Slot) -> int:
         return STATE if self.provisional else self.tiers[slot.chunk.index]
 
+    def grad_tier(self, slot: Slot) -> bool:
+        """The chunk's gradients go to the host (tier 2; never while provisional)."""
+        return not self.provisional and self.tiers[slot.chunk.index] >= GRADS
+
+    def device_grad_chunks(self) -> list[Chunk]:
+        """The chunks whose gradients are on the device at the step (the engine folds these)."""
+        return [s.chunk for s in self.slots if not self.grad_tier(s)]
+
     def set_plan(self, tiers: dict[int, int], budget: float = float("inf")) -> None:
         """Chunk index -> tier (missing: resident). Brings everything back first."""
         self.reload_all(count=False)
         self._copier.wait(self._pending)
         self._pending = []
+        for s in self.slots:
+            if tiers.get(s.chunk.index, RESIDENT) < GRADS:
+                self._grads_back(s)
         self.provisional = False
         self.budget = budget
         self.tiers = [tiers.get(s.chunk.index, RESIDENT) for s in self.slots]
@@ -266,6 +308,8 @@ class Offloader:
         the plan): every chunk's state leaves the device, and reload ops do nothing."""
         self._copier.wait(self._pending)
         self._pending = []
+        for s in self.slots:
+            self._grads_back(s)
         self.provisional = True
         self.step_starts = []
         for s in self.slots:
@@ -310,6 +354,12 @@ class Offloader:
             return 0
         return sum(device_bytes(t.numel() * t.element_size(), self.device)
                    for t in slot.tensors(inner).values())
+
+    def grad_bytes(self, slot: Slot) -> int:
+        """Device bytes of the chunk's shard gradients while autograd holds them (one block
+        per shard) — what tier 2 keeps off the device between the backward and the step."""
+        return sum(device_bytes(sh.numel() * sh.element_size(), self.device)
+                   for sh in slot.chunk.shards)
 
     def profile_offset(self) -> int:
         """Device bytes the profiled steps did not hold that an all-resident step would: the
@@ -411,12 +461,91 @@ class Offloader:
             if ev is not None:
                 self._pending.append(ev)
 
+    # -- gradients on the host ([Note: gradients on the host]) -----------------------------------
+    @torch.no_grad()
+    def grad_to_host(self, pid: int, grad: torch.Tensor) -> None:
+        """A `grad_to_host` op: the shard gradient of parameter `pid` into the host buffer of
+        its chunk (added to what the window wrote there before), or, if the chunk is no longer
+        at tier 2, into `shard.grad` as autograd would have put it."""
+        slot, i = self._where[pid]
+        g = grad.detach().reshape(-1)
+        if not self.grad_tier(slot):
+            _accumulate(slot.chunk.shards[i], g)
+            return
+        c = slot.chunk
+        if slot.host_grad is None:
+            slot.host_grad = self._copier.host_buffer(c.grad)
+            slot.sumsq = torch.zeros(len(c.shards), dtype=torch.float32, device=self.device)
+        off = c.offsets[i]
+        host = slot.host_grad[off:off + g.numel()]
+        if i in slot.written:   # autograd's accumulation, old + new, on the device
+            old = torch.empty_like(g)
+            self._copier.wait([self._copier.to_device([(old, host)], after=slot.grad_saved)])
+            g = old.add_(g)
+            self._counts["grad_h2d_bytes"] += g.numel() * g.element_size()
+        slot.sumsq[i] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        slot.grad_saved = self._copier.to_host([(host, g)])
+        slot.written.add(i)
+        self._counts["grad_d2h_bytes"] += g.numel() * g.element_size()
+
+    def host_grad_sumsq(self) -> torch.Tensor | None:
+        """The squared norm (float32, on the device) of this rank's gradients that are on the
+        host, None if none is: inf/NaN when one of them holds an inf/NaN."""
+        sums = [s.sumsq.sum() for s in self.slots if self.grad_tier(s) and s.sumsq is not None]
+        return torch.stack(sums).sum() if sums else None
+
+    def _grads_back(self, slot: Slot) -> None:
+        """The window's host gradients of `slot` into its shards' `.grad` (the chunk leaves
+        tier 2 in the middle of an accumulation window)."""
+        if not slot.written:
+            return
+        c = slot.chunk
+        for i in sorted(slot.written):
+            off, n = c.offsets[i], c.shards[i].numel()
+            g = torch.empty(n, dtype=c.dtype, device=self.device)
+            self._copier.wait([self._copier.to_device([(g, slot.host_grad[off:off + n])],
+                                                      after=slot.grad_saved)])
+            _accumulate(c.shards[i], g)
+        slot.written.clear()
+        slot.sumsq.zero_()
+
+    def _grad_in(self, slot: Slot) -> object:
+        """Start copying a tier-2 chunk's host gradient into its flat gradient; the event."""
+        c = slot.chunk
+        c.grad.untyped_storage().resize_(c.nbytes)
+        if slot.host_grad is None or not slot.written:
+            return None
+        self._counts["grad_h2d_bytes"] += c.nbytes
+        return self._copier.to_device([(c.grad, slot.host_grad)], after=slot.grad_saved)
+
+    @torch.no_grad()
+    def _grad_ready(self, slot: Slot) -> None:
+        """After its copy: the flat gradient of a tier-2 chunk as the fold would have made it
+        (gaps and shards no graph wrote are zero), times the engine's factor."""
+        c = slot.chunk
+        if c.gaps:
+            torch._foreach_zero_(c.gaps)
+        if len(slot.written) < len(c.shards):
+            for i, v in enumerate(c.grad_views):
+                if i not in slot.written:
+                    v.zero_()
+        if self.grad_scale is not None:
+            c.grad.mul_(self.grad_scale)
+
     # -- the optimizer step ------------------------------------------------------------------
     def begin_step(self) -> None:
         """Before the gradients are folded: while the plan is provisional, the device's count
-        less the state on it is the base the plan's step starts from (CUDA)."""
+        less the state on it is the base the plan's step starts from (CUDA); a tier-2 shard's
+        gradient that reached `shard.grad` anyway (the eager fallback, a local accumulator
+        flushed at the step) joins the host gradient."""
         if self.meter is not None and self.provisional:
             self.step_starts.append(self.meter() - self.resident_state_bytes())
+        for s in self.slots:
+            if self.grad_tier(s) and any(map(_is_not_none, map(_grad_of, s.chunk.shards))):
+                for e, sh in zip(s.chunk.entries, s.chunk.shards):
+                    if sh.grad is not None:
+                        g, sh.grad = sh.grad, None
+                        self.grad_to_host(e.pid, g)
 
     def run_step(self) -> None:
         """The inner optimizer's step over every chunk (gradients folded, hyperparameters
@@ -424,27 +553,45 @@ class Offloader:
         flat = self.flat
         self._copier.wait(self._pending)
         self._pending = []
-        ready = [s.chunk for s in self.slots if not s.offloaded]
+        ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
         with record_function("deepcompile.optimizer_step"):
             flat.step(ready)
-        streamed = [s for s in self.slots if s.offloaded]
+        streamed = [s for s in self.slots if s.offloaded or self.grad_tier(s)]
         if not streamed:
             return
         with record_function("deepcompile.optimizer_step_streamed"):
-            events = [self._reload(s) for s in streamed[:LOOKAHEAD + 1]]
+            events = [self._bring(s) for s in streamed[:LOOKAHEAD + 1]]
             for i, s in enumerate(streamed):
-                self._copier.wait([events[i]])
+                self._copier.wait(events[i])
+                host_grad = self.grad_tier(s)
+                if host_grad:
+                    self._grad_ready(s)
                 flat.step([s.chunk])
                 self._offload(s)
+                if host_grad:
+                    flat.release_grads([s.chunk])
                 j = i + LOOKAHEAD + 1
                 if j < len(streamed):
-                    events.append(self._reload(streamed[j]))
+                    events.append(self._bring(streamed[j]))
         self._counts["streamed_at_step"] += len(streamed)
+
+    def _bring(self, slot: Slot) -> list:
+        """Start copying what the step needs of a streamed chunk: its state, its gradient."""
+        events = [self._reload(slot)]
+        if self.grad_tier(slot):
+            events.append(self._grad_in(slot))
+        return events
 
     def after_step(self) -> None:
         """After the optimizer step: every chunk at tier >= 1 leaves the device (the copies
-        overlap the next forward); the step's figures are recorded."""
+        overlap the next forward); the step's figures are recorded; the host gradients start a
+        new window."""
         self._copier.collect()
+        self.grad_scale = None
+        for s in self.slots:
+            if s.written:
+                s.written.clear()
+                s.sumsq.zero_()
         if self.active:
             for s in self.slots:
                 if self.tier(s) >= STATE:
@@ -458,7 +605,7 @@ class Offloader:
     @staticmethod
     def _zero_counts() -> dict[str, int]:
         return {"d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0, "streamed_at_step": 0,
-                "deferred_by_meter": 0}
+                "deferred_by_meter": 0, "grad_d2h_bytes": 0, "grad_h2d_bytes": 0}
 
     def summary(self) -> dict:
         """What is offloaded and what moved: for the report."""
@@ -471,13 +618,15 @@ class Offloader:
         chunks = [{"chunk": s.chunk.index, "tier": TIER_NAMES[self.tier(s)],
                    "params": [e.name for e in s.chunk.entries][:3] + (
                        ["..."] if len(s.chunk.entries) > 3 else []),
-                   "state_bytes": self.state_bytes(s), "offloaded": s.offloaded}
+                   "state_bytes": self.state_bytes(s), "offloaded": s.offloaded,
+                   "grad_bytes": self.grad_bytes(s) if self.tier(s) >= GRADS else 0}
                   for s in self.slots if self.tier(s) > RESIDENT]
         return {
             "chunks": chunks,
             "offloaded_bytes": sum(c["state_bytes"] for c in chunks),
+            "offloaded_grad_bytes": sum(c["grad_bytes"] for c in chunks),
             "host_buffer_bytes": sum(t.numel() * t.element_size() for s in self.slots
-                                     for t in s.host.values()),
+                                     for t in [*s.host.values(), s.host_grad] if t is not None),
             "pinned": self._copier.cuda,
             "last_step": self.last_step, "totals": dict(self.stats),
             "measured_copy_s": copy_s, "measured_exposed_s": exposed,
@@ -513,7 +662,15 @@ class Offloader:
                     self._offload(s)
 
 
-# -- the op the pass inserts into backward graphs -------------------------------------------------
+def _accumulate(shard: torch.Tensor, grad: torch.Tensor) -> None:
+    """`shard.grad` as autograd's accumulation leaves it: the gradient, or old + new."""
+    if shard.grad is None:
+        shard.grad = grad.detach().clone().view_as(shard)
+    else:
+        shard.grad.add_(grad.view_as(shard.grad))
+
+
+# -- the ops the pass inserts into backward graphs ------------------------------------------------
 @torch.library.custom_op(f"{ops.NAMESPACE}::reload_state", mutates_args=())
 def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
     """Start copying reload group `group` (the optimizer state of chunks registered by the pass
@@ -536,3 +693,28 @@ def _(after, pids, group):
 RELOAD_STATE = torch.ops.deepcompile.reload_state.default
 torch.fx.node.has_side_effect(RELOAD_STATE)
 ops.register_comm_op(RELOAD_STATE, "state_reload")   # a host->device copy: not a collective
+
+
+@torch.library.custom_op(f"{ops.NAMESPACE}::grad_to_host", mutates_args=())
+def grad_to_host(grad: torch.Tensor, pid: int) -> None:
+    """Send the shard gradient `grad` of parameter `pid` to its chunk's host buffer ([Note:
+    gradients on the host]): placed right after the node that produces it; the lowered graph
+    returns None in its place. No output: registered as side-effecting (FX and Inductor keep
+    it), and as a follower (ops.FOLLOWERS: a pass that moves the gradient's node moves it too)."""
+    runtime = lookup(pid).runtime()
+    if runtime is None:
+        raise RuntimeError("deepcompile: a gradient to send to the host belongs to an engine "
+                           "that was released")
+    with record_function("deepcompile.grad_to_host"):
+        runtime.offload.grad_to_host(pid, grad)
+
+
+@grad_to_host.register_fake
+def _(grad, pid):
+    return None
+
+
+GRAD_TO_HOST = torch.ops.deepcompile.grad_to_host.default
+torch.fx.node.has_side_effect(GRAD_TO_HOST)
+ops.register_comm_op(GRAD_TO_HOST, "grad_offload")   # a device->host copy: not a collective
+ops.FOLLOWERS.add(GRAD_TO_HOST)

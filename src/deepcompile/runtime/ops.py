@@ -127,6 +127,10 @@ ACCUMULATE_START = accumulate_start
 MARKERS = (ALLGATHER_START, ALLGATHER_WAIT, ALLGATHER_FOR_NEXT, ALLGATHER_FROM_PREV,
            REDUCE_START, REDUCE_WAIT, KEPT_PARAM, ACCUMULATE_GRAD, ACCUMULATE_START)
 torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
+# Ops that act on a value right where it is produced (offload's `grad_to_host`): a pass that
+# replaces the value's node by one further down (bucket_reduce's wait) moves them after it, and
+# does not count them as a use of the value (passes/_common.py::replace_with_parts).
+FOLLOWERS: set[Any] = set()
 
 
 # [Note: communication op kinds] Every node that communicates is registered here with its kind,

@@ -1,0 +1,182 @@
+"""Gradients on the host (offload tier 2, [Note: gradients on the host] in runtime/offload.py),
+in-process at world size 1 (the multi-rank runs are in tests/test_offload.py):
+
+* the runtime alone (tiers set by hand, no graph ops: every gradient reaches `shard.grad` and
+  the step sends it to the host first): training is bitwise the same as with the gradients on
+  the device, with and without clipping, and matches torch's own optimizer on the unsharded
+  model;
+* an inf in a gradient that is on the host is found at the step ("raise" names it, "skip"
+  skips the step and leaves the weights as they were), and the next step trains;
+* planned by the pass under a budget the state alone cannot meet: a `grad_to_host` op per
+  gradient of the chunks it chose, their outputs None, the measured peak within the budget,
+  training bitwise the same; a re-plan in the middle of an accumulation window brings the
+  host gradients back, and the graphs still planned for tier 2 hand theirs to `shard.grad`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from _train import chunk_bytes
+
+CHUNK = 256
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh()]
+    for _ in range(6):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+def _engine(**config):
+    import deepcompile
+
+    model = _model()
+    with chunk_bytes(CHUNK):
+        return deepcompile.initialize(model, optimizer=ADAMW,
+                                      config={"compiler": "fx", "passes": (), **config})
+
+
+def _x(step: int, micro: int = 0) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + micro))
+
+
+def _train(engine, steps, gas=1, start=0, between=None):
+    for step in range(start, start + steps):
+        for micro in range(gas):
+            engine.backward(engine(_x(step, micro)).square().mean())
+            if between is not None:
+                between(step, micro)
+        engine.step()
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+def _all_to_host(engine) -> None:
+    from deepcompile.runtime import offload
+
+    engine._offload.set_plan({c.index: offload.GRADS for c in engine._flat.chunks})
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_gradients_on_the_host_train_as_on_the_device(group, clip):
+    plain = _engine(max_grad_norm=clip)
+    _train(plain, 4)
+    engine = _engine(max_grad_norm=clip)
+    _all_to_host(engine)
+    _train(engine, 4)
+    store = engine._offload
+    grads = sum(p.numel() * 4 for p in _model().parameters())
+    assert store.last_step["grad_d2h_bytes"] == grads
+    assert store.last_step["streamed_at_step"] == len(engine._flat.chunks)
+    assert all(s.host_grad is not None and not s.written for s in store.slots)
+    got, want = _weights(engine), _weights(plain)
+    for k in want:   # clipping sums the norm in another order: within a rounding
+        assert (torch.equal(got[k], want[k]) if clip is None
+                else torch.allclose(got[k], want[k], rtol=0, atol=1e-6)), k
+    # and as torch trains the unsharded model
+    ref = _model()
+    opt = ADAMW(ref.parameters())
+    for step in range(4):
+        ref(_x(step)).square().mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-5), k
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_an_inf_in_a_gradient_on_the_host_is_found(group, policy):
+    from deepcompile.runtime.guardrails import NonFiniteError
+
+    engine = _engine(on_nonfinite=policy)
+    _all_to_host(engine)
+    _train(engine, 2)
+    before = _weights(engine)
+    shard = engine._flat.chunks[-1].shards[0]
+    hook = shard.register_hook(lambda g: g * float("inf"))
+    engine.backward(engine(_x(2)).square().mean())
+    hook.remove()
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match=r"gradients on rank\(s\) \[0\]"):
+            engine.step()
+        return
+    assert engine.step() and engine.nonfinite_skipped == 1
+    after = _weights(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step moved weights"
+    _train(engine, 1, start=3)   # the host gradients start a clean window
+    assert engine.nonfinite_skipped == 1
+    assert all(torch.isfinite(v).all() for v in _weights(engine).values())
+
+
+def _decisions(engine) -> dict:
+    rep = engine.report().to_dict()
+    return next(p for p in rep["passes"] if p["pass"] == "offload_optimizer")["decisions"]
+
+
+def _bw_slot(engine):
+    return next(s for s in engine._pipeline.slots.values() if s.kind == "bw")
+
+
+def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
+    from deepcompile.passes import offload_optimizer as O
+    from deepcompile.runtime import offload
+
+    plain = _engine(gradient_accumulation_steps=2)
+    _train(plain, 5, gas=2)
+    probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
+    _train(probe, 3, gas=2)
+    d = _decisions(probe)
+    grads = sum(p.numel() * 4 for p in _model().parameters())
+    # below what all the state off the device gives (the graphs, or the step streaming it)
+    state_only = max(d["graph_peak_bytes"] - d["state_bytes"], d["step_base_bytes"]
+                     + O.staging_bytes(O.items_of(probe._offload)))
+    budget = state_only - grads // 8
+    engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
+                     warmup_steps=1, memory_budget=budget, measure_steps=0)
+    _train(engine, 4, gas=2)
+    d = _decisions(engine)
+    tier2 = [c for c in d["chunks"] if c["tier"] == offload.GRADS]
+    assert tier2 and not d["unattainable"] and d["peak_after"] <= budget, d
+    assert d["offloaded_bytes"] == d["state_bytes"]   # all state first
+    ops = [n for n in _bw_slot(engine).gm.graph.nodes if n.target is offload.GRAD_TO_HOST]
+    assert len(ops) == sum(len(engine._flat.chunks[c["chunk"]].shards) for c in tier2)
+    rep = engine.report().to_dict()
+    for g in rep["graphs"]:   # measured with the plan: within the budget
+        for s in g["slots"]:
+            assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+    off = rep["offload"]
+    assert off["offloaded_grad_bytes"] == d["offloaded_grad_bytes"] > 0
+    # two micro-steps: sent twice (the second added on the device), back once for the step
+    sent = sum(engine._flat.chunks[c["chunk"]].nbytes for c in tier2)
+    assert off["last_step"]["grad_d2h_bytes"] == 2 * d["offloaded_grad_bytes"]
+    assert off["last_step"]["grad_h2d_bytes"] == d["offloaded_grad_bytes"] + sent
+    # a re-plan in the middle of a window: the host gradients come back to `shard.grad`, and
+    # the graphs still planned for tier 2 hand theirs there too (until they are re-planned)
+    def replan(step, micro):
+        if step == 4 and micro == 0:
+            engine._offload.set_plan({})
+            assert all(not s.written for s in engine._offload.slots)
+    _train(engine, 1, gas=2, start=4, between=replan)
+    got, want = _weights(engine), _weights(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want), \
+        [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def test_the_report_says_what_gradients_went_to_the_host(group):
+    engine = _engine()
+    _all_to_host(engine)
+    _train(engine, 2)
+    text = str(engine.report())
+    assert "gradients on the host: " in text and "last step sent" in text, text
