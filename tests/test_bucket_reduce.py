@@ -202,3 +202,25 @@ def test_a_reduction_the_graph_uses_is_left_out_of_the_buckets(monkeypatch, use_
     assert bucket["members"] == (["rb"] if use_ra else ["ra", "rb"])
     B.apply(ctx, B.plan(ctx))
     gm.graph.lint()
+
+
+def test_a_gradient_sent_to_the_host_is_bucketed_and_its_op_follows_the_wait(monkeypatch):
+    """offload_optimizer's `grad_to_host` right after a reduction (tier 2) is not a use that
+    keeps it out of a bucket (ops.FOLLOWERS), and moves after the bucket's wait with it: the
+    graph stays valid (a value is never used before it is defined)."""
+    from deepcompile.runtime import offload, ops
+
+    gm, ctx, decisions, _ = _backward_graph(monkeypatch)
+    graph = gm.graph
+    ra = next(n for n in graph.nodes if n.name == "ra")
+    with graph.inserting_after(ra):
+        graph.call_function(offload.GRAD_TO_HOST, (ra, 1))
+    assert not B._used_in_graph(ra)
+    assert B.apply(ctx, decisions) == ["g0.bw"]
+    graph.lint()
+    nodes = list(graph.nodes)
+    (op,) = [n for n in nodes if n.target is offload.GRAD_TO_HOST]
+    wait = next(n for n in nodes if n.target is ops.REDUCE_WAIT)
+    part = op.args[0]
+    assert part.target is operator.getitem and part.args == (wait, 0)
+    assert nodes.index(wait) < nodes.index(part) < nodes.index(op)
