@@ -866,3 +866,33 @@ def test_a_longer_sequence_is_replanned_under_the_budget():
             assert r[other]["losses"] == r["plain"]["losses"]
             dev, where = max_param_deviation(r[other]["state"], r["plain"]["state"])
             assert dev == 0, (other, dev, where)
+
+
+# ------------------------------------------- gradients on the host and a graph Dynamo reuses
+def _reused_job(rank, world):
+    """loop_break: one compiled graph runs every layer of a ModuleList (Dynamo's [Note: graph
+    reuse]); `grad_to_host` names its parameter by the compile-time id, so the layers' chunks
+    must keep their gradients on the device (sending them would put one layer's gradient in
+    another's place: measured, a loss off by 1e-2 before the exclusion)."""
+    common = dict(steps=STEPS, warmup_steps=1, chunk_bytes=256)
+    plain = scenario("loop_break-plain", "loop_break", "adamw", 1e-2, **common)
+    free = scenario("loop_break-free", "loop_break", "adamw", 1e-2, passes=("offload_optimizer",),
+                    record=("report",), **common)
+    d = _offload_report(_one_scenario(rank, world, free))["decisions"]
+    low = (d["lowest_state_peak_bytes"] + d["lowest_peak_bytes"]) // 2
+    sc = scenario("loop_break-grads", "loop_break", "adamw", 1e-2, passes=("offload_optimizer",),
+                  memory_budget=low, record=("report",), **common)
+    return {"plain": _one_scenario(rank, world, plain), "grads": _one_scenario(rank, world, sc)}
+
+
+def test_gradients_of_a_reused_graphs_parameters_stay_on_the_device():
+    r = run_distributed(_reused_job, WORLD, timeout=600)[0]
+    d = _offload_report(r["grads"])["decisions"]
+    assert not d["unattainable"] and any(c["tier"] == R.GRADS for c in d["chunks"])
+    sent = [c["params"] for c in r["grads"]["report"]["offload"]["chunks"]
+            if c["tier"] == R.TIER_NAMES[R.GRADS]]
+    assert sent and all("..." not in p for p in sent)   # every parameter named
+    assert not any(n.startswith("layers.") for p in sent for n in p), sent
+    loss_dev = max(abs(a - b) for a, b in zip(mean_losses([r["plain"]]), mean_losses([r["grads"]])))
+    param_dev, where = max_param_deviation(r["grads"]["state"], r["plain"]["state"])
+    assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)

@@ -180,3 +180,14 @@ def test_the_report_says_what_gradients_went_to_the_host(group):
     _train(engine, 2)
     text = str(engine.report())
     assert "gradients on the host: " in text and "last step sent" in text, text
+
+
+def test_a_graph_reused_after_planning_for_a_parameter_sent_to_the_host_is_an_error(group):
+    """The op names its parameter by the compile-time id: a graph Dynamo starts reusing for
+    another parameter after the plan would mix their gradients (the plan leaves out what was
+    reused before it: tests/test_offload.py::test_gradients_of_a_reused_graphs_*)."""
+    engine = _engine()
+    _all_to_host(engine)
+    a, b = list(engine._registry)[:2]
+    with pytest.raises(RuntimeError, match=r"sends the gradient of .* to the host is also run"):
+        engine._registry.note_reuse(a, b)

@@ -371,13 +371,19 @@ class Engine:
         self._runtime.parked.drop_unused()
 
     def _check_reuse(self, compiled_for: ParamEntry, actual: ParamEntry) -> None:
-        """A graph reused for another parameter after planning: a gradient accumulated by the
-        compile-time parameter's id would mix two parameters' gradients."""
+        """A graph reused for another parameter after planning: a gradient accumulated (or sent
+        to the host) by the compile-time parameter's id would mix two parameters' gradients."""
         if self.config.zero_stage == 3 and self._runtime.accum.accumulates(compiled_for):
             raise RuntimeError(
                 f"deepcompile: the graph that accumulates the gradient of {compiled_for.name!r} "
                 f"locally is also run for {actual.name!r} (graph reuse appeared after planning); "
                 "their gradients cannot be told apart. Leave out the pass `selective_unshard`.")
+        if self._offload.sends_grad(compiled_for.pid):
+            raise RuntimeError(
+                f"deepcompile: the graph that sends the gradient of {compiled_for.name!r} to the "
+                f"host is also run for {actual.name!r} (graph reuse appeared after planning); "
+                "their gradients cannot be told apart. Raise Config.memory_budget so that "
+                "offload_optimizer keeps gradients on the device, or leave the pass out.")
 
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor],

@@ -260,16 +260,13 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
     state = sum(i.nbytes for i in items)
     state_of = {i.chunk: i.nbytes for i in items}
 
-    def figures(chosen: list[GradItem]):
-        return _all_state_off(live, items, chosen, step_base)
-
     chosen: list[GradItem] = []
-    curve, step = figures(chosen)
+    curve, step = _all_state_off(live, items, chosen, step_base)
     for g in sorted(grads, key=lambda g: (g.at, g.chunk)):
         if max(curve + [step]) <= budget:
             break
         chosen.append(g)
-        curve, step = figures(chosen)
+        curve, step = _all_state_off(live, items, chosen, step_base)
     if max(curve + [step]) > budget:
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) and all gradients "
@@ -329,8 +326,12 @@ def grad_outputs(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
 
 def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
     """Per chunk: its shard gradients and the point after which the backward graphs have made
-    all of them (the first micro-step's)."""
+    all of them (the first micro-step's). Not a chunk with a parameter whose graph Dynamo reuses
+    for another ([Note: graph reuse] in compiler/backend.py): the op names its parameter by the
+    compile-time id, and would send one parameter's gradient to another's place (a reuse that
+    appears after planning is an error: Engine._check_reuse)."""
     store = ctx.runtime.offload
+    reused = {pid for pair in ctx.registry.reuses for pid in pair}
     index = {}
     for j, p in enumerate(points):
         index.setdefault((p.slot, p.name), j)
@@ -346,6 +347,8 @@ def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
     n = len(points)
     out = []
     for s in store.slots:
+        if any(e.pid in reused for e in s.chunk.entries):
+            continue
         at = max((made.get(e.pid, n) for e in s.chunk.entries), default=n)
         out.append(GradItem(s.chunk.index, store.grad_bytes(s),
                             offload.device_bytes(s.chunk.nbytes, store.device), at,

@@ -286,6 +286,11 @@ class Offloader:
         """The chunk's gradients go to the host (tier 2; never while provisional)."""
         return not self.provisional and self.tiers[slot.chunk.index] >= GRADS
 
+    def sends_grad(self, pid: int) -> bool:
+        """Parameter `pid`'s gradient goes to the host (its chunk is at tier 2)."""
+        where = self._where.get(pid)
+        return where is not None and self.grad_tier(where[0])
+
     def device_grad_chunks(self) -> list[Chunk]:
         """The chunks whose gradients are on the device at the step (the engine folds these)."""
         return [s.chunk for s in self.slots if not self.grad_tier(s)]
