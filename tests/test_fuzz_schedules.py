@@ -9,9 +9,12 @@ so not in the default run:
 
     DEEPCOMPILE_FUZZ=1 OMP_NUM_THREADS=1 python -m pytest tests/test_fuzz_schedules.py -q
 
-`DEEPCOMPILE_FUZZ=N` runs N seeds per case (1 counts as 3). The models whose eager code reads a
-parameter inside an inlined module's forward (nested_break, mixtral_eager) need
-`Config.eager_modules` (tests/test_models.py) and are left out.
+`DEEPCOMPILE_FUZZ=N` runs N seeds per case (1 counts as 3). nested_break and mixtral_eager
+(eager code inside a module's forward, tests/test_models.py) are not fuzzed here yet.
+
+And `offload_optimizer` with gradients on the host (tier 2, runtime/offload.py) first, then the
+other three in auto's order, under a budget halfway between what all the state off the device
+and all the gradients too reach: parity, the plan within the budget, and every measured profile.
 """
 
 from __future__ import annotations
@@ -99,3 +102,51 @@ def test_a_budget_holds_under_random_profiled_times(model_name, seed):
                 assert not dec.get("unattainable") and dec["peak_after"] <= budget, (name, key)
     over = {k: max(p) for k, p in r["peaks"].items() if max(p) > budget}
     assert not over, (budget, over)
+
+
+# ----------------------------------- gradients on the host, then the other passes, random times
+# chunk bytes per model: several chunks, so that the plan has chunks to choose from; loop_break
+# runs one graph for all its layers (graph reuse: their gradients stay on the device)
+_CHUNK = {"llama": 4096, "graph_break": 1024, "loop_break": 256}
+
+
+def _tier2_job(rank, world, model_name, gas, seed):
+    from _train import _one_scenario
+
+    def offload(res):
+        return next(p for p in res["report"]["passes"] if p["pass"] == "offload_optimizer")
+
+    common = dict(gas=gas, steps=6, warmup_steps=1, chunk_bytes=_CHUNK[model_name],
+                  profile_seed=seed, record=("report",))
+    free = scenario(f"{model_name}-tier2-gas{gas}-t{seed}-free", model_name, "adamw", 1e-2,
+                    passes=("offload_optimizer",), **common)
+    d = offload(_one_scenario(rank, world, free))["decisions"]
+    budget = (d["lowest_state_peak_bytes"] + d["lowest_peak_bytes"]) // 2
+    sc = scenario(f"{model_name}-tier2-gas{gas}-t{seed}", model_name, "adamw", 1e-2,
+                  passes=("offload_optimizer",) + _PASSES, memory_budget=budget, measure_steps=0,
+                  **common)
+    res = _one_scenario(rank, world, sc)
+    return {"sc": sc, "res": res, "decisions": offload(res)["decisions"] if "report" in res
+            else None}
+
+
+@pytest.mark.skipif(not _SEEDS, reason="opt-in: DEEPCOMPILE_FUZZ=1")
+@pytest.mark.parametrize("model_name", list(_CHUNK))
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("seed", range(min(max(_SEEDS, 1), 2)))
+def test_gradients_on_the_host_with_every_pass_under_random_profiled_times(model_name, gas,
+                                                                            seed):
+    from deepcompile.runtime import offload
+
+    out = run_distributed(_tier2_job, 2, model_name, gas, seed, timeout=900)
+    sc, runs = out[0]["sc"], [o["res"] for o in out]
+    for r in runs:
+        assert "error" not in r, r.get("error")
+    compare_to_reference(sc, runs, kind=sc["id"])
+    budget = sc["config"]["memory_budget"]
+    d = out[0]["decisions"]
+    assert not d["unattainable"] and d["peak_after"] <= budget, d.get("reason")
+    assert any(c["tier"] == offload.GRADS for c in d["chunks"])
+    for g in runs[0]["report"]["graphs"]:
+        for s in g["slots"]:
+            assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
