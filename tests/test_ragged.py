@@ -186,3 +186,45 @@ def test_ragged_lengths_train_like_one_process(ragged, name):
             assert m["same_collectives"], (key, m)
             assert (m["rep_version"] > 0) == (m["rep"] in planned), (key, m)
         assert not [w for w in r["warnings"] if "insertion only" in w], r["warnings"]
+
+
+# ------------------------------------- a marker ordered after a node another shape's graph lacks
+@pytest.mark.parametrize("marker", ["allgather_for_next", "reload_state"])
+def test_an_order_only_argument_the_member_lacks_becomes_the_node_before_it(marker):
+    """A start ordered after a node (its place from profiled times) that a graph compiled for
+    another shape does not have (an `alias` one shape's decomposition has): the member follows
+    the node before it instead of failing the plan (seen once in a full CI run: "the planned
+    graph reads alias, which the member lacks")."""
+    import copy
+
+    from torch import fx, nn
+
+    from deepcompile.compiler import families
+    from deepcompile.runtime import offload, ops
+
+    def graph(with_alias: bool) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        a = g.call_function(torch.ops.aten.relu.default, (x,), name="relu")
+        if with_alias:
+            a = g.call_function(torch.ops.aten.alias.default, (a,), name="alias")
+        g.output((g.call_function(torch.ops.aten.sin.default, (a,), name="sin"),))
+        for n in g.nodes:
+            n.meta["val"] = torch.empty(2)
+        return fx.GraphModule(nn.Module(), g)
+
+    rep, member = graph(True), graph(False)
+    planned = copy.deepcopy(rep)
+    alias = next(n for n in planned.graph.nodes if n.name == "alias")
+    target, args = ((ops.ALLGATHER_FOR_NEXT, (alias, [7], torch.float32))
+                    if marker == "allgather_for_next" else (offload.RELOAD_STATE, (alias, [7], 0)))
+    with planned.graph.inserting_after(alias):
+        planned.graph.call_function(target, args)
+    out, _ = families.transplant(rep, planned, member)
+    (m,) = [n for n in out.graph.nodes if n.target is target]
+    assert m.args[0].name == "relu"
+    # a data argument the member lacks still fails
+    with planned.graph.inserting_after(alias):
+        planned.graph.call_function(torch.ops.aten.cos.default, (alias,))
+    with pytest.raises(families.TransplantError, match="reads alias"):
+        families.transplant(rep, planned, member)

@@ -145,6 +145,14 @@ def _correspond(s0: fx.Graph, n0: fx.Graph) -> dict[fx.Node, fx.Node]:
     return corr
 
 
+def _resolvable(resolve: Callable[[fx.Node], tuple], node: fx.Node) -> bool:
+    try:
+        resolve(node)
+    except TransplantError:
+        return False
+    return True
+
+
 def _flat(args) -> list:
     out: list = []
     fx.node.map_aggregate(args, out.append)
@@ -199,6 +207,34 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
             raise TransplantError(f"the planned graph reads {a.name}, which the member lacks")
         return item_of_member(m)
 
+    # an op that a node only orders (ops.ORDER_ONLY) follows the node before it where the member
+    # lacks that node (a shape-dependent decomposition: an `alias` one shape has and another not)
+    order_sub: dict[fx.Node, fx.Node] = {}
+    for p in star.nodes:
+        if p.op != "call_function" or p.target not in ops.ORDER_ONLY or not p.args:
+            continue
+        after = p.args[0]
+        if not isinstance(after, fx.Node) or _resolvable(item_of_plan, after):
+            continue
+        q = after.prev
+        while q.op != "root" and not (isinstance(q.meta.get("val"), torch.Tensor)
+                                      and _resolvable(item_of_plan, q)):
+            q = q.prev
+        if q.op == "root":
+            raise TransplantError(f"{p.name} is ordered after {after.name}, which the member "
+                                  "lacks, and nothing before it has a place in the member")
+        order_sub[p] = q
+
+    def resolver(it: tuple) -> Callable[[fx.Node], tuple]:
+        kind, node = it
+        if kind == "m":
+            return item_of_member
+        sub = order_sub.get(node)
+        if sub is None:
+            return item_of_plan
+        after = node.args[0]
+        return lambda a: item_of_plan(sub if a is after else a)
+
     # the intended order: the member's nodes, each planned marker before the member's node that
     # corresponds to the next compiled node after it in the plan
     anchored: dict[fx.Node, list[fx.Node]] = {}
@@ -223,9 +259,8 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
     index = {it: i for i, it in enumerate(items)}
 
     def deps(it: tuple) -> list[tuple]:
-        kind, node = it
-        resolve = item_of_plan if kind == "p" else item_of_member
-        return [resolve(a) for a in _flat((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+        resolve = resolver(it)
+        return [resolve(a) for a in _flat((it[1].args, it[1].kwargs)) if isinstance(a, fx.Node)]
 
     # a stable topological order (the intended order wherever the dependencies allow it)
     waiting = {it: set(deps(it)) for it in items}
@@ -247,8 +282,7 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
     while ready:
         it = items[heapq.heappop(ready)]
         kind, node = it
-        resolve = item_of_plan if kind == "p" else item_of_member
-        made = graph.node_copy(node, lambda a, r=resolve: new[r(a)])
+        made = graph.node_copy(node, lambda a, r=resolver(it): new[r(a)])
         new[it] = made
         if kind == "p":
             to_rep[made.name] = node.name

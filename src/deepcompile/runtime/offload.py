@@ -698,6 +698,7 @@ def _(after, pids, group):
 RELOAD_STATE = torch.ops.deepcompile.reload_state.default
 torch.fx.node.has_side_effect(RELOAD_STATE)
 ops.register_comm_op(RELOAD_STATE, "state_reload")   # a host->device copy: not a collective
+ops.ORDER_ONLY.add(RELOAD_STATE)
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::grad_to_host", mutates_args=())

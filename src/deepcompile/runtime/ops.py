@@ -131,6 +131,11 @@ torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
 # replaces the value's node by one further down (bucket_reduce's wait) moves them after it, and
 # does not count them as a use of the value (passes/_common.py::replace_with_parts).
 FOLLOWERS: set[Any] = set()
+# Ops whose first argument only orders them (`allgather_for_next`'s and offload's
+# `reload_state`'s `after`: the node they run after, chosen by its profiled time): a graph of the
+# same code compiled for another shape may lack that node; the op then follows the node before it
+# (compiler/families.py::transplant).
+ORDER_ONLY: set[Any] = {ALLGATHER_FOR_NEXT}
 
 
 # [Note: communication op kinds] Every node that communicates is registered here with its kind,
