@@ -374,3 +374,74 @@ def test_copies_to_and_from_the_host_run_in_both_directions_at_once():
     first_in = min(x.t0 for x in two.segments if x.lane == "h2d")
     assert first_in < out.t1                 # a reload started while the copy out ran
     assert two.step_s < one.step_s
+
+
+@pytest.mark.parametrize("world,layers,passes", [
+    (1, 6, ("offload_optimizer",)),
+    # more than the step's staging (LOOKAHEAD + 1 chunks), or gradients off save nothing there
+    (2, 14, ("offload_optimizer", "prefetch", "bucket_reduce"))])   # auto's order
+@pytest.mark.parametrize("gas", [1, 2])
+def test_gradients_go_to_the_host_when_all_state_off_is_not_enough(gas, world, layers, passes):
+    """Tier 2 in the planner, planned by offload_optimizer.plan_step as the runtime plans it:
+    below the peak with all optimizer state off the device, chunks' gradients leave the device
+    once the backward completes them (a copy out per chunk on the "d2h" lane; a later
+    micro-step's gradient comes back to be added to); the step streams state and gradient in.
+    The simulated curve stays within the budget it was planned for."""
+    m = synthetic(layers=layers)
+    probe, _ = run(setting(m, world=world, gas=gas, budget=1), passes)
+    d0 = probe.decisions["offload_optimizer"]
+    assert d0["unattainable"]      # 1 byte: not even all of it is enough
+    lo, hi = d0["lowest_peak_bytes"], d0["lowest_state_peak_bytes"]
+    assert lo < hi
+    budget = (lo + hi) // 2
+    sch, r = run(setting(m, world=world, gas=gas, budget=budget), passes)
+    d = sch.decisions["offload_optimizer"]
+    assert not d["unattainable"] and d["offloaded_bytes"] == d["state_bytes"]
+    grads = d["offloaded_grad_bytes"]
+    assert 0 < grads < sum(m.params[i].numel for i in range(len(m.params))) * 4
+    assert max(e.live for e in sch.events) <= budget < hi
+    assert d["peak_after"] <= budget
+    tier2 = ours.plan(setting(m, world=world, gas=gas, budget=budget),
+                      passes).grads_off
+    assert sum(g.nbytes for g in tier2) == grads
+    starts = [e for e in sch.events if e.kind == "start"]
+    out = [e for e in starts if e.name.startswith("grads to host")]
+    back = [e for e in starts if e.name.startswith("grads back")]
+    assert len(out) == gas * len(tier2) and {e.lane for e in out} == {"d2h"}
+    assert len(back) == (gas - 1) * len(tier2) and {e.lane for e in back} <= {"h2d"}
+    cost = setting(m).cost
+    assert sum(e.dur for e in out) == pytest.approx(gas * sum(cost.copy_s(g.nbytes) for g in tier2))
+    stream = next(e for e in sch.events if e.name == "stream state")
+    assert stream.dur == pytest.approx(cost.copy_s(d["state_bytes"] + grads))
+    # the step waits for every copy out and the stream in (the simulated step is no shorter)
+    assert r.step_s >= max(sum(e.dur for e in out), stream.dur)
+    # below all state and all gradients off: unattainable, and it says why
+    sch, _ = run(setting(m, world=world, gas=gas, budget=lo - 1), passes)
+    assert "all gradients" in sch.decisions["offload_optimizer"]["reason"]
+
+
+@pytest.mark.parametrize("system", ["ours", "fsdp2"])
+def test_gradient_shards_exist_from_their_reduction_to_the_step(system):
+    """[Note: gradient lifetime] in planner/ours.py: zero_grad sets the shard gradients to None
+    after each step (ours and FSDP2), so the first micro-step's forward holds none of them and
+    its backward gains each where it is reduced; the second micro-step and the step hold all."""
+    m = synthetic()
+    s = setting(m, gas=2)
+    grads = sum(4 * s.shard_numel(p) for p in m.params)
+    if system == "ours":
+        sch = ours.schedule(s, (), "x", "")
+    else:
+        sch = peers.fsdp2(s, peers.PeerCosts(fsdp_hook_s=0.0), compiled=True, name="fsdp2",
+                          description="")
+    computes = [e for e in sch.events if e.kind == "compute" and e.name != "optimizer step"]
+    per_micro = len(computes) // 2
+    first, second = computes[:per_micro], computes[per_micro:]
+    fw0 = next(e for e in first if e.name.startswith("F"))
+    fw1 = next(e for e in second if e.name.startswith("F"))
+    assert fw1.live - fw0.live == grads            # same activations, all gradients now
+    step = next(e for e in sch.events if e.name == "optimizer step")
+    assert step.live == s.persistent_bytes() + m.base_bytes
+    # the first backward starts without the gradients the second one starts with
+    bw0 = next(e for e in first if e.name.startswith("B"))
+    bw1 = next(e for e in second if e.name.startswith("B"))
+    assert bw1.live - bw0.live == grads

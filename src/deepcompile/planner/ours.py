@@ -13,7 +13,9 @@ on the effect of the ones before. The simulation then times the plan with the me
 modelled costs, host costs included.
 
 Memory model of a plan (the profiler's: live bytes after each node): the persistent state
-(shards, gradient shards, Adam state, kept parameters, accumulators), the step's activations
+(shards, Adam state, kept parameters, accumulators), the gradient shards from where each is
+complete until the step ([Note: gradient lifetime] in `Plan.grad_life`; at tier 2 until the
+chunk's last one is complete), the step's activations
 (`Node.live`), each gathered parameter from its gather (or its group's wait, where the runtime
 hands it over) to its last use in the graph, a group's flat buffer from its start to its wait,
 a gradient from where it is complete to its reduce (or its bucket's start), a bucket's padded
@@ -44,7 +46,7 @@ from ..passes._common import Step
 from ..runtime import kept as _kept
 from ..runtime import regather
 from .compose import Graph, Model
-from ..runtime import flat
+from ..runtime import flat, offload
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
                        framework_event, node_host, optimizer_events)
 from .schedule import async_launch_s as _launch
@@ -91,6 +93,26 @@ class Item:
 
 
 @dataclasses.dataclass
+class GradOff:
+    """A tier-2 chunk ([Note: gradients on the host] in runtime/offload.py): its shard
+    gradients leave the device where the last of them is complete (reduced), in the first
+    micro-step that completes them all; later micro-steps bring each back to add to it. Where
+    that is follows the plan (a later pass may bucket or accumulate the reductions), as the
+    runtime's `grad_to_host` op follows the node that makes its gradient."""
+    chunk: int
+    pids: list[int]
+    nbytes: int            # the shard gradients
+    flat_bytes: int        # the chunk's flat gradient, which the step streams in
+    label: str = ""
+
+
+@dataclasses.dataclass
+class GradLife:
+    first: dict[int, int]                    # parameter -> micro-step completing its gradient
+    tier2: list[tuple[GradOff, int]]         # tier-2 chunk -> micro-step it leaves in
+
+
+@dataclasses.dataclass
 class Plan:
     s: Setting
     groups: dict[str, list[Group]] = dataclasses.field(default_factory=lambda: {"fw": [], "bw": []})
@@ -100,8 +122,11 @@ class Plan:
     offloaded: int = 0                       # bytes of optimizer state off the device
     reloads: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
     # (bw node index after which, bytes, copy s) in the last micro-step
-    streamed: list[int] = dataclasses.field(default_factory=list)
-    # bytes of each offloaded chunk that no graph brings back: streamed through the step
+    streamed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # chunk -> bytes of each offloaded chunk's state that no graph brings back: streamed
+    # through the step
+    grads_off: list[GradOff] = dataclasses.field(default_factory=list)
+    # tier 2: chunks whose shard gradients go to the host once the backward completes them
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- sizes ------------------------------------------------------------------------
@@ -119,7 +144,30 @@ class Plan:
         return s.persistent_bytes() + extra + s.model.base_bytes - self.offloaded
 
     # -- the graph's items under this plan ---------------------------------------------
-    def items(self, key: str, last: bool = True) -> list[Item]:
+    def items(self, key: str, last: bool = True, m: int | None = None,
+              life: GradLife | None = None) -> list[Item]:
+        """The graph's items in micro-step `m` (default: the last one if `last`, else the
+        first), live bytes as the profiler measures them (`life`: `grad_life()`, for callers
+        that walk every micro-step)."""
+        out = self._items(key, last)
+        _grad_curve(self, out, key, (self.s.gas - 1 if last else 0) if m is None else m,
+                    life or self.grad_life())
+        return out
+
+    def grad_life(self) -> GradLife:
+        """[Note: gradient lifetime] A shard gradient exists from where it is complete (its
+        reduce-scatter, its bucket's wait; at world size 1 its node or cast) in the first
+        micro-step that completes it until the optimizer step (the engine's zero_grad sets
+        them to None after it); a tier-2 chunk's leave the device where the last of them is
+        complete. Per parameter and per tier-2 chunk: that micro-step (`gas`: none does)."""
+        gas = self.s.gas
+        done = [set(reduced_at(self, self._items("bw", False), "bw")) if gas > 1 else set(),
+                set(reduced_at(self, self._items("bw", True), "bw"))]
+        first = {p.pid: 0 if p.pid in done[0] else gas - 1 if p.pid in done[1] else gas
+                 for p in self.model.params}
+        return GradLife(first, [(g, max(first[p] for p in g.pids)) for g in self.grads_off])
+
+    def _items(self, key: str, last: bool) -> list[Item]:
         s, g = self.s, self.graph(key)
         params = s.model.params
         n = len(g.nodes)
@@ -301,6 +349,83 @@ class Plan:
 
     def peak(self) -> int:
         return max((it.peak for key in ("fw", "bw") for it in self.items(key)), default=0)
+
+
+def _grad_bytes(s: Setting, pid: int) -> int:
+    return GRAD_SHARD_BYTES * s.shard_numel(s.model.params[pid])
+
+
+def _grads_absent(plan: Plan, m: int, life: GradLife) -> int:
+    """Bytes of gradient shards `persistent()` counts that are not on the device when
+    micro-step `m` starts (`gas`: at the optimizer step): not yet complete, or at tier 2."""
+    s = plan.s
+    return (sum(_grad_bytes(s, p) for p, f in life.first.items() if f >= m and m < s.gas)
+            + sum(g.nbytes for g, f in life.tier2 if f < m))
+
+
+def _grad_curve(plan: Plan, items: list[Item], key: str, m: int, life: GradLife) -> None:
+    """[Note: gradient lifetime] on the profiler's curve: each item's live bytes less the
+    gradient shards not on the device after it. A tier-2 chunk's gradients leave after the
+    item that completes the last of them, as `offload_optimizer._all_state_off` plans it; a
+    later micro-step's round trip (back, added to, out again) holds one parameter's gradient
+    at a time: not modelled."""
+    delta: dict[int, int] = {}   # item index -> bytes that appear (+) / leave (-) from it on
+    if key == "bw":
+        at = reduced_at(plan, items, key)
+        for p, j in at.items():
+            if life.first[p] == m:
+                delta[j] = delta.get(j, 0) + _grad_bytes(plan.s, p)
+        for g, f in life.tier2:
+            js = [at[p] for p in g.pids if p in at]
+            if f == m and js:
+                delta[max(js) + 1] = delta.get(max(js) + 1, 0) - g.nbytes
+    adjust = -_grads_absent(plan, m, life)
+    for j, it in enumerate(items):
+        adjust += delta.get(j, 0)
+        it.live += adjust
+        it.peak += adjust
+
+
+def _tier2_copies(plan: Plan, items: list[Item], key: str, m: int,
+                  life: GradLife) -> dict[int, list]:
+    """Item index -> the tier-2 chunks whose gradients are copied out after it in this graph,
+    each with whether it is a round trip (a later micro-step's gradient added to the host's)."""
+    out: dict[int, list] = {}
+    if not life.tier2 or key != "bw":
+        return out
+    at = reduced_at(plan, items, key)
+    for g, first in life.tier2:
+        js = [at[p] for p in g.pids if p in at]
+        if first <= m and js:
+            out.setdefault(max(js), []).append((g, first < m))
+    return out
+
+
+def reduced_at(plan: Plan, items: list[Item], key: str) -> dict[int, int]:
+    """Per parameter: the index of the item after which its gradient is complete in this
+    graph (its reduce-scatter, its bucket's wait; at world size 1 the node that computes it,
+    or its cast); ZeRO-1's and accumulated gradients only where they are reduced."""
+    out: dict[int, int] = {}
+    if key != "bw":
+        return out
+    g = plan.graph(key)
+    by_node: dict[int, list[int]] = {}
+    for gr in g.grads:
+        by_node.setdefault(gr.at, []).append(gr.pid)
+    names = {f"cast.grad.{p.name}": p.pid for p in plan.model.params}
+    for j, it in enumerate(items):
+        if it.kind == "reduce_scatter":
+            out[it.ref[2][1]] = j
+        elif it.kind == "reduce_scatter_wait":
+            for pid in plan.buckets[it.ref[2]].pids:
+                out[pid] = j
+        elif plan.s.world == 1 and it.kind == "compute":
+            for pid in by_node.get(it.ref, ()):
+                if pid not in plan.accumulated:
+                    out[pid] = j
+        elif plan.s.world == 1 and it.kind == "copy" and it.name in names:
+            out[names[it.name]] = j
+    return out
 
 
 def _order(entry) -> int:
@@ -551,41 +676,67 @@ def _movable_bytes(s: Setting) -> int:
     return ADAM_BYTES * s.shard_elems()
 
 
+def _chunks(s: Setting) -> list[tuple[list[int], int, str]]:
+    """The runtime's layout (runtime/flat.py): shards in flat chunks of at least CHUNK_BYTES
+    master bytes, in order. Per chunk: its parameters, master bytes, first parameter's name."""
+    out, pids, master = [], [], 0
+    params = s.model.params
+    for p in params:
+        pids.append(p.pid)
+        master += s.shard_numel(p) * MASTER_BYTES
+        if master >= flat.CHUNK_BYTES or p is params[-1]:
+            out.append((pids, master, params[pids[0]].name))
+            pids, master = [], 0
+    return out
+
+
 def _offload(plan: Plan) -> dict[str, Any]:
     """[Note: provisional offload] in runtime/offload.py: until this pass plans, every movable
     fragment is off the device, so the passes before it planned on that curve; this plan
-    puts them back and keeps on the device what fits."""
+    puts them back and keeps on the device what fits: optimizer state first, then (tier 2)
+    the gradients of the chunks the backward completes first."""
     s = plan.s
-    params = s.model.params
-    plan.offloaded = 0     # the curve with all state on the device
+    plan.offloaded = 0     # the curve with all state and gradients on the device
+    plan.reloads, plan.streamed, plan.grads_off = [], {}, []
     points = []
+    done: dict[int, int] = {}     # parameter -> the point after which its gradient is complete
+    life = plan.grad_life()
     for m in range(s.gas):
         last = m == s.gas - 1
         for key in ("fw", "bw"):
-            for it in plan.items(key, last):   # every node of the profile, comm ops too
+            items = plan.items(key, last, m, life)   # every node of the profile, comm ops too
+            for pid, j in reduced_at(plan, items, key).items():
+                done.setdefault(pid, len(points) + j)
+            for j, it in enumerate(items):
                 compute = it.kind == "compute"
                 points.append(offload_optimizer.Point(
                     f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
                     it.dur if compute else 0.0, compute and last and key == "bw"))
-    # the runtime's layout (runtime/flat.py): shards in flat chunks of at least CHUNK_BYTES
-    # master bytes, in order; an item is one chunk's Adam state
-    items, master, first = [], 0, None
-    for p in params:
-        first = first or p.name
-        master += s.shard_numel(p) * MASTER_BYTES
-        if master >= flat.CHUNK_BYTES or p is params[-1]:
-            items.append(offload_optimizer.Item(len(items), master * ADAM_BYTES // MASTER_BYTES,
-                                                first))
-            master, first = 0, None
+    chunks = _chunks(s)
+    items = [offload_optimizer.Item(c, master * ADAM_BYTES // MASTER_BYTES, label)
+             for c, (_, master, label) in enumerate(chunks)]
+    n = len(points)
+    grads = [offload_optimizer.GradItem(
+        c, master * GRAD_SHARD_BYTES // MASTER_BYTES, master * GRAD_SHARD_BYTES // MASTER_BYTES,
+        max((done.get(pid, n) for pid in pids), default=n), label)
+        for c, (pids, master, label) in enumerate(chunks)]
     step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
-    d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget)
+    d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget,
+                                    grads=grads)
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]), r["bytes"], r["predicted_s"]) for r in d["reloads"]]
-        plan.streamed = [c["bytes"] for c in d["chunks"] if c["streamed"]]
+        plan.streamed = {c["chunk"]: c["bytes"] for c in d["chunks"] if c["streamed"]}
+        for c in d["chunks"]:
+            g = grads[c["chunk"]]
+            if c["tier"] == offload.GRADS:
+                plan.grads_off.append(GradOff(g.chunk, chunks[g.chunk][0], g.nbytes,
+                                              g.flat_bytes, g.label))
     return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
-                              "predicted_streamed_s", "peak_before", "peak_after")}
+                              "predicted_streamed_s", "peak_before", "peak_after",
+                              "offloaded_grad_bytes", "predicted_grad_copy_s",
+                              "lowest_state_peak_bytes", "lowest_peak_bytes")}
 
 
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
@@ -685,16 +836,23 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
         cid[0] += 1
         events.append(Event("start", "offload state", s.cost.copy_s(reloaded), 0.0, cid[0],
                             "d2h", pl.persistent(), label="offload"))
+    # Tier 2 ([Note: gradients on the host]): a chunk's gradients go out on the "d2h" lane
+    # once the backward completes them, one `grad_to_host` op per parameter (an eager op's
+    # host time each); a later micro-step's gradient comes back, is added to, and goes out
+    # again, the compute waiting for the copy back; the step waits for every copy out.
     reload_ids: list[int] = []
     back = 0
+    life = pl.grad_life()
     for m in range(s.gas):
         last = m == s.gas - 1
         ids: dict[Any, int] = {}           # one micro-step: a forward may start a backward group
         if s.framework_s:
-            events.append(framework_event(s, pl.persistent()))
+            events.append(framework_event(s, pl.persistent() - _grads_absent(pl, m, life)))
         for key in ("fw", "bw"):
             reload_at = {r[0]: r for r in pl.reloads} if (last and key == "bw") else {}
-            for it in pl.items(key, last):
+            items = pl.items(key, last, m, life)
+            grads_at = _tier2_copies(pl, items, key, m, life)
+            for j, it in enumerate(items):
                 _events_of(it, ids, cid, events, counter, back)
                 if it.kind == "compute" and it.ref in reload_at:
                     _, nb, c = reload_at[it.ref]
@@ -703,13 +861,32 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
                     reload_ids.append(cid[0])
                     events.append(Event("start", "reload state", c, 0.0, cid[0], "h2d",
                                         it.live + back, label="offload"))
+                for g, again in grads_at.get(j, ()):
+                    host = node_host(s, len(g.pids), True)
+                    if again:
+                        cid[0] += 1
+                        events.append(Event("start", f"grads back {g.label}",
+                                            s.cost.copy_s(g.nbytes), host, cid[0], "h2d",
+                                            it.live + back, label="offload"))
+                        events.append(Event("wait", f"grads back {g.label}.wait", cid=cid[0],
+                                            live=it.live + back))
+                        host = 0.0
+                    cid[0] += 1
+                    reload_ids.append(cid[0])
+                    events.append(Event("start", f"grads to host {g.label}",
+                                        s.cost.copy_s(g.nbytes), host, cid[0], "d2h",
+                                        it.live + back, label="offload"))
+    # a streamed chunk brings its state, and at tier 2 its flat gradient, onto the device
+    staged = dict(pl.streamed)
+    for g in pl.grads_off:
+        staged[g.chunk] = staged.get(g.chunk, 0) + g.flat_bytes
     staging = offload_optimizer.staging_bytes(
-        [offload_optimizer.Item(i, b) for i, b in enumerate(pl.streamed)])
-    live = pl.persistent() + back + staging
-    if pl.streamed:
+        [offload_optimizer.Item(c, b) for c, b in staged.items()])
+    live = pl.persistent() - _grads_absent(pl, s.gas, life) + back + staging
+    if staged:
         cid[0] += 1
         reload_ids.append(cid[0])
-        events.append(Event("start", "stream state", s.cost.copy_s(sum(pl.streamed)), 0.0,
+        events.append(Event("start", "stream state", s.cost.copy_s(sum(staged.values())), 0.0,
                             cid[0], "h2d", live, label="offload"))
     for c in reload_ids:
         events.append(Event("wait", "reload wait", cid=c, lane="h2d", live=live))

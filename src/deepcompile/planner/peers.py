@@ -37,7 +37,7 @@ from .compose import Graph, Model
 from .ours import Item, _events_of, _labels
 from .schedule import async_launch_s as _launch
 from .schedule import async_s
-from .schedule import Counter, Schedule, Setting, node_host, optimizer_events
+from .schedule import GRAD_SHARD_BYTES, Counter, Schedule, Setting, node_host, optimizer_events
 from .simulate import Event
 
 DS_PREFETCH_BUCKET = 50_000_000
@@ -76,17 +76,23 @@ def _units(s: Setting, g: Graph, groups: dict[str, list[int]]) -> list[_Unit]:
 def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
           release: dict[str, int | None], held_at_start: dict[str, int], copy_out: bool,
           hook_s: float, eager: bool, reduces: list[tuple[int, list[int], int]],
-          rs_wait: dict[int, int], grads_copied: bool, persistent: int) -> list[Item]:
+          rs_wait: dict[int, int], grads_copied: bool, persistent: int,
+          grads_absent: bool = False) -> list[Item]:
     """Items of one graph: unit all-gathers issued before node `issue[u]` (waited before the
     unit's first use, released after node `release[u]`, or never), reduce-scatters
     (after node, pids, wire bytes) waited before node `rs_wait[k]` (n: the end).
     `grads_copied` (DeepSpeed): gradients go into reduce buckets that are part of the
-    persistent bytes; else a reduce-scatter holds its input and output until its wait."""
+    persistent bytes; else a reduce-scatter holds its input and output until its wait.
+    `grads_absent` (FSDP2's first micro-step): the gradient shards `persistent` counts do not
+    exist yet; each reduce-scatter's appear at its wait ([Note: gradient lifetime] in
+    ours.py: zero_grad sets them to None after the step)."""
     g = s.model.fw if key == "fw" else s.model.bw
     n = len(g.nodes)
     cost = s.cost
     lab = _labels(s.model, g)
     held: dict[Any, int] = {("unit", u): b for u, b in held_at_start.items()}
+    shard_grad = {p.pid: GRAD_SHARD_BYTES * s.shard_numel(p) for p in s.model.params}
+    absent = [sum(shard_grad.values()) if grads_absent else 0]
     base = persistent
     act = [0 if key == "fw" else s.model.fw.nodes[-1].live] + [x.live for x in g.nodes]
     out: list[Item] = []
@@ -112,7 +118,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
     grad_of = {gr.pid: gr for gr in g.grads}
 
     def live(i):
-        return base + act[i] + sum(held.values())
+        return base - absent[0] + act[i] + sum(held.values())
 
     def emit(kind, name, dur, host, ref, i, label, peak=None, nbytes=0):
         lv = live(i)
@@ -123,6 +129,8 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
         label = lab[min(i, n - 1)]
         for k in rs_before.get(i, ()):
             held.pop(("rs", k), None)
+            if grads_absent:
+                absent[0] -= sum(shard_grad[p] for p in reduces[k][1])
             emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, 0.0, (key, "rs", k), i, label)
         for u in by_issue.get(i, ()):
             held[("unit", u.name)] = u.nbytes
@@ -229,11 +237,12 @@ def fsdp2(s: Setting, costs: PeerCosts, *, compiled: bool, name: str, descriptio
     for k in range(len(reduces)):   # each waited for when the next one is issued
         waits[k] = reduces[k + 1][0] + 1 if k + 1 < len(reduces) else len(m.bw.nodes)
     items = []
-    for mstep in range(s.gas):
+    for mstep in range(s.gas):   # reduced every micro-step (FSDP2's default)
         items.append(_walk(s, "fw", fw_units, issue_fw, release_fw, {}, True, costs.fsdp_hook_s,
-                           eager, [], {}, False, persistent))
+                           eager, [], {}, False, persistent, grads_absent=mstep == 0))
         items.append(_walk(s, "bw", bw_units, issue_bw, release_bw, {"root": root_bytes}, True,
-                           costs.fsdp_hook_s, eager, reduces, waits, False, persistent))
+                           costs.fsdp_hook_s, eager, reduces, waits, False, persistent,
+                           grads_absent=mstep == 0))
     return _to_schedule(s, name, description, items, persistent,
                         {"units": len(groups), "unit_bytes_max": max(u.nbytes for u in fw_units),
                          "root_bytes": root_bytes})
@@ -251,6 +260,9 @@ def deepspeed(s: Setting, costs: PeerCosts, *, name: str, description: str) -> S
     for p in m.params:
         if p.pid not in persist:
             groups.setdefault(_module_of(p.name), []).append(p.pid)
+    # its gradient partitions are one flat buffer allocated up front (ZeRO-3's
+    # grad_partitions_flat_buffer, on the device without offloading): persistent, unlike
+    # FSDP2's and ours ([Note: gradient lifetime] in ours.py)
     persistent = s.persistent_bytes() + m.base_bytes + sum(
         s.full_bytes(m.params[p]) for p in persist) + 2 * DS_REDUCE_BUCKET * s.csize
     plans = {}

@@ -159,7 +159,8 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
               csize: int) -> dict[str, Any]:
     """Whether ZeRO-3 can run at all: its insertion-only peak (state shards + activations +
     the largest parameters gathered at once) within device memory, with all optimizer state on
-    the device, or with Adam's moments offloaded (offload_optimizer's most)."""
+    the device, or with offload_optimizer's most off it: Adam's moments and the gradient shards
+    (tiers 1 and 2; the fp32 master shards stay)."""
     world = args.world
     numel = model.numel
     act = max(n.live for n in model.fw.nodes + model.bw.nodes) + model.base_bytes
@@ -167,13 +168,14 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
     fixed = act + 2 * biggest
     state = MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES
     need = state * math.ceil(numel / world) + fixed
-    need_off = (state - ADAM_BYTES) * math.ceil(numel / world) + fixed
+    kept = state - ADAM_BYTES - GRAD_SHARD_BYTES   # per parameter with the most offloaded
+    need_off = kept * math.ceil(numel / world) + fixed
     out = {"device_bytes": device_memory, "state_bytes_per_gpu": state * math.ceil(numel / world),
            "activation_peak_bytes": act, "largest_param_bytes": biggest,
            "estimate_bytes": need, "fits": need <= device_memory,
            "fits_with_offload": need_off <= device_memory,
            "min_gpus": minimum_gpus(numel, fixed, device_memory, state),
-           "min_gpus_with_offload": minimum_gpus(numel, fixed, device_memory, state - ADAM_BYTES)}
+           "min_gpus_with_offload": minimum_gpus(numel, fixed, device_memory, kept)}
     return out
 
 
@@ -368,7 +370,7 @@ def _does_not_fit(shape, args: PlanArgs, memory: dict[str, Any]) -> str:
             f"{gb(memory['state_bytes_per_gpu'])}, activations "
             f"{gb(memory['activation_peak_bytes'])}) of {gb(memory['device_bytes'])}; it needs at "
             f"least {memory['min_gpus']} GPUs, or {memory['min_gpus_with_offload']} with "
-            f"optimizer state offloaded (offload_optimizer)")
+            f"optimizer state and gradients on the host (offload_optimizer)")
 
 
 def _host_copy_bw() -> float:

@@ -103,10 +103,13 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
             return f"unattainable: {d.get('reason')}"
         if not d.get("offloaded_bytes"):
             return "nothing offloaded (fits)"
+        grads = (f"; gradients on the host {gb(d['offloaded_grad_bytes'])} (copied out "
+                 f"{d['predicted_grad_copy_s'] * 1e3:.1f} ms)"
+                 if d.get("offloaded_grad_bytes") else "")
         return (f"offloaded {gb(d['offloaded_bytes'])} of {gb(d['state_bytes'])}; copied back "
                 f"in the backward {d['predicted_copy_s'] * 1e3:.1f} ms (exposed "
                 f"{d['predicted_exposed_s'] * 1e3:.1f} ms), streamed through the step "
-                f"{d.get('predicted_streamed_s', 0.0) * 1e3:.1f} ms (in and out)")
+                f"{d.get('predicted_streamed_s', 0.0) * 1e3:.1f} ms (in and out){grads}")
     return json.dumps(d)[:200]
 
 
