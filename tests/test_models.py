@@ -7,7 +7,9 @@
                    ModuleList with a graph break in the loop body (Dynamo skips that frame, so
                    the whole forward runs eagerly): both must train correctly with the module's
                    parameters freed between uses; and a graph break inside a submodule's
-                   forward followed by an eager loop using that submodule's own parameter.
+                   forward followed by an eager loop using that submodule's own parameter;
+                   and a submodule whose forward the user wrapped with torch.compiler.disable
+                   (how one runs a submodule eagerly).
   MoE              tiny Mixtral (4 experts, top-2) in fp32, with transformers' default experts
                    implementation and with the eager one (graph breaks at nonzero).
 """
@@ -41,6 +43,10 @@ _SCENARIOS = [
              clip=0.1, record=("memory",), eager_modules=("_NestedBreakInner",)),
     scenario("mixtral_eager-adamw-gas2-clip-eager_modules", "mixtral_eager", "adamw", 1e-2,
              gas=2, clip=0.1, record=("memory",), eager_modules=("MixtralExperts",)),
+    # a submodule the user runs eagerly: its forward wrapped with torch.compiler.disable
+    scenario("disabled_forward-sgd-gas2-clip", "disabled_forward", "sgd", 0.1, gas=2, clip=0.1,
+             record=("memory",)),
+    scenario("disabled_forward-adamw-gas1", "disabled_forward", "adamw", 1e-2),
 ]
 JOBS = Jobs({"fx2": (2, _SCENARIOS)})
 _BY_ID = {sc["id"]: sc for sc in _SCENARIOS}
@@ -80,7 +86,8 @@ def test_graph_break_model_compiles_two_graphs(sid):
 @pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "disabled-sgd-gas2", "loop_break-sgd-gas1",
                                  "nested_break-sgd-gas2-clip",
                                  "nested_break-sgd-gas2-clip-eager_modules",
-                                 "mixtral_eager-adamw-gas2-clip-eager_modules"])
+                                 "mixtral_eager-adamw-gas2-clip-eager_modules",
+                                 "disabled_forward-sgd-gas2-clip"])
 def test_parameters_freed_after_eager_use(sid):
     """Eagerly run submodules gather their parameters and free them again."""
     for r in _results(sid):
