@@ -15,7 +15,7 @@ from . import _compat
 from .compiler.backend import Backend, WeakBackend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
-from .guard import ModelGuard, run_eagerly
+from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
@@ -34,9 +34,10 @@ log = logging.getLogger("deepcompile")
 _FREED_STORAGE = ("data is not allocated yet", "out of bounds for storage of size 0")
 _EAGER_PARAMETER_READ = (
     "deepcompile: code that ran eagerly inside the compiled model read a sharded parameter "
-    "directly (eager code that no module hook of its module saw run). Name that module's class "
-    "in Config.eager_modules: it then runs eagerly with its parameters gathered ([Note: eager "
-    "modules] in guard.py)")
+    "directly (eager code that no module hook of its module saw run). Wrap the forward of the "
+    "module that owns it with torch.compiler.disable before deepcompile.initialize "
+    "(`module.forward = torch.compiler.disable(module.forward)`): it then runs eagerly, and the "
+    "eager fallback gathers its parameters for its forward (runtime/eager.py)")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -94,7 +95,6 @@ class Engine:
                  group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.module = module
-        run_eagerly(module, config.eager_modules)   # before anything is built ([Note: eager modules])
         self.device = _model_device(module)
         _check_backend(self.device, dist.get_backend(group))
         self._comm = Comm(group)
