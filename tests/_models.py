@@ -23,6 +23,9 @@ Models:
   nested_break a graph break inside a submodule's forward, then a loop (with a graph break)
                that uses the submodule's own parameter directly: runs eagerly after Dynamo
                traced the submodule's call (and hooks) into the enclosing graph.
+  disabled_forward  a submodule that reads its own parameter directly, whose forward the
+               user wrapped with torch.compiler.disable (the way to run a submodule eagerly):
+               Dynamo graph-breaks at its call, and it runs eagerly between compiled graphs.
 """
 
 from __future__ import annotations
@@ -140,6 +143,33 @@ class NestedBreakModel(nn.Module):
         return F.mse_loss(out, y)
 
 
+class _OwnWeight(nn.Module):
+    """Uses its own parameter directly (not through a submodule)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+
+    def forward(self, h):
+        return torch.tanh(h @ self.w) + h
+
+
+class DisabledForwardModel(nn.Module):
+    """`inner`'s forward is wrapped with torch.compiler.disable by the user, on the instance
+    (as one would for a third-party class): it always runs eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 19)
+        self.inner = _OwnWeight(19)
+        self.inner.forward = torch.compiler.disable(self.inner.forward)
+        self.out = nn.Linear(19, MLP_OUT)
+
+    def forward(self, x, y):
+        out = self.out(self.inner(torch.tanh(self.inp(x))))
+        return F.mse_loss(out, y)
+
+
 def _llama(tie: bool, layers: int = 2) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -180,6 +210,7 @@ _BUILDERS = {
     "disabled": DisabledSubmoduleModel,
     "loop_break": LoopBreakModel,
     "nested_break": NestedBreakModel,
+    "disabled_forward": DisabledForwardModel,
 }
 
 MODEL_NAMES = tuple(_BUILDERS)

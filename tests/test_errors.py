@@ -169,33 +169,22 @@ def test_config_dict_and_dataclass_equivalent():
     assert Config.from_dict(Config().to_dict()) == Config()
 
 
-# --------------------------------------------------------------------------- eager modules
-@pytest.mark.parametrize("names, match", [
-    (("Conv2d",), r"no submodule of class 'Conv2d' in the model; its classes: Linear, ReLU, "
-                  r"Sequential"),
-    (("Sequential",), r"'Sequential' is the model itself"),
-])
-def test_eager_modules_must_name_submodules_of_the_model(group, names, match):
+# ------------------------------------------------------------------------------ removed keys
+def test_eager_modules_was_removed_and_says_what_to_do_instead(group, tmp_path):
+    match = r"Config.eager_modules was removed; .*torch.compiler.disable"
+    with pytest.raises(ValueError, match=match):
+        Config(compiler="fx", eager_modules=("ReLU",))
+    with pytest.raises(ValueError, match=match):
+        Config.from_dict({"compiler": "fx", "eager_modules": ["ReLU"]})
     with pytest.raises(ValueError, match=match):
         deepcompile.initialize(_model(), optimizer=SGD,
-                               config={"compiler": "fx", "eager_modules": names})
-
-
-@pytest.mark.parametrize("bad", ["ReLU", ("",), (nn.ReLU,), 3])
-def test_eager_modules_is_a_tuple_of_class_names(bad):
-    with pytest.raises(ValueError, match=r"Config.eager_modules: .* allowed: a tuple of class"):
-        Config(eager_modules=bad)
-
-
-def test_an_eager_module_keeps_its_class_name_and_runs_its_hooks_eagerly(group):
-    model = _model()
-    engine = deepcompile.initialize(model, optimizer=SGD,
-                                    config={"compiler": "fx", "eager_modules": ("ReLU",)})
-    relu = model[1]
-    assert type(relu).__name__ == "ReLU" and isinstance(relu, nn.ReLU)
-    seen = []
-    relu.register_forward_pre_hook(lambda m, a: seen.append(torch.compiler.is_compiling()))
-    loss = engine(torch.ones(4, 5)).sum()
-    engine.backward(loss)
-    engine.step()
-    assert seen == [False]   # run eagerly, not traced into the compiled graphs
+                               config={"compiler": "fx", "eager_modules": ("ReLU",)})
+    path = tmp_path / "c.json"
+    path.write_text('{"compiler": "fx", "eager_modules": ["ReLU"]}')
+    with pytest.raises(ValueError, match=match):
+        Config.from_file(path)
+    path.write_text('{"compiler": "fx"}')
+    with pytest.raises(ValueError, match=match):   # as a keyword override
+        Config.from_file(path, eager_modules=())
+    with pytest.raises(ValueError, match=match):
+        Config.from_deepspeed({"zero_optimization": {"stage": 3}}, eager_modules=())

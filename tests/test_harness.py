@@ -114,6 +114,8 @@ def test_model_builders_deterministic_and_dynamo_traceable(name):
         assert graphs >= 2
     elif name == "disabled":
         assert graphs >= 1
+    elif name == "disabled_forward":
+        assert graphs == 2   # before and after the disabled call
 
 
 def test_reference_clipping_is_active():

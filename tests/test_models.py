@@ -7,7 +7,9 @@
                    ModuleList with a graph break in the loop body (Dynamo skips that frame, so
                    the whole forward runs eagerly): both must train correctly with the module's
                    parameters freed between uses; and a graph break inside a submodule's
-                   forward followed by an eager loop using that submodule's own parameter.
+                   forward followed by an eager loop using that submodule's own parameter;
+                   and a submodule whose forward the user wrapped with torch.compiler.disable
+                   (how one runs a submodule eagerly).
   MoE              tiny Mixtral (4 experts, top-2) in fp32, with transformers' default experts
                    implementation and with the eager one (graph breaks at nonzero).
 """
@@ -34,20 +36,20 @@ _SCENARIOS = [
              record=("memory",)),
     scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1),
-    scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1),
-    # the same two with the module that reads its parameters eagerly named in
-    # Config.eager_modules ([Note: eager modules] in guard.py)
-    scenario("nested_break-sgd-gas2-clip-eager_modules", "nested_break", "sgd", 0.1, gas=2,
-             clip=0.1, record=("memory",), eager_modules=("_NestedBreakInner",)),
-    scenario("mixtral_eager-adamw-gas2-clip-eager_modules", "mixtral_eager", "adamw", 1e-2,
-             gas=2, clip=0.1, record=("memory",), eager_modules=("MixtralExperts",)),
+    scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1,
+             record=("memory",)),
+    # a submodule the user runs eagerly: its forward wrapped with torch.compiler.disable
+    scenario("disabled_forward-sgd-gas2-clip", "disabled_forward", "sgd", 0.1, gas=2, clip=0.1,
+             record=("memory",)),
+    scenario("disabled_forward-adamw-gas1", "disabled_forward", "adamw", 1e-2),
 ]
 JOBS = Jobs({"fx2": (2, _SCENARIOS)})
 _BY_ID = {sc["id"]: sc for sc in _SCENARIOS}
 
-# Without Config.eager_modules these train too: the eager fallback's hooks gather whatever frame
-# Dynamo gives up on ([Note: eager hooks run eagerly] in runtime/eager.py; before it, their
-# module's parameters were read from freed storage, on torch 2.11 and 2.13 alike).
+# nested_break, mixtral_eager and disabled_forward train because the eager fallback's hooks
+# gather for whatever module call runs eagerly ([Note: eager hooks run eagerly] in
+# runtime/eager.py; before it, their module's parameters were read from freed storage, on torch
+# 2.11 and 2.13 alike).
 
 
 def _results(sid):
@@ -78,9 +80,8 @@ def test_graph_break_model_compiles_two_graphs(sid):
 
 
 @pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "disabled-sgd-gas2", "loop_break-sgd-gas1",
-                                 "nested_break-sgd-gas2-clip",
-                                 "nested_break-sgd-gas2-clip-eager_modules",
-                                 "mixtral_eager-adamw-gas2-clip-eager_modules"])
+                                 "nested_break-sgd-gas2-clip", "mixtral_eager-adamw-gas2-clip",
+                                 "disabled_forward-sgd-gas2-clip"])
 def test_parameters_freed_after_eager_use(sid):
     """Eagerly run submodules gather their parameters and free them again."""
     for r in _results(sid):
@@ -91,15 +92,16 @@ def test_parameters_freed_after_eager_use(sid):
 
 # ------------------------------------------- saved views of a parameter, a different number per rank
 class _RankLoop(torch.nn.Module):
-    """Runs eagerly (`eager_modules`) and uses its weight once more on each higher rank: the
-    backward unpacks a different number of saved views of it on each rank (an experts loop's
-    data-dependent hits)."""
+    """Runs eagerly (its forward is wrapped with torch.compiler.disable) and uses its weight
+    once more on each higher rank: the backward unpacks a different number of saved views of it
+    on each rank (an experts loop's data-dependent hits)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.w = torch.nn.Parameter(torch.randn(6, 6) / 6 ** 0.5)
 
+    @torch.compiler.disable
     def forward(self, x):
         import torch.distributed as dist
 
@@ -116,8 +118,7 @@ def _rank_loop_job(rank, world):
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), _RankLoop())
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "fx", "warmup_steps": 1,
-                                            "startup_timeout_s": 60,
-                                            "eager_modules": ("_RankLoop",)})
+                                            "startup_timeout_s": 60})
     losses = []
     for _ in range(3):
         loss = engine(torch.ones(4, 6)).square().mean()

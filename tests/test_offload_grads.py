@@ -4,7 +4,8 @@ in-process at world size 1 (the multi-rank runs are in tests/test_offload.py):
 * the runtime alone (tiers set by hand, no graph ops: every gradient reaches `shard.grad` and
   the step sends it to the host first): training is bitwise the same as with the gradients on
   the device, with and without clipping, and matches torch's own optimizer on the unsharded
-  model;
+  model; with loss scaling (static and dynamic) the host gradients are unscaled (and clipped)
+  as the device's are;
 * an inf in a gradient that is on the host is found at the step ("raise" names it, "skip"
   skips the step and leaves the weights as they were), and the next step trains;
 * planned by the pass under a budget the state alone cannot meet: a `grad_to_host` op per
@@ -35,12 +36,12 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
 
 
-def _engine(**config):
+def _engine(optimizer=ADAMW, **config):
     import deepcompile
 
     model = _model()
     with chunk_bytes(CHUNK):
-        return deepcompile.initialize(model, optimizer=ADAMW,
+        return deepcompile.initialize(model, optimizer=optimizer,
                                       config={"compiler": "fx", "passes": (), **config})
 
 
@@ -94,6 +95,25 @@ def test_gradients_on_the_host_train_as_on_the_device(group, clip):
         opt.zero_grad()
     for k, v in ref.state_dict().items():
         assert torch.allclose(got[k], v, rtol=0, atol=1e-5), k
+
+
+@pytest.mark.parametrize("loss_scale", [1024.0, "dynamic"])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_gradients_on_the_host_are_unscaled_as_on_the_device(group, loss_scale, clip):
+    # SGD: a gradient left scaled (or clipped by a norm of scaled gradients) moves the weights
+    # by as much more (AdamW's update would hardly show it)
+    sgd = functools.partial(torch.optim.SGD, lr=0.05)
+    config = {"max_grad_norm": clip, "loss_scale": loss_scale, "gradient_accumulation_steps": 2}
+    plain = _engine(optimizer=sgd, **config)
+    _train(plain, 4, gas=2)
+    engine = _engine(optimizer=sgd, **config)
+    _all_to_host(engine)
+    _train(engine, 4, gas=2)
+    assert engine._offload.last_step["streamed_at_step"] == len(engine._flat.chunks)
+    got, want = _weights(engine), _weights(plain)
+    for k in want:   # clipping sums the norm in another order: within a rounding
+        assert (torch.equal(got[k], want[k]) if clip is None
+                else torch.allclose(got[k], want[k], rtol=0, atol=1e-6)), k
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])

@@ -23,6 +23,21 @@ _DTYPE_NAMES = {
 }
 _ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# keys that were settings once: what to do instead
+_REMOVED = {
+    "eager_modules": "a submodule that must run eagerly needs no setting: wrap its forward "
+                     "with torch.compiler.disable before deepcompile.initialize (e.g. "
+                     "`module.forward = torch.compiler.disable(module.forward)` for each such "
+                     "submodule); the eager fallback gathers its parameters for its forward. "
+                     "Modules that Dynamo skips or graph-breaks on need nothing",
+}
+
+
+def _check_removed(keys) -> None:
+    for key in keys:
+        if key in _REMOVED:
+            raise ValueError(f"Config.{key} was removed; {_REMOVED[key]}")
+
 
 def _dtype(key: str, value: Any) -> torch.dtype | None:
     if value is None:
@@ -92,13 +107,6 @@ class Config:
         rank: "raise" (every rank raises NonFiniteError; the step is not taken), "skip" (every
         rank skips the step, with a warning), or "off" (no check). With dynamic loss scaling
         (float16) an overflow always skips the step and lowers the scale. Default "raise".
-    eager_modules: class names of submodules that run eagerly, outside the compiled graphs
-        (Dynamo does not trace their call): each one's parameters are gathered when its forward
-        starts and freed when it ends ([Note: eager modules] in guard.py). For a module whose
-        forward reads its own parameters in code Dynamo cannot compile (a loop with a graph
-        break in it, as Hugging Face Mixtral's experts with experts_implementation="eager":
-        "MixtralExperts"); the engine names this setting when it meets that failure. Every
-        name must match a submodule of the model. Default ().
     """
 
     zero_stage: int = 3
@@ -120,7 +128,10 @@ class Config:
     startup_timeout_s: float | None = 1800.0
     divergence_check_every: int = 1
     on_nonfinite: str = "raise"
-    eager_modules: tuple[str, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Config":
+        _check_removed(kwargs)   # before the dataclass __init__'s TypeError for an unknown key
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -203,12 +214,6 @@ class Config:
         if self.on_nonfinite not in _NONFINITE:
             raise ValueError(f"Config.on_nonfinite: {self.on_nonfinite!r} is not allowed; "
                              f"allowed: {', '.join(map(repr, _NONFINITE))}")
-        names = self.eager_modules
-        if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(
-                isinstance(n, str) and n for n in names):
-            raise ValueError(f"Config.eager_modules: {names!r} is not allowed; allowed: a tuple "
-                             "of class names, e.g. (\"MixtralExperts\",)")
-        set_(self, "eager_modules", tuple(names))
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:
@@ -239,6 +244,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        _check_removed(values)
         names = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in names:
@@ -289,5 +295,4 @@ class Config:
         for k in ("param_dtype", "reduce_dtype"):
             d[k] = None if d[k] is None else str(d[k]).removeprefix("torch.")
         d["passes"] = "auto" if self.auto_passes else list(self.passes)
-        d["eager_modules"] = list(self.eager_modules)
         return d

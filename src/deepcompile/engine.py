@@ -15,7 +15,7 @@ from . import _compat
 from .compiler.backend import Backend, WeakBackend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
-from .guard import ModelGuard, run_eagerly
+from .guard import ModelGuard
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
@@ -34,9 +34,10 @@ log = logging.getLogger("deepcompile")
 _FREED_STORAGE = ("data is not allocated yet", "out of bounds for storage of size 0")
 _EAGER_PARAMETER_READ = (
     "deepcompile: code that ran eagerly inside the compiled model read a sharded parameter "
-    "directly (eager code that no module hook of its module saw run). Name that module's class "
-    "in Config.eager_modules: it then runs eagerly with its parameters gathered ([Note: eager "
-    "modules] in guard.py)")
+    "directly (eager code that no module hook of its module saw run). Wrap the forward of the "
+    "module that owns it with torch.compiler.disable before deepcompile.initialize "
+    "(`module.forward = torch.compiler.disable(module.forward)`): it then runs eagerly, and the "
+    "eager fallback gathers its parameters for its forward (runtime/eager.py)")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -94,7 +95,6 @@ class Engine:
                  group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.module = module
-        run_eagerly(module, config.eager_modules)   # before anything is built ([Note: eager modules])
         self.device = _model_device(module)
         _check_backend(self.device, dist.get_backend(group))
         self._comm = Comm(group)
@@ -253,13 +253,21 @@ class Engine:
             flat.fold_grads(self._offload.device_grad_chunks())
             grads = flat.grads()
             # gradients on the host (offload tier 2) are checked by their norms, and scaled as
-            # they come back for the step ([Note: gradients on the host] in runtime/offload.py)
+            # they come back for the step ([Note: gradients on the host] in runtime/offload.py):
+            # by the inverse loss scale (read before the check updates the scale) and the
+            # clipping coefficient
             host_sq = self._offload.host_grad_sumsq()
+            host_scale = None
+            if host_sq is not None and self._scaler is not None:
+                host_scale = self._scaler.inv_scale()
             # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
             finite, bad = self._grads_finite(grads, host_sq)
             if finite and self.config.max_grad_norm is not None:
-                self._clip_grad_norm(self.config.max_grad_norm, grads, host_sq)
+                coef = self._clip_grad_norm(self.config.max_grad_norm, grads, host_sq, host_scale)
+                if host_sq is not None:
+                    host_scale = coef if host_scale is None else host_scale * coef
             if finite:
+                self._offload.grad_scale = host_scale
                 pre, post = _compat.optimizer_step_hooks(self.optimizer)
                 for hook in pre:   # the user's hooks on engine.optimizer, as its step would
                     hook(self.optimizer, (), {})
@@ -312,8 +320,6 @@ class Engine:
             return True, None
         inv = scaler.inv_scale() if scaler is not None else None
         found = self._grad_check(inv, flat_grads, host_sq)
-        if host_sq is not None and inv is not None:
-            self._offload.grad_scale = inv.clone()   # unscaled as they come back for the step
         if self._check_losses:   # a loss names the rank it came from; its gradient reaches all
             grads, losses = nonfinite_ranks(self._comm, found, self._loss_bad)
             self._loss_bad.zero_()
@@ -387,23 +393,24 @@ class Engine:
 
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor],
-                        host_sq: torch.Tensor | None = None) -> torch.Tensor:
+                        host_sq: torch.Tensor | None = None,
+                        host_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Clips `grads` in place to a global norm of `max_norm`; the gradients on the host
+        (offload tier 2) count by their squared norm `host_sq` times `host_scale` squared (the
+        factor not yet applied to them; None: 1). Returns the clipping coefficient (<= 1), for
+        the caller to apply to the host gradients."""
         if grads:   # shards are disjoint; padding gradients and alignment gaps are 0
             norms = torch._foreach_norm(grads, 2.0)
             local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
         if host_sq is not None:   # offload tier 2: the host gradients' squared norm, unscaled
-            scale = self._offload.grad_scale
-            local = local + (host_sq if scale is None else host_sq * scale.square())
+            local = local + (host_sq if host_scale is None else host_sq * host_scale.square())
         total = self._comm.all_reduce(local).sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef)
-        if host_sq is not None:
-            scale = self._offload.grad_scale
-            self._offload.grad_scale = coef if scale is None else scale * coef
-        return total
+        return coef
 
     # -- state -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -184,53 +184,6 @@ def _set_class(params: list[nn.Parameter], cls: type) -> None:
     deque(map(object.__setattr__, params, repeat("__class__"), repeat(cls)), maxlen=0)
 
 
-# [Note: eager modules] `Config.eager_modules` names submodule classes whose call Dynamo must not
-# trace. The eager fallback (runtime/eager.py) gathers a module's parameters in its forward
-# pre-hook when the module runs eagerly ([Note: eager hooks run eagerly] there: that is what
-# makes a module whose forward graph-breaks in a loop train without this setting); this
-# setting makes the whole call eager regardless of what Dynamo would do. Each named module gets
-# a per-instance class (its own class's name; no process-wide patch) whose `__call__` is
-# `torch.compiler.disable`d: the call is a graph break in the compiled caller, the module's
-# hooks run eagerly, its parameters are gathered for its whole forward, on every rank (every
-# rank calls the module, whatever its data-dependent branches do inside). The class stays after
-# the engine is released, as the guarded model's does.
-@torch.compiler.disable(recursive=True)
-def _eager_call(self, *args, **kwargs):
-    return nn.Module.__call__(self, *args, **kwargs)
-
-
-def run_eagerly(module: nn.Module, names: tuple[str, ...]) -> int:
-    """Submodules of `module` whose class name is in `names` run eagerly ([Note: eager
-    modules]); returns how many. Raises ValueError for a name no submodule has, or the model's
-    own class (nothing would be compiled)."""
-    if not names:
-        return 0
-    if type(module).__name__ in names:
-        raise ValueError(f"Config.eager_modules: {type(module).__name__!r} is the model itself; "
-                         "name the submodules that must run eagerly")
-    found = {n: [] for n in names}
-    for mod in module.modules():
-        if type(mod).__name__ in found:
-            found[type(mod).__name__].append(mod)
-    missing = [n for n, mods in found.items() if not mods]
-    if missing:
-        present = sorted({type(m).__name__ for m in module.modules()})
-        raise ValueError(f"Config.eager_modules: no submodule of class {missing[0]!r} in the "
-                         f"model; its classes: {', '.join(present)}")
-    for mods in found.values():
-        for mod in mods:
-            if not getattr(type(mod), "_deepcompile_eager", False):
-                mod.__class__ = _eager_class(type(mod))
-    return sum(map(len, found.values()))
-
-
-@functools.lru_cache(maxsize=None)
-def _eager_class(cls: type) -> type:
-    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                                       "__call__": _eager_call, "_deepcompile_eager": True})
-
-
 def check_not_initialized(module: nn.Module) -> None:
     if getattr(type(module), "_deepcompile_guarded", False):
         raise RuntimeError(
