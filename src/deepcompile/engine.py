@@ -350,11 +350,16 @@ class Engine:
         shapes (as profiling requires), so every rank takes the same decision."""
         pipe = self._pipeline
         planned = any(e["pass"] == "offload_optimizer" and e.get("kept", True)
-                      for e in pipe.pass_log)   # (with passes="auto": if it was chosen and kept)
-        if not planned or self._offload.provisional or pipe.replans >= self.MAX_REPLANS \
-                or pipe.phase.value != "steady":
+                      for e in pipe.pass_log)
+        # passes="auto" left it out (the step fitted) or reverted it: the new step may not fit,
+        # so it plans now if it can ([Note: choosing passes] in compiler/autoplan.py: the same
+        # conditions; the budget is bounded, or this listener is not registered)
+        may = planned or (self.config.auto_passes and self._offload.movable()
+                          and self.config.warmup_steps > 0)
+        if not may or pipe.replans >= self.MAX_REPLANS or pipe.phase.value != "steady":
             return
-        self._offload.go_provisional()
+        if not self._offload.provisional:   # (it is after a re-plan that was reverted)
+            self._offload.go_provisional()
         self._pipeline.request_replan(["offload_optimizer"], reason)
 
     def _shards_changed(self, frozen_too: bool = False) -> None:

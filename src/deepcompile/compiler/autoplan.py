@@ -17,6 +17,12 @@ budget), so every launch of the same program chooses the same list:
 * `bucket_reduce` (more than one rank, reduce-scatters in the graphs): bucketed, asynchronous
   gradient reductions.
 
+The step can grow while the chosen passes are planned (a longer sequence in a re-profile) or
+after (a new shape in steady state). So `offload_optimizer`, when left out, is asked again on
+the latest profiles once the chosen passes have run (`offload_choice(late=True)`; it then plans
+last, within what they left), and the engine plans it on a drift in steady state
+(`Engine._replan_offload`): a budget that the first profile met is held when the step grows.
+
 [Note: fusion policy] How `prefetch` and `bucket_reduce` group collectives (`fusion_policy`):
 "overlap" splits a group where the compute between two members is clearly longer than the
 newcomer's own collective (it can hide behind that compute), "cap" fuses up to the size cap.
@@ -88,6 +94,32 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def offload_choice(ctx, warmup_steps: int, late: bool = False) -> tuple[bool, str]:
+    """Whether offload_optimizer runs, and why, from the latest agreed profiles. `late`: asked
+    after the chosen passes ran ([Note: choosing passes]: the step grew while they were
+    planned, e.g. a longer sequence profiled on the way)."""
+    budget = ctx.memory_budget
+    store = getattr(ctx.runtime, "offload", None)
+    if budget == float("inf"):
+        return False, "memory budget unbounded: all optimizer state stays"
+    if store is None or not store.movable():
+        flat = getattr(store, "flat", None)
+        return False, ("no movable optimizer state" if flat is None or flat.inner is not None
+                       else f"{type(flat.facade).__name__} steps parameter by parameter (not an "
+                       "elementwise torch.optim optimizer): its state cannot be offloaded")
+    if warmup_steps == 0:
+        return False, "warmup_steps is 0: the state it plans for does not exist when profiling starts"
+    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    need = max(peak, store.step_bytes())
+    if need <= budget:
+        return False, (f"the step needs {_mib(need)} with all optimizer state on the device, "
+                       f"within the budget {_mib(budget)}")
+    return True, (f"the step needs {_mib(need)} with all optimizer state on the device, over the "
+                  f"budget {_mib(budget)}: "
+                  + ("its profiles grew after the passes were chosen: offload last" if late else
+                     "offload first, later passes plan in what is left"))
+
+
 def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], list[Choice]]:
     """(passes to run in order, passes left out), each with its reason ([Note: choosing
     passes]). Reads only what every rank agrees on."""
@@ -104,23 +136,7 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
         if name in known_passes():
             (chosen if yes else out).append(Choice(name, why))
 
-    # offload_optimizer
-    if budget == float("inf"):
-        add("offload_optimizer", False, "memory budget unbounded: all optimizer state stays")
-    elif store is None or not store.movable():
-        flat = getattr(store, "flat", None)
-        add("offload_optimizer", False, "no movable optimizer state" if flat is None or
-            flat.inner is not None else f"{type(flat.facade).__name__} steps parameter by "
-            "parameter (not an elementwise torch.optim optimizer): its state cannot be offloaded")
-    elif warmup_steps == 0:
-        add("offload_optimizer", False, "warmup_steps is 0: the state it plans for does not "
-                                        "exist when profiling starts")
-    else:
-        need = max(peak, store.step_bytes())
-        add("offload_optimizer", need > budget,
-            f"the step needs {_mib(need)} with all optimizer state on the device, "
-            + (f"over the budget {_mib(budget)}: offload first, later passes plan in what "
-               "is left" if need > budget else f"within the budget {_mib(budget)}"))
+    add("offload_optimizer", *offload_choice(ctx, warmup_steps))
     one = "world size 1: a gather is a view of the local shard, a reduction a cast"
     # selective_unshard
     room = budget - peak

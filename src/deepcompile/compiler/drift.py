@@ -21,7 +21,9 @@ from torch import fx
 
 
 class SizeWatch:
-    """The largest symbolic sizes (SymInt inputs) a graph was profiled with."""
+    """The largest symbolic sizes (SymInt inputs) a graph was profiled with: with the profiles
+    the plan stands on (a re-profile dropped with a reverted pass takes its sizes back:
+    `Pipeline._judge`)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -163,6 +163,7 @@ class Pipeline:
         # runs passes again on new profiles from the next step on
         self.on_drift: list[Callable[[str], None]] = []
         self._watches: dict[str, SizeWatch] = {}
+        self._before_pass: tuple[dict[str, tuple[int, ...] | None], set[str]] = ({}, set())
         self._unplanned: set[str] = set()        # slots compiled in steady state, not run yet
         self._replan: tuple[list[str], str] | None = None
         self._replanning: str | None = None      # the reason of the re-plan under way
@@ -495,14 +496,32 @@ class Pipeline:
 
     def _judge(self, entry: dict) -> bool:
         self._awaiting = None
-        return self.planner.judge(entry, self.memory_budget)
+        kept = self.planner.judge(entry, self.memory_budget)
+        if not kept:
+            # its re-profile is dropped, and with it what only that profile saw: larger sizes
+            # of a graph (`SizeWatch`), a graph compiled for a new shape on the way (a longer
+            # sequence): in the steady state they tell the drift listeners, as if unprofiled
+            limits, unplanned = self._before_pass
+            self._unplanned |= unplanned   # (one that told nobody: its first run was in there)
+            for key, watch in self._watches.items():
+                if key in limits:
+                    watch.limit = limits[key]
+                else:
+                    watch.limit = None
+                    if self.slots[key].training:
+                        self._unplanned.add(key)
+        return kept
 
     def _next_pass(self) -> None:
         """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
         when none is left."""
         t0 = time.perf_counter()
-        while self.planner.queue:
+        while self.planner.queue or (self.config.auto_passes and self._replanning is None and
+                                     self.planner.late_offload(self.config.warmup_steps)):
+            # what the profiles before this pass saw (restored if it is reverted: _judge)
+            before = ({k: w.limit for k, w in self._watches.items()}, set(self._unplanned))
             entry = self.planner.start(self.planner.queue.pop(0))
+            self._before_pass = before
             if self._replanning is not None:
                 entry["replan"] = self._replanning
             self._agree_decisions(entry["pass"], entry["decisions"])   # before any graph runs

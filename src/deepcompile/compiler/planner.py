@@ -77,6 +77,19 @@ class Planner:
         log.info("deepcompile auto: passes %s%s", " -> ".join(self.queue) or "none",
                  "".join(f"; {c.name}: {c.reason}" for c in chosen))
 
+    def late_offload(self, warmup_steps: int) -> bool:
+        """`passes="auto"`, after the chosen passes ran: queue offload_optimizer if it was left
+        out and the latest profiles no longer fit the budget ([Note: choosing passes])."""
+        if self.chosen is None or any(e["pass"] == "offload_optimizer" for e in self.entries):
+            return False
+        yes, why = autoplan.offload_choice(self._context(), warmup_steps, late=True)
+        if yes:
+            self.queue.append("offload_optimizer")
+            self.chosen.append(autoplan.Choice("offload_optimizer", why).to_dict())
+            self.left_out = [c for c in self.left_out or [] if c["pass"] != "offload_optimizer"]
+            log.warning("deepcompile auto: offload_optimizer added: %s", why)
+        return yes
+
     def decisions(self) -> dict[str, Any]:
         """Decisions of the passes kept so far (what later passes read)."""
         return {e["pass"]: e["decisions"] for e in self.entries if e.get("kept", True)}
