@@ -11,6 +11,9 @@ ranks' mean loss per micro-step backpropagated (what data parallelism computes).
 Also checked: every graph a rank compiled for a new shape runs its family's plan (transplanted,
 the same collective sequence), so the plan, its collectives per step and the graphs' keys are
 the same on both ranks; no graph ran "insertion only".
+
+A re-plan one rank asks for (its step drifted) is agreed by every rank ([Note: agreed
+re-planning] in compiler/drift.py).
 """
 
 from __future__ import annotations
@@ -228,3 +231,29 @@ def test_an_order_only_argument_the_member_lacks_becomes_the_node_before_it(mark
         planned.graph.call_function(torch.ops.aten.cos.default, (alias,))
     with pytest.raises(families.TransplantError, match="reads alias"):
         families.transplant(rep, planned, member)
+
+
+# ------------------------------------------------------------------ the re-plan agreement
+def _agreement_job(rank, world):
+    from deepcompile.config import Config
+    from deepcompile.runtime.comm import Comm
+    from deepcompile.runtime.guardrails import Guardrails
+
+    comm = Comm(None)
+    # per step, what this rank brings: rank 0 asks at steps 1 and 2, rank 1 never; at step 3
+    # no re-plan can be asked for (None on every rank)
+    requests = [False, True, True, None] if rank == 0 else [False, False, False, None]
+    out = {}
+    for every in (1, 2, 0):
+        rails = Guardrails(comm, Config(divergence_check_every=every))
+        out[every] = [rails.end_step(step, 1, req) for step, req in enumerate(requests)]
+    return out
+
+
+def test_a_replan_one_rank_asks_for_is_agreed_by_every_rank():
+    """[Note: agreed re-planning] in compiler/drift.py: a request rides the divergence check's
+    reduction (every k steps: at the next check), or without checks a reduction of its own."""
+    for r in run_distributed(_agreement_job, 2, timeout=300):
+        assert r == {1: [False, True, True, False], 2: [False, True, False, False],
+                     0: [False, True, True, False]}, r
+
