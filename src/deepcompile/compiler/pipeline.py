@@ -393,6 +393,11 @@ class Pipeline:
                 self._replan, self._replan_agreed = None, False
                 self.replans += 1
                 self.planner.queue = list(passes)
+                # the re-profile measures the graphs as the passes plan from them, without
+                # what their previous plans inserted (offload_optimizer: its gradients'
+                # `grad_to_host` ops would accumulate each gradient as soon as it is made,
+                # and the profile would miss it until the graph's end)
+                self.planner.withdraw(passes)
                 self._replanning = reason
                 self._enter(Phase.PROFILE, f"replan: {reason}")
         self._step_started = time.perf_counter()
