@@ -194,6 +194,54 @@ def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
         [k for k in want if not torch.equal(got[k], want[k])]
 
 
+def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(group):
+    """A re-plan in the steady state (the step drifted: Engine._replan_offload, here by hand,
+    in the middle of a window) profiles the graphs as the pass plans from them: without the
+    `grad_to_host` ops of the plan it replaces (`Pass.withdraw`). With them, the gradients of
+    the chunks that were at tier 2 are accumulated into `shard.grad` as soon as they are made,
+    the profile misses them until the graph's end, and the re-plan keeps too little off the
+    device (seen with ragged lengths: a re-plan under the same inputs exceeded the budget and
+    was reverted)."""
+    from deepcompile.passes import offload_optimizer as O
+    from deepcompile.runtime import offload
+
+    plain = _engine(gradient_accumulation_steps=2)
+    _train(plain, 8, gas=2)
+    probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
+    _train(probe, 3, gas=2)
+    d = _decisions(probe)
+    grads = sum(p.numel() * 4 for p in _model().parameters())
+    state_only = max(d["graph_peak_bytes"] - d["state_bytes"], d["step_base_bytes"]
+                     + O.staging_bytes(O.items_of(probe._offload)))
+    engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
+                     warmup_steps=1, memory_budget=state_only - grads // 8, measure_steps=0)
+    pipe = engine._pipeline
+    _train(engine, 4, gas=2)   # warm-up, profile, re-profile with the plan, steady
+    store = engine._offload
+    assert pipe.phase.value == "steady" and any(store.grad_tier(s) for s in store.slots)
+
+    def drift(step, micro):
+        if micro == 0:
+            engine._replan_offload("a test")
+    _train(engine, 1, gas=2, start=4, between=drift)
+    assert pipe.phase.value == "profile"
+    bw = _bw_slot(engine)
+    assert not [n for n in bw.gm.graph.nodes if n.target is offload.GRAD_TO_HOST]
+    _train(engine, 3, gas=2, start=5)   # profile, re-profile with the new plan, steady
+    entries = [e for e in pipe.pass_log if e["pass"] == "offload_optimizer"]
+    assert [e["kept"] for e in entries] == [True, True], [e["verdict"] for e in entries]
+    first, again = (e["decisions"] for e in entries)
+    assert any(c["tier"] == offload.GRADS for c in first["chunks"])
+    assert again["chunks"] == first["chunks"]   # the same inputs' sizes: the same plan
+    # the re-plan's profile (the plan withdrawn, all state off the device) is the first one's
+    peaks = {label: prof.peak_bytes for label, prof in bw.history}
+    assert peaks["replan: a test"] == peaks["initial"], peaks
+    assert [n for n in bw.gm.graph.nodes if n.target is offload.GRAD_TO_HOST]
+    got, want = _weights(engine), _weights(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want), \
+        [k for k in want if not torch.equal(got[k], want[k])]
+
+
 def test_the_report_says_what_gradients_went_to_the_host(group):
     engine = _engine()
     _all_to_host(engine)

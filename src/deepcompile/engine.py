@@ -244,8 +244,10 @@ class Engine:
     def _step(self, step: int, micro: int) -> bool:
         t0 = time.perf_counter()
         steady = self._pipeline.phase is Phase.STEADY
-        # [Note: divergence check] first: before this step's own collectives
-        self._rails.end_step(step, micro)
+        # [Note: divergence check] first: before this step's own collectives; it carries the
+        # ranks' re-plan agreement ([Note: agreed re-planning] in compiler/drift.py)
+        self._pipeline.agree_replan(
+            self._rails.end_step(step, micro, self._pipeline.replan_request()))
         self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
         flat = self._flat
         if flat.inner is not None:   # the flat step ([Note: flat step] in runtime/flat.py)
@@ -346,8 +348,10 @@ class Engine:
         """The offload plan no longer describes the step: every chunk's state leaves the device
         at once (the least memory this engine can hold), and the pass plans again on new
         profiles from the next step on. At most MAX_REPLANS times; then the offloader's run-time
-        check (CUDA) keeps deferring the reloads that do not fit. Every rank sees the same
-        shapes (as profiling requires), so every rank takes the same decision."""
+        check (CUDA) keeps deferring the reloads that do not fit. Called on the rank whose step
+        drifted (ragged data: often one rank only), then on every other rank when the ranks
+        agree to re-plan, before the optimizer step ([Note: agreed re-planning] in
+        compiler/drift.py); what it decides from is the same on every rank."""
         pipe = self._pipeline
         planned = any(e["pass"] == "offload_optimizer" and e.get("kept", True)
                       for e in pipe.pass_log)

@@ -10,6 +10,18 @@ change under the plan:
 The pipeline hands each to its `on_drift` listeners (the engine re-plans the passes that hold
 memory under the budget: `offload_optimizer`); a size check is a C-level comparison per graph
 call, and only for graphs with symbolic sizes.
+
+[Note: agreed re-planning] Drift is seen by one rank: with ragged data a rank compiles a graph
+for a length only it has met, or calls a graph with sizes larger than its own profiles, and the
+other ranks do not. Its listeners act at once where only this rank is concerned (the engine puts
+all optimizer state off the device before the larger graph runs) and `request_replan`; the
+re-plan itself needs every rank (profiles and plans are agreed). So the request waits for the
+step boundary, where the ranks agree it first thing in `engine.step()`, one integer (MAX) more
+in the divergence check's reduction (runtime/guardrails.py; with `divergence_check_every` k,
+at the next check; with no checks, by a reduction of its own on the check's group, each steady
+step where something listens to drift). Where some rank asked, every rank that did not tells its
+listeners now, before the optimizer step (the engine puts all state off the device there too:
+the re-profile measures every rank without it), and every rank enters PROFILE at the step's end.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ class Pipeline:
         self._watches: dict[str, SizeWatch] = {}
         self._before_pass: tuple[dict[str, tuple[int, ...] | None], set[str]] = ({}, set())
         self._unplanned: set[str] = set()        # slots compiled in steady state, not run yet
-        self._replan: tuple[list[str], str] | None = None
+        self._replan: tuple[list[str], str] | None = None   # this rank's request
+        self._replan_agreed = False              # ... and every rank knows of a request
         self._replanning: str | None = None      # the reason of the re-plan under way
         self.replans = 0
         self._step_started = time.perf_counter()
@@ -388,21 +389,51 @@ class Pipeline:
         else:
             if len(self.timings["steady_steps_s"]) < 64:
                 self.timings["steady_steps_s"].append(elapsed)
-            if self._replan is not None:
+            if self._replan is not None and self._replan_agreed:
                 passes, reason = self._replan
-                self._replan = None
+                self._replan, self._replan_agreed = None, False
                 self.replans += 1
                 self.planner.queue = list(passes)
+                # the re-profile measures the graphs as the passes plan from them, without
+                # what their previous plans inserted (offload_optimizer: its gradients'
+                # `grad_to_host` ops would accumulate each gradient as soon as it is made,
+                # and the profile would miss it until the graph's end)
+                self.planner.withdraw(passes)
                 self._replanning = reason
                 self._enter(Phase.PROFILE, f"replan: {reason}")
         self._step_started = time.perf_counter()
 
     def request_replan(self, passes: list[str], reason: str) -> None:
-        """Run `passes` again, on new profiles, from the next optimizer step on (steady state
-        only; each pass's `apply` replaces what its previous plan inserted)."""
+        """Run `passes` again, on new profiles, from the next optimizer step after every rank
+        agreed to (`agree_replan`; steady state only; each pass's `apply` replaces what its
+        previous plan inserted)."""
         if self.phase is Phase.STEADY and self._replan is None:
-            log.warning("deepcompile: re-planning %s at the next step: %s", ", ".join(passes), reason)
+            log.warning("deepcompile: re-planning %s once the ranks agree (at the next step "
+                        "boundary): %s", ", ".join(passes), reason)
             self._replan = (list(passes), reason)
+
+    def replan_request(self) -> bool | None:
+        """What this rank brings to the re-plan agreement at the step boundary ([Note: agreed
+        re-planning] in compiler/drift.py): whether it asks; None where no re-plan can be
+        asked for (not in the steady state, or nothing listens to drift), alike on every rank."""
+        if self.phase is not Phase.STEADY or not self.on_drift:
+            return None
+        return self._replan is not None
+
+    def agree_replan(self, asked: bool) -> None:
+        """[Note: agreed re-planning] Some rank asked for a re-plan (`asked`, the same on every
+        rank): every rank re-plans from the next step on. A rank whose own step did not drift
+        tells its drift listeners now, before the optimizer step (the engine puts all state off
+        the device, as the rank that asked did, and requests the same passes)."""
+        if not asked:
+            return
+        if self._replan is None:
+            for listener in self.on_drift:
+                listener("the step drifted on another rank")
+            if self._replan is None:
+                raise RuntimeError("deepcompile: another rank re-plans and this one did not "
+                                   "request it: the ranks would plan differently")
+        self._replan_agreed = True
 
     def _enter(self, phase: Phase, label: str = "") -> None:
         self.phase, self._steps_in_phase = phase, 0

@@ -114,6 +114,19 @@ class Planner:
             self._snapshots[id(entry)] = snap
         return entry
 
+    def withdraw(self, names: list[str]) -> list[str]:
+        """Before `names` plan again (a re-plan): each removes what its plan inserted where it
+        can (`Pass.withdraw`), so that the re-profile measures the graphs without it; the keys
+        of the graphs changed."""
+        changed: set[str] = set()
+        for name in names:
+            p = get_pass(name)
+            if p.withdraw is not None:
+                changed.update(p.withdraw(self._context()) or [])
+        for key in sorted(changed):
+            self.slots[key].changed()
+        return sorted(changed)
+
     def snapshot(self, entry: dict[str, Any]) -> Snapshot:
         """What was there before `entry`'s pass applied."""
         return self._snapshots[id(entry)]

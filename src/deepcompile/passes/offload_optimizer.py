@@ -502,4 +502,5 @@ def summary(d: dict[str, Any]) -> list[str]:
     ]
 
 
-register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary)
+register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary,
+              withdraw=remove_reloads)

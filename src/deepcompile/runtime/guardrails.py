@@ -32,7 +32,8 @@ collective sequence (kind, parameters and so sizes, order, accumulation variant:
 every `Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before
 the step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
 fingerprint and graph calls, each with its negation, so one reduction yields the maximum and
-minimum of each. Any difference, and every rank all-gathers the per-call details of the window
+minimum of each (a ninth carries the ranks' re-plan agreement: [Note: agreed re-planning] in
+compiler/drift.py). Any difference, and every rank all-gathers the per-call details of the window
 and raises the same `DivergenceError` naming the first step, graph call and ranks that differ.
 The check runs on a gloo group of its own that carries nothing else: a rank that is behind or
 ahead can never pair the check with a training collective (it waits, and times out with a
@@ -159,10 +160,11 @@ class Guardrails:
             return
         self.store = dist.PrefixStore(f"deepcompile/{comm.group_name}/{seq}/",
                                       _compat.default_store())
-        if config.divergence_check_every:
-            group = comm.group if comm.group is not None else dist.group.WORLD
-            self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                              use_local_synchronization=True)
+        # the check's group (also where the ranks agree a re-plan, checks or not: [Note: agreed
+        # re-planning] in compiler/drift.py)
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                          use_local_synchronization=True)
         self.set_timeout(config.startup_timeout_s)
 
     # -- timeouts -------------------------------------------------------------------------------
@@ -333,23 +335,52 @@ class Guardrails:
         return err
 
     # -- the divergence check ---------------------------------------------------------------------
-    def end_step(self, step: int, micro: int) -> None:
-        """[Note: divergence check] First thing at an optimizer-step boundary, on every rank."""
+    def end_step(self, step: int, micro: int, request: bool | None = None) -> bool:
+        """[Note: divergence check] First thing at an optimizer-step boundary, on every rank.
+
+        `request`: whether this rank asks the others for a re-plan ([Note: agreed re-planning]
+        in compiler/drift.py); None where no re-plan can be asked for this step (the same on
+        every rank). Returns whether some rank asked, once every rank knows it: with the check
+        (one more integer in its reduction), or where there is no check this step, never (the
+        request waits for the next check), or with no checks at all, by a reduction of its
+        own."""
         tr = self.trace
         self.window.append((step, micro, tr.fp, tr.calls))
         tr.fp, tr.calls = 0, []
         every = self.config.divergence_check_every
-        if not self.active or not every:
+        if not self.active:
             self.window.clear()
-            return
+            return bool(request)
+        if not every:
+            if request is not None:
+                vec = torch.tensor([int(request)], dtype=torch.int64)
+                self._reduce_for_check(vec, step, micro)
+                request = bool(vec.item())
+            self.window.clear()
+            return bool(request)
         if len(self.window) < every:
-            return
+            return False
         fp, micros, calls = 0, 0, 0
         for _s, m, f, c in self.window:
             fp = (fp * FP_MUL + f) & FP_MASK
             micros += m
             calls += len(c)
-        vec = torch.tensor([step, -step, micros, -micros, fp, -fp, calls, -calls], dtype=torch.int64)
+        vec = torch.tensor([step, -step, micros, -micros, fp, -fp, calls, -calls,
+                            int(bool(request))], dtype=torch.int64)
+        self._reduce_for_check(vec, step, micro)
+        self.checks += 1
+        v = vec.tolist()
+        if all(v[i] == -v[i + 1] for i in range(0, 8, 2)):
+            self.window.clear()
+            return bool(v[8])
+        details: list[Any] = [None] * self.world
+        dist.all_gather_object(details, self._details(), group=self.check_group)
+        err = DivergenceError(divergence_message(details))
+        self.stopped = err
+        raise err
+
+    def _reduce_for_check(self, vec: torch.Tensor, step: int, micro: int) -> None:
+        """All-reduce (MAX) `vec` on the check's group; a rank that never comes is reported."""
         try:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.check_group)
         except Exception as e:  # noqa: BLE001 -- some rank never came to the check
@@ -365,16 +396,6 @@ class Guardrails:
             err.__cause__ = e
             self.stopped = err
             raise err
-        self.checks += 1
-        v = vec.tolist()
-        if all(v[i] == -v[i + 1] for i in range(0, 8, 2)):
-            self.window.clear()
-            return
-        details: list[Any] = [None] * self.world
-        dist.all_gather_object(details, self._details(), group=self.check_group)
-        err = DivergenceError(divergence_message(details))
-        self.stopped = err
-        raise err
 
     def _details(self) -> dict:
         return {"rank": self.rank,
