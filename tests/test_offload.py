@@ -19,6 +19,7 @@ offloading, and one Inductor run (the reload ops survive compilation and run).
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -140,14 +141,19 @@ def _grads(sizes, at, flat=None):
             for i, (n, a) in enumerate(zip(sizes, at))]
 
 
-def _replayed_with_grads(live, items, grads, step_base, plan):
+def _replayed_with_grads(live, items, grads, step_base, plan, copy=None):
     """Tier 2's curve and step peak, recomputed from the plan's decisions alone: all state
-    off; a chosen chunk's gradients off after the node that completes them; the step streams
-    every chunk (state, and the flat gradient of a chosen one), LOOKAHEAD + 1 at a time."""
+    off; a chosen chunk's gradients copied out one after another from the end of the node
+    (1 s each) that completes them, off the device after the node during which their copy
+    ends; the step streams every chunk (state, and the flat gradient of a chosen one),
+    LOOKAHEAD + 1 at a time."""
     chosen = {c["chunk"] for c in plan["chunks"] if c["tier"] == R.GRADS}
     state = sum(i.nbytes for i in items)
-    curve = [b - state - sum(g.nbytes for g in grads if g.chunk in chosen and g.at < j)
-             for j, b in enumerate(live)]
+    gone, clock = [], 0.0       # (node index after which it is off, bytes)
+    for g in sorted((g for g in grads if g.chunk in chosen), key=lambda g: (g.at, g.chunk)):
+        clock = max(clock, g.at + 1.0) + (copy(g.nbytes) if copy else 0.0)
+        gone.append((max(g.at, math.ceil(clock) - 1), g.nbytes))
+    curve = [b - state - sum(n for at, n in gone if at < j) for j, b in enumerate(live)]
     size = {i.chunk: i.nbytes for i in items}
     staging = sorted((size.get(g.chunk, 0) + (g.flat_bytes if g.chunk in chosen else 0)
                       for g in grads), reverse=True)
@@ -169,7 +175,7 @@ def test_gradients_go_to_the_host_when_all_the_state_is_not_enough():
     assert plan["reloads"] == [] and plan["offloaded_bytes"] == 400
     # the earliest complete first: chunk 3 (after node 1), then chunk 2 (after node 2)
     assert [c for c, t in sorted(tiers.items()) if t == R.GRADS] == [2, 3]
-    curve, step = _replayed_with_grads(live, items, grads, 400, plan)
+    curve, step = _replayed_with_grads(live, items, grads, 400, plan, _copy(0, 1e-3))
     assert curve == plan["curve"] and max(curve + [step]) == plan["peak_after"] <= budget
     assert plan["offloaded_grad_bytes"] == 100 and plan["predicted_grad_copy_s"] > 0
     # the state alone is enough: no gradient moves
@@ -189,6 +195,46 @@ def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not
     assert step <= 1250 and max(curve) <= 1250
     # three leave 1300 - 600 + 2 x 300 = 1300 on the device: four
     assert sum(c["tier"] == R.GRADS for c in plan["chunks"]) == 4
+
+
+def test_each_gradient_leaves_where_it_is_made():
+    """A chunk's shard gradients leave one by one, right after their own nodes (their
+    `grad_to_host` ops), not all after the last one: the curve between them is lower. A
+    re-plan after `prefetch` spent memory planned that way (measured 700,744 B, budget 701,224)
+    found the lowest peak 717,128 with the chunk-level drop and gave up (tests/test_ragged.py's
+    tier-2 run with prefetch)."""
+    live = [600, 800, 1000, 1100, 1050]
+    items = _items([100])
+    whole = [O.GradItem(chunk=0, nbytes=200, flat_bytes=200, at=3, label="p0")]
+    parts = [O.GradItem(chunk=0, nbytes=200, flat_bytes=200, at=3, label="p0",
+                        parts=[(0, 150), (3, 50)])]
+    budget = 1100 - 100 - 150   # the peak (node 3) with the state off and the first part gone
+    assert O.plan_step(_points(live), items, 0, _copy(0, 0), budget, whole)["unattainable"]
+    plan = O.plan_step(_points(live), items, 0, _copy(0, 0), budget, parts)
+    assert not plan["unattainable"], plan["reason"]
+    assert plan["curve"] == [500, 550, 750, 850, 750] and plan["peak_after"] <= budget
+
+
+def test_gradients_made_faster_than_they_are_copied_out_leave_later():
+    """On a GPU the backward can make gradients faster than PCIe takes them away: the copies
+    run one after another, and a gradient's memory leaves after the node during which its copy
+    ends (a copy of 2.5 nodes' time each here; the curve with immediate drops would be lower
+    and the plan would run over the budget)."""
+    live = [600, 700, 800, 900, 1000, 1000, 1000, 1000, 1000, 900]
+    items = _items([100])
+    grads = [O.GradItem(chunk=0, nbytes=200, flat_bytes=200, at=3, label="p0",
+                        parts=[(0, 50), (1, 50), (2, 50), (3, 50)])]
+    plan = O.plan_step(_points(live), items, 0, _copy(2.5, 0.0), 850, grads)
+    assert not plan["unattainable"], plan["reason"]
+    # copies end at 3.5, 6, 8.5, 11 s: off after nodes 3, 5, 8 and never in the graph
+    assert plan["curve"] == [500, 600, 700, 800, 850, 850, 800, 800, 800, 650]
+    curve, _ = _replayed_with_grads(live, items, [
+        O.GradItem(chunk=0, nbytes=50, flat_bytes=50, at=a, label="p0") for a in range(4)],
+        0, plan, _copy(2.5, 0.0))
+    assert curve == plan["curve"]
+    # fast copies: each ends during the node after the one that made it, and leaves after it
+    fast = O.plan_step(_points(live), items, 0, _copy(0.1, 0.0), 850, grads)
+    assert fast["curve"] == [500, 600, 650, 700, 750, 700, 700, 700, 700, 600]
 
 
 def test_unattainable_with_gradients_says_so():

@@ -37,8 +37,9 @@ The plan:
   budget), the gradients of chunks go too (tier 2, [Note: gradients on the host] in
   runtime/offload.py): every chunk's state is streamed through the step, and chunks are taken in
   the order their gradients are complete in the backward (the earliest are off the device for
-  longest) until the curve — less each taken chunk's gradients after the node that completes
-  them — and the step fit. A `grad_to_host` op goes right after each of their gradients;
+  longest) until the curve — less each taken gradient once its copy out ends (the copies
+  queued one after another from the node that makes each: `_all_state_off`) — and the step
+  fit. A `grad_to_host` op goes right after each of their gradients;
 * a budget that even all state and all gradients off the device does not meet is
   unattainable: the plan says so with the figures and changes nothing.
 
@@ -52,7 +53,9 @@ that still fits. Passes after it see the plan's curve and spend only what the pl
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import operator
 from typing import Any, Callable
@@ -92,6 +95,9 @@ class GradItem:
     flat_bytes: int        # the chunk's flat gradient (the step streams it in)
     at: int                # the point after which all of them exist (len(points): never in a graph)
     label: str = ""
+    # (point after which it exists, bytes) per shard gradient: each leaves the device right
+    # after the node that makes it (its `grad_to_host` op); None: all of them at `at`
+    parts: list[tuple[int, int]] | None = None
 
 
 def select(items: list[Item], need: int) -> list[Item] | None:
@@ -154,16 +160,18 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         "predicted_copy_s": 0.0, "predicted_hidden_s": 0.0, "predicted_exposed_s": 0.0,
         "predicted_streamed_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
         "curve": live, "offloaded_grad_bytes": 0, "predicted_grad_copy_s": 0.0}
+    ends = list(itertools.accumulate(p.time_s for p in points))
+    queue = (ends, copy_s)   # [Note: gradients on the host]'s copies out, one after another
     # the lowest peaks this pass can reach: all state off; all state and all gradients off
     for key, chosen in (("lowest_state_peak_bytes", []), ("lowest_peak_bytes", grads or [])):
-        curve, step = _all_state_off(live, items, chosen, step_base)
+        curve, step = _all_state_off(live, items, chosen, step_base, queue)
         out[key] = max(curve + [step])
     if peak_before <= budget:
         return out
     # the step with nothing resident needs room for the streamed chunks
     if step_base + staging_bytes(items) > budget:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, copy_s, budget)
+            return _with_grads(out, live, items, grads, step_base, queue, budget)
         return {**out, "unattainable": True,
                 "reason": f"the optimizer step needs {step_base} bytes with no optimizer state "
                           f"on the device, plus {staging_bytes(items)} to stream the state "
@@ -177,7 +185,7 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         chosen = select(items, sum(i.nbytes for i in chosen) + step_need)
     if chosen is None:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, copy_s, budget)
+            return _with_grads(out, live, items, grads, step_base, queue, budget)
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) is not enough: the "
                           f"curve exceeds the budget by {need} bytes"}
@@ -254,19 +262,21 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
 
 
 def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: list[GradItem],
-                step_base: int, copy_s: Callable[[int], float], budget: float) -> dict[str, Any]:
+                step_base: int, queue: tuple[list[float], Callable[[int], float]],
+                budget: float) -> dict[str, Any]:
     """Tier 2: every chunk's state streamed through the step, and the gradients of as many
     chunks as the curve and the step need, earliest complete first."""
     state = sum(i.nbytes for i in items)
     state_of = {i.chunk: i.nbytes for i in items}
+    copy_s = queue[1]
 
     chosen: list[GradItem] = []
-    curve, step = _all_state_off(live, items, chosen, step_base)
+    curve, step = _all_state_off(live, items, chosen, step_base, queue)
     for g in sorted(grads, key=lambda g: (g.at, g.chunk)):
         if max(curve + [step]) <= budget:
             break
         chosen.append(g)
-        curve, step = _all_state_off(live, items, chosen, step_base)
+        curve, step = _all_state_off(live, items, chosen, step_base, queue)
     if max(curve + [step]) > budget:
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) and all gradients "
@@ -287,13 +297,24 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
 
 
 def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
-                   step_base: int) -> tuple[list[int], int]:
+                   step_base: int, queue: tuple[list[float], Callable[[int], float]]
+                   ) -> tuple[list[int], int]:
     """The curve and the step peak with every chunk's state streamed through the step and the
-    gradients of `chosen` on the host after the node that completes them."""
+    gradients of `chosen` on the host. A gradient's copy out starts when the node that makes it
+    ends, or when the copy before it is done (one copy stream, in the order they are made), and
+    its memory leaves after the node during which that copy ends (`queue`: the points' end
+    times and the cost model's copy time): on a GPU the backward can make gradients faster
+    than PCIe takes them away."""
     n = len(live)
+    ends, copy_s = queue
     drop = [0] * (n + 1)
-    for g in chosen:
-        drop[min(g.at + 1, n)] += g.nbytes
+    free = 0.0
+    for at, nbytes in sorted(p for g in chosen for p in g.parts or [(g.at, g.nbytes)]):
+        if at >= n:
+            continue   # never made inside a graph: off the device at the step only
+        free = max(ends[at], free) + copy_s(nbytes)
+        k = bisect.bisect_left(ends, free, lo=at)   # the node during which the copy ends
+        drop[min(k + 1, n)] += nbytes
     state = sum(i.nbytes for i in items)
     curve, saved = [], 0
     for j in range(n):
@@ -349,10 +370,13 @@ def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
     for s in store.slots:
         if any(e.pid in reused for e in s.chunk.entries):
             continue
-        at = max((made.get(e.pid, n) for e in s.chunk.entries), default=n)
+        parts = [(made.get(e.pid, n), offload.device_bytes(sh.numel() * sh.element_size(),
+                                                           store.device))
+                 for e, sh in zip(s.chunk.entries, s.chunk.shards)]
         out.append(GradItem(s.chunk.index, store.grad_bytes(s),
-                            offload.device_bytes(s.chunk.nbytes, store.device), at,
-                            s.chunk.entries[0].name))
+                            offload.device_bytes(s.chunk.nbytes, store.device),
+                            max((at for at, _ in parts), default=n), s.chunk.entries[0].name,
+                            parts))
     return out
 
 

@@ -14,8 +14,8 @@ modelled costs, host costs included.
 
 Memory model of a plan (the profiler's: live bytes after each node): the persistent state
 (shards, Adam state, kept parameters, accumulators), the gradient shards from where each is
-complete until the step ([Note: gradient lifetime] in `Plan.grad_life`; at tier 2 until the
-chunk's last one is complete), the step's activations
+complete until the step ([Note: gradient lifetime] in `Plan.grad_life`; at tier 2 only
+where it is made), the step's activations
 (`Node.live`), each gathered parameter from its gather (or its group's wait, where the runtime
 hands it over) to its last use in the graph, a group's flat buffer from its start to its wait,
 a gradient from where it is complete to its reduce (or its bucket's start), a bucket's padded
@@ -94,11 +94,11 @@ class Item:
 
 @dataclasses.dataclass
 class GradOff:
-    """A tier-2 chunk ([Note: gradients on the host] in runtime/offload.py): its shard
-    gradients leave the device where the last of them is complete (reduced), in the first
-    micro-step that completes them all; later micro-steps bring each back to add to it. Where
-    that is follows the plan (a later pass may bucket or accumulate the reductions), as the
-    runtime's `grad_to_host` op follows the node that makes its gradient."""
+    """A tier-2 chunk ([Note: gradients on the host] in runtime/offload.py): each of its shard
+    gradients leaves the device right after it is complete (reduced); later micro-steps bring
+    each back to add to it. Where that is follows the plan (a later pass may bucket or
+    accumulate the reductions), as the runtime's `grad_to_host` op follows the node that makes
+    its gradient."""
     chunk: int
     pids: list[int]
     nbytes: int            # the shard gradients
@@ -158,8 +158,8 @@ class Plan:
         """[Note: gradient lifetime] A shard gradient exists from where it is complete (its
         reduce-scatter, its bucket's wait; at world size 1 its node or cast) in the first
         micro-step that completes it until the optimizer step (the engine's zero_grad sets
-        them to None after it); a tier-2 chunk's leave the device where the last of them is
-        complete. Per parameter and per tier-2 chunk: that micro-step (`gas`: none does)."""
+        them to None after it); a tier-2 chunk's each leave the device right after it is made.
+        Per parameter and per tier-2 chunk (its last): that micro-step (`gas`: none does)."""
         gas = self.s.gas
         done = [set(reduced_at(self, self._items("bw", False), "bw")) if gas > 1 else set(),
                 set(reduced_at(self, self._items("bw", True), "bw"))]
@@ -359,26 +359,27 @@ def _grads_absent(plan: Plan, m: int, life: GradLife) -> int:
     """Bytes of gradient shards `persistent()` counts that are not on the device when
     micro-step `m` starts (`gas`: at the optimizer step): not yet complete, or at tier 2."""
     s = plan.s
-    return (sum(_grad_bytes(s, p) for p, f in life.first.items() if f >= m and m < s.gas)
-            + sum(g.nbytes for g, f in life.tier2 if f < m))
+    host = {p for g, _ in life.tier2 for p in g.pids}
+    return (sum(_grad_bytes(s, p) for p, f in life.first.items()
+                if p not in host and f >= m and m < s.gas)
+            + sum(_grad_bytes(s, p) for p in host))
 
 
 def _grad_curve(plan: Plan, items: list[Item], key: str, m: int, life: GradLife) -> None:
     """[Note: gradient lifetime] on the profiler's curve: each item's live bytes less the
-    gradient shards not on the device after it. A tier-2 chunk's gradients leave after the
-    item that completes the last of them, as `offload_optimizer._all_state_off` plans it; a
-    later micro-step's round trip (back, added to, out again) holds one parameter's gradient
-    at a time: not modelled."""
+    gradient shards not on the device after it. A tier-2 chunk's gradients each leave right
+    after the item that makes it (its `grad_to_host` op), as `offload_optimizer._all_state_off`
+    plans it; a later micro-step's round trip (back, added to, out again) likewise."""
     delta: dict[int, int] = {}   # item index -> bytes that appear (+) / leave (-) from it on
     if key == "bw":
-        at = reduced_at(plan, items, key)
-        for p, j in at.items():
-            if life.first[p] == m:
-                delta[j] = delta.get(j, 0) + _grad_bytes(plan.s, p)
-        for g, f in life.tier2:
-            js = [at[p] for p in g.pids if p in at]
-            if f == m and js:
-                delta[max(js) + 1] = delta.get(max(js) + 1, 0) - g.nbytes
+        host = {p for g, _ in life.tier2 for p in g.pids}
+        for p, j in reduced_at(plan, items, key).items():
+            b = _grad_bytes(plan.s, p)
+            if p in host:
+                delta[j] = delta.get(j, 0) + b
+                delta[j + 1] = delta.get(j + 1, 0) - b
+            elif life.first[p] == m:
+                delta[j] = delta.get(j, 0) + b
     adjust = -_grads_absent(plan, m, life)
     for j, it in enumerate(items):
         adjust += delta.get(j, 0)
@@ -718,7 +719,8 @@ def _offload(plan: Plan) -> dict[str, Any]:
     n = len(points)
     grads = [offload_optimizer.GradItem(
         c, master * GRAD_SHARD_BYTES // MASTER_BYTES, master * GRAD_SHARD_BYTES // MASTER_BYTES,
-        max((done.get(pid, n) for pid in pids), default=n), label)
+        max((done.get(pid, n) for pid in pids), default=n), label,
+        [(done.get(pid, n), _grad_bytes(s, pid)) for pid in pids])
         for c, (pids, master, label) in enumerate(chunks)]
     step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
     d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget,
