@@ -149,20 +149,26 @@ def _bw_slot(engine):
     return next(s for s in engine._pipeline.slots.values() if s.kind == "bw")
 
 
-def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
+def _tier2_budget() -> int:
+    """Below what all the state off the device gives (the graphs, or the step streaming it),
+    by an eighth of the gradients: the plan must send gradients to the host (tier 2)."""
     from deepcompile.passes import offload_optimizer as O
-    from deepcompile.runtime import offload
 
-    plain = _engine(gradient_accumulation_steps=2)
-    _train(plain, 5, gas=2)
     probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
     _train(probe, 3, gas=2)
     d = _decisions(probe)
     grads = sum(p.numel() * 4 for p in _model().parameters())
-    # below what all the state off the device gives (the graphs, or the step streaming it)
     state_only = max(d["graph_peak_bytes"] - d["state_bytes"], d["step_base_bytes"]
                      + O.staging_bytes(O.items_of(probe._offload)))
-    budget = state_only - grads // 8
+    return state_only - grads // 8
+
+
+def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
+    from deepcompile.runtime import offload
+
+    plain = _engine(gradient_accumulation_steps=2)
+    _train(plain, 5, gas=2)
+    budget = _tier2_budget()
     engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
                      warmup_steps=1, memory_budget=budget, measure_steps=0)
     _train(engine, 4, gas=2)
@@ -202,19 +208,12 @@ def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(gr
     the profile misses them until the graph's end, and the re-plan keeps too little off the
     device (seen with ragged lengths: a re-plan under the same inputs exceeded the budget and
     was reverted)."""
-    from deepcompile.passes import offload_optimizer as O
     from deepcompile.runtime import offload
 
     plain = _engine(gradient_accumulation_steps=2)
     _train(plain, 8, gas=2)
-    probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
-    _train(probe, 3, gas=2)
-    d = _decisions(probe)
-    grads = sum(p.numel() * 4 for p in _model().parameters())
-    state_only = max(d["graph_peak_bytes"] - d["state_bytes"], d["step_base_bytes"]
-                     + O.staging_bytes(O.items_of(probe._offload)))
     engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
-                     warmup_steps=1, memory_budget=state_only - grads // 8, measure_steps=0)
+                     warmup_steps=1, memory_budget=_tier2_budget(), measure_steps=0)
     pipe = engine._pipeline
     _train(engine, 4, gas=2)   # warm-up, profile, re-profile with the plan, steady
     store = engine._offload
