@@ -95,8 +95,8 @@ class GradItem:
     flat_bytes: int        # the chunk's flat gradient (the step streams it in)
     at: int                # the point after which all of them exist (len(points): never in a graph)
     label: str = ""
-    # (point after which it exists, bytes) per shard gradient: each leaves the device right
-    # after the node that makes it (its `grad_to_host` op); None: all of them at `at`
+    # (point after which it exists, bytes) per shard gradient: its `grad_to_host` op copies it
+    # out from there (`_all_state_off`: it leaves once the copy ends); None: all of them at `at`
     parts: list[tuple[int, int]] | None = None
 
 
