@@ -291,12 +291,6 @@ def test_reloads_go_only_into_the_last_micro_steps_backward():
     points = O.timeline(ctx)
     assert len(points) == 16
     assert [j for j, p in enumerate(points) if p.placeable] == [14, 15]   # last bw run only
-    # re-planning: the previous plan's ops are in the profile, and `apply` removes them first
-    # (a reload placed after one failed to find its node: seen in a CI-like run of the drift
-    # test, passes="auto")
-    ctx.profiles["g0.bw"].nodes[0].kind = "state_reload"
-    ctx.profiles["g0.bw"].nodes[1].kind = "grad_offload"
-    assert not any(p.placeable for p in O.timeline(ctx))
 
 
 def test_config_needs_a_warmup_step_for_the_state_to_exist():

@@ -394,14 +394,9 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
         placeable = in_last and key not in seen and ctx.slots[key].kind == "bw"
         if in_last:
             seen.add(key)
-        # nothing is placed after a previous plan's own op: `apply` removes them first
-        points += [Point(key, n.name, n.live_bytes + offset, n.time_s,
-                         placeable and n.kind not in _OWN_KINDS)
+        points += [Point(key, n.name, n.live_bytes + offset, n.time_s, placeable)
                    for n in ctx.profiles[key].nodes]
     return points
-
-
-_OWN_KINDS = ("state_reload", "grad_offload")   # RELOAD_STATE's, GRAD_TO_HOST's (re-planning)
 
 
 def items_of(store) -> list[Item]:

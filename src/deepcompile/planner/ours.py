@@ -714,8 +714,8 @@ def _offload(plan: Plan) -> dict[str, Any]:
                     f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
                     it.dur if compute else 0.0, compute and last and key == "bw"))
     chunks = _chunks(s)
-    items = [offload_optimizer.Item(c, master * ADAM_BYTES // MASTER_BYTES, label)
-             for c, (_, master, label) in enumerate(chunks)]
+    states = [offload_optimizer.Item(c, master * ADAM_BYTES // MASTER_BYTES, label)
+              for c, (_, master, label) in enumerate(chunks)]
     n = len(points)
     grads = [offload_optimizer.GradItem(
         c, master * GRAD_SHARD_BYTES // MASTER_BYTES, master * GRAD_SHARD_BYTES // MASTER_BYTES,
@@ -723,7 +723,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
         [(done.get(pid, n), _grad_bytes(s, pid)) for pid in pids])
         for c, (pids, master, label) in enumerate(chunks)]
     step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
-    d = offload_optimizer.plan_step(points, items, step_base, s.planner_cost.copy_s, s.budget,
+    d = offload_optimizer.plan_step(points, states, step_base, s.planner_cost.copy_s, s.budget,
                                     grads=grads)
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
