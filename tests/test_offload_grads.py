@@ -202,8 +202,9 @@ def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
 
 def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(group):
     """A re-plan in the steady state (the step drifted: Engine._replan_offload, here by hand,
-    in the middle of a window) profiles the graphs as the pass plans from them: without the
-    `grad_to_host` ops of the plan it replaces (`Pass.withdraw`). With them, the gradients of
+    in the middle of a window) profiles the graphs as the pass plans from them: as compiled,
+    without the `grad_to_host` ops of the plan it replaces ([Note: a re-plan starts over] in
+    compiler/planner.py). With them, the gradients of
     the chunks that were at tier 2 are accumulated into `shard.grad` as soon as they are made,
     the profile misses them until the graph's end, and the re-plan keeps too little off the
     device (seen with ragged lengths: a re-plan under the same inputs exceeded the budget and
@@ -232,7 +233,7 @@ def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(gr
     first, again = (e["decisions"] for e in entries)
     assert any(c["tier"] == offload.GRADS for c in first["chunks"])
     assert again["chunks"] == first["chunks"]   # the same inputs' sizes: the same plan
-    # the re-plan's profile (the plan withdrawn, all state off the device) is the first one's
+    # the re-plan's profile (the graphs as compiled, all state off the device) is the first one's
     peaks = {label: prof.peak_bytes for label, prof in bw.history}
     assert peaks["replan: a test"] == peaks["initial"], peaks
     assert [n for n in bw.gm.graph.nodes if n.target is offload.GRAD_TO_HOST]

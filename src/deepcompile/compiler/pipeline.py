@@ -23,8 +23,9 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            here: warm-up and profiling run the FX graphs). When the step drifts from what was
            planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
            the `on_drift` listeners may `request_replan`: PROFILE again, then the passes named
-           (the engine: `offload_optimizer`), judged on memory only, not timed against the
-           plan they replace (which no longer fits).
+           (the engine: `offload_optimizer`) and the kept ones, from the graphs as compiled
+           ([Note: a re-plan starts over] in compiler/planner.py), judged on memory only, not
+           timed against the plan they replace (which no longer fits).
 
 With `cache_dir`, the agreed profiles and the passes' decisions (reverted ones marked) are
 stored under a key made of everything that determines them; a later run with the same key
@@ -215,7 +216,7 @@ class Pipeline:
             f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
             {"phase": "compile", "step": self.runtime.step.optimizer_steps,
              "micro": self.runtime.step.micro_step, "graph": key})
-        kept = [e["pass"] for e in self.pass_log if e.get("kept", True)]
+        kept = [e["pass"] for e in self.planner.current() if e.get("kept", True)]
         if self.phase is Phase.STEADY and kept and slot.training:
             log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
                         "parameters); it runs with insertion only, without the passes %s", key,
@@ -393,20 +394,16 @@ class Pipeline:
                 passes, reason = self._replan
                 self._replan, self._replan_agreed = None, False
                 self.replans += 1
-                self.planner.queue = list(passes)
-                # the re-profile measures the graphs as the passes plan from them, without
-                # what their previous plans inserted (offload_optimizer: its gradients'
-                # `grad_to_host` ops would accumulate each gradient as soon as it is made,
-                # and the profile would miss it until the graph's end)
-                self.planner.withdraw(passes)
+                # [Note: a re-plan starts over] in compiler/planner.py
+                self.planner.queue = self.planner.restart(passes)
                 self._replanning = reason
                 self._enter(Phase.PROFILE, f"replan: {reason}")
         self._step_started = time.perf_counter()
 
     def request_replan(self, passes: list[str], reason: str) -> None:
-        """Run `passes` again, on new profiles, from the next optimizer step after every rank
-        agreed to (`agree_replan`; steady state only; each pass's `apply` replaces what its
-        previous plan inserted)."""
+        """Run `passes` again (with the kept passes: `Planner.restart`), on new profiles, from
+        the next optimizer step after every rank agreed to (`agree_replan`; steady state
+        only)."""
         if self.phase is Phase.STEADY and self._replan is None:
             log.warning("deepcompile: re-planning %s once the ranks agree (at the next step "
                         "boundary): %s", ", ".join(passes), reason)
@@ -547,8 +544,9 @@ class Pipeline:
         """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
         when none is left."""
         t0 = time.perf_counter()
-        while self.planner.queue or (self.config.auto_passes and self._replanning is None and
-                                     self.planner.late_offload(self.config.warmup_steps)):
+        while self.planner.queue or (
+                self.planner.retry() if self._replanning is not None else
+                self.config.auto_passes and self.planner.late_offload(self.config.warmup_steps)):
             # what the profiles before this pass saw (restored if it is reverted: _judge)
             before = ({k: w.limit for k, w in self._watches.items()}, set(self._unplanned))
             entry = self.planner.start(self.planner.queue.pop(0))

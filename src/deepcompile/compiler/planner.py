@@ -62,6 +62,9 @@ class Planner:
         self.chosen: list[dict[str, str]] | None = None    # auto: passes chosen, and why
         self.left_out: list[dict[str, str]] | None = None  # auto: passes not run, and why
         self._snapshots: dict[int, Snapshot] = {}
+        self._initial: dict[str, Any] | None = None   # the runtime plan state before any pass
+        self._since = 0       # entries[_since:]: the passes of the plan in force (`current`)
+        self._requested: list[str] = []   # what the re-plan under way was asked for (`retry`)
 
     # -- which passes -----------------------------------------------------------------------
     def configure(self, passes: tuple[str, ...]) -> None:
@@ -90,9 +93,14 @@ class Planner:
             log.warning("deepcompile auto: offload_optimizer added: %s", why)
         return yes
 
+    def current(self) -> list[dict[str, Any]]:
+        """The log entries of the plan in force: since the last re-plan started over
+        (`restart`), or all of them."""
+        return self.entries[self._since:]
+
     def decisions(self) -> dict[str, Any]:
-        """Decisions of the passes kept so far (what later passes read)."""
-        return {e["pass"]: e["decisions"] for e in self.entries if e.get("kept", True)}
+        """Decisions of the passes kept so far in the plan in force (what later passes read)."""
+        return {e["pass"]: e["decisions"] for e in self.current() if e.get("kept", True)}
 
     # -- one pass ---------------------------------------------------------------------------
     def start(self, name: str, decisions: dict | None = None) -> dict[str, Any]:
@@ -102,6 +110,8 @@ class Planner:
                         profiles={k: (s.history[-1], s.local) if s.history else None
                                   for k, s in self.slots.items()},
                         runtime=self.runtime.plan_state())
+        if self._initial is None:
+            self._initial = snap.runtime
         before = self._summarize(ctx.profiles)
         if decisions is None:
             decisions = p.plan(ctx)
@@ -114,18 +124,51 @@ class Planner:
             self._snapshots[id(entry)] = snap
         return entry
 
-    def withdraw(self, names: list[str]) -> list[str]:
-        """Before `names` plan again (a re-plan): each removes what its plan inserted where it
-        can (`Pass.withdraw`), so that the re-profile measures the graphs without it; the keys
-        of the graphs changed."""
-        changed: set[str] = set()
-        for name in names:
-            p = get_pass(name)
-            if p.withdraw is not None:
-                changed.update(p.withdraw(self._context()) or [])
-        for key in sorted(changed):
-            self.slots[key].changed()
-        return sorted(changed)
+    def restart(self, requested: list[str]) -> list[str]:
+        """[Note: a re-plan starts over] The step drifted (a longer sequence) and `requested`
+        must plan again. Every pass of the plan in force planned within what the passes before
+        it left of the budget, at the old sizes; re-planning only `requested` on graphs that
+        keep the others' rewrites lets those spend memory the new sizes need (measured with
+        ragged lengths: `offload_optimizer` re-planned under `prefetch`'s earlier gathers found
+        the budget out of reach, was reverted, and the engine ran over it). So a re-plan starts
+        over: every graph a kept pass changed goes back to the graph as compiled, the runtime
+        state the passes configure (kept parameters, accumulators) back to what it was before
+        the first pass, and the kept passes run again in their order, a requested pass that is
+        not among them first (where `passes="auto"` places `offload_optimizer`). The offload
+        placement stays as the engine left it (every chunk's state off the device,
+        `Offloader.go_provisional`) until `offload_optimizer` plans again. Returns the queue;
+        at an optimizer-step boundary, on every rank alike."""
+        current = [e for e in self.current() if e.get("kept", True)]
+        ran = [e["pass"] for e in current]
+        chain = [n for n in requested if n not in ran] + ran
+        for key in sorted({k for e in current for k in e["changed"]}):
+            slot = self.slots[key]
+            slot.gm.graph = copy_graph(slot.original.graph)
+            slot.changed()
+        if self._initial is not None:
+            self.runtime.restore_plan_state({**self.runtime.plan_state(), "offload": None,
+                                             "kept": self._initial["kept"],
+                                             "accum": self._initial["accum"]})
+        self._since = len(self.entries)
+        self._requested = list(requested)
+        log.info("deepcompile: re-planning from the graphs as compiled: %s", " -> ".join(chain))
+        return chain
+
+    def retry(self) -> bool:
+        """At the end of a re-plan's queue: a requested pass that was reverted plans once more,
+        last, on the latest profiles. (Its re-profile met sizes beyond those it planned from —
+        the step is still growing — and the passes after it re-profiled at those sizes: their
+        profiles, within the budget, no longer let the steady state see the drift, and the
+        requested pass would stay unplanned: `offload_optimizer` in its provisional placement,
+        every chunk's state streamed.) Returns whether it queued one; once per re-plan."""
+        again = [n for n in self._requested
+                 if not any(e["pass"] == n and e.get("kept", True) for e in self.current())]
+        self._requested = []
+        if again:
+            log.warning("deepcompile: re-planning %s again, on the latest profiles (reverted "
+                        "earlier in this re-plan)", ", ".join(again))
+        self.queue.extend(again)
+        return bool(again)
 
     def snapshot(self, entry: dict[str, Any]) -> Snapshot:
         """What was there before `entry`'s pass applied."""

@@ -4,9 +4,9 @@ A pass has two halves so that a cached plan can be re-applied without profiling:
   plan(ctx)  -> decisions: a JSON-serializable dict, computed from the agreed profiles; it must
                 depend only on what `ctx` holds (the same on every rank), never on local timing;
   apply(ctx, decisions) -> the keys of the graph slots it changed (empty: nothing to do).
-Optionally, withdraw(ctx) -> the keys of the graph slots it changed: remove what the pass's plan
-inserted, before the pass plans again on new profiles in the steady state (a re-plan:
-compiler/drift.py), where the profiles must be measured without it.
+A re-plan (the step drifted: compiler/drift.py) runs the kept passes again on the graphs as
+compiled ([Note: a re-plan starts over] in compiler/planner.py): a pass never sees its own
+previous rewrite.
 Passes only schedule: they never change a graph's inputs or outputs (DESIGN §2.3). A pass is a
 no-op when its pattern is absent. Built-in passes register here as they land; users register
 their own with `deepcompile.register_pass`.
@@ -47,8 +47,6 @@ class Pass:
     description: str = ""
     # decisions -> lines for the report (what was decided, what it costs and saves); optional
     summary: Callable[[dict], list[str]] | None = None
-    # before a re-plan: what the plan inserted removed -> the keys of the slots changed; optional
-    withdraw: Callable[[PassContext], list[str]] | None = None
 
 
 _REGISTRY: dict[str, Pass] = {}
@@ -56,12 +54,10 @@ _REGISTRY: dict[str, Pass] = {}
 
 def register_pass(name: str, plan: Callable[[PassContext], dict],
                   apply: Callable[[PassContext, dict], list[str]], description: str = "",
-                  summary: Callable[[dict], list[str]] | None = None,
-                  withdraw: Callable[[PassContext], list[str]] | None = None) -> Pass:
+                  summary: Callable[[dict], list[str]] | None = None) -> Pass:
     """Register an optimization pass under `name` (then usable in `Config(passes=(name,))`).
 
-    `summary(decisions)`, if given, returns the lines `engine.report()` prints for the pass;
-    `withdraw(ctx)`, if given, removes what its plan inserted before a re-plan (module doc)."""
+    `summary(decisions)`, if given, returns the lines `engine.report()` prints for the pass."""
     if not isinstance(name, str) or not name:
         raise ValueError("register_pass: name must be a non-empty string")
     if name in _REGISTRY:
@@ -70,9 +66,7 @@ def register_pass(name: str, plan: Callable[[PassContext], dict],
         raise TypeError("register_pass: plan and apply must be callables")
     if summary is not None and not callable(summary):
         raise TypeError("register_pass: summary must be a callable or None")
-    if withdraw is not None and not callable(withdraw):
-        raise TypeError("register_pass: withdraw must be a callable or None")
-    _REGISTRY[name] = Pass(name, plan, apply, description, summary, withdraw)
+    _REGISTRY[name] = Pass(name, plan, apply, description, summary)
     return _REGISTRY[name]
 
 

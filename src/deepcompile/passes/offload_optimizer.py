@@ -521,5 +521,4 @@ def summary(d: dict[str, Any]) -> list[str]:
     ]
 
 
-register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary,
-              withdraw=remove_reloads)
+register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary)

@@ -60,9 +60,10 @@ fallback, a local accumulator flushed at the step) is sent to the host before th
 (`begin_step`). A graph planned for a tier that is no longer in force (a re-plan in the middle
 of an accumulation window) still calls the op: the gradient then goes to `shard.grad` as
 autograd would have put it, and the host gradients of a chunk leaving tier 2 are brought back
-into `shard.grad` (`_grads_back`). A re-plan withdraws the ops at the step's end, before it
-profiles (`Pass.withdraw`): an op accumulates its gradient as soon as it is made, where autograd
-keeps it to the graph's end, and the re-plan would plan from a step lighter than its own.
+into `shard.grad` (`_grads_back`). A re-plan profiles the graphs as compiled, without the ops
+([Note: a re-plan starts over] in compiler/planner.py): an op accumulates its gradient as soon
+as it is made, where autograd keeps it to the graph's end, and the re-plan would plan from a
+step lighter than its own.
 
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
 offloaded chunk has no storage between steps: a direct read fails loudly instead of returning
