@@ -237,6 +237,30 @@ def test_gradients_made_faster_than_they_are_copied_out_leave_later():
     assert fast["curve"] == [500, 600, 650, 700, 750, 700, 700, 700, 700, 600]
 
 
+def test_a_later_gradient_is_on_the_device_until_its_copy_out_ends():
+    """A shard's gradient made again in the window (the second micro-step here) is a round
+    trip: the host's comes back, the sum is made on the device and copied out, so from that
+    node until the copy ends the device holds it as the profile's accumulated gradient (no
+    saving); copies out are queued after the ones before them."""
+    live = [600, 800, 900, 900, 900, 900, 1000, 950]   # micro-step 1: nodes 0-3; 2: nodes 4-7
+    items = _items([100])
+    once = [O.GradItem(chunk=0, nbytes=100, flat_bytes=100, at=1, label="p0",
+                       parts=[(1, 100)])]
+    twice = [O.GradItem(chunk=0, nbytes=100, flat_bytes=100, at=1, label="p0",
+                        parts=[(1, 100)], again=[(5, 100)])]
+    plan = O.plan_step(_points(live), items, 0, _copy(1.5, 0.0), 10**6, once)
+    curve, _ = O._all_state_off(live, items, once, 0, (list(range(1, 9)), _copy(1.5, 0.0)))
+    # out after node 3 (nodes of 1 s: its copy, from 2 s, ends at 3.5 s, during node 3)
+    assert curve == [500, 700, 800, 800, 700, 700, 800, 750], curve
+    curve, _ = O._all_state_off(live, items, twice, 0, (list(range(1, 9)), _copy(1.5, 0.0)))
+    # made again by node 5 (ends at 6 s): the sum on the device from node 6 to the end (its
+    # copy ends at 7.5 s, during node 7, the last)
+    assert curve == [500, 700, 800, 800, 700, 700, 900, 850], curve
+    assert plan["lowest_peak_bytes"] == 800
+    assert O.plan_step(_points(live), items, 0, _copy(1.5, 0.0), 10**6, twice)[
+        "lowest_peak_bytes"] == 900
+
+
 def test_unattainable_with_gradients_says_so():
     plan = O.plan_step(_points([2000, 2100]), _items([100, 100]), 500, _copy(0, 0), 1000,
                        _grads([100, 100], at=[1, 1]))

@@ -3,6 +3,8 @@ planned by their own planners, FSDP2's and DeepSpeed's schedules, simulated."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -418,6 +420,29 @@ def test_gradients_go_to_the_host_when_all_state_off_is_not_enough(gas, world, l
     # below all state and all gradients off: unattainable, and it says why
     sch, _ = run(setting(m, world=world, gas=gas, budget=lo - 1), passes)
     assert "all gradients" in sch.decisions["offload_optimizer"]["reason"]
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_tier2_gradients_stay_on_the_device_until_their_copies_end(gas):
+    """The simulated curve counts each tier-2 gradient until its copy out ends, the copies one
+    after another (`Plan._tier2_moves`, as `offload_optimizer._all_state_off` plans them; a
+    later micro-step's is the sum, back from the host): over a slow host link the graphs hold
+    more than over a fast one, and still no more than the plan's own peak."""
+    m = synthetic(layers=6)
+    peaks = {}
+    for pcie in (55e9, 0.5e9):
+        def at(budget):
+            s = setting(m, gas=gas, world=1, budget=budget)
+            return dataclasses.replace(s, cost=dataclasses.replace(s.cost, pcie_bw=pcie))
+        d0 = run(at(1), ("offload_optimizer",))[0].decisions["offload_optimizer"]
+        budget = (d0["lowest_peak_bytes"] + d0["lowest_state_peak_bytes"]) // 2
+        sch, _ = run(at(budget), ("offload_optimizer",))
+        d = sch.decisions["offload_optimizer"]
+        assert not d["unattainable"] and d["offloaded_grad_bytes"] > 0, d
+        graphs = [e for e in sch.events if e.kind == "compute" and e.name != "optimizer step"]
+        peaks[pcie] = max(max(e.live, e.peak or 0) for e in graphs)
+        assert peaks[pcie] <= d["peak_after"] <= budget
+    assert peaks[0.5e9] > peaks[55e9], peaks
 
 
 @pytest.mark.parametrize("system", ["ours", "fsdp2"])

@@ -98,6 +98,10 @@ class GradItem:
     # (point after which it exists, bytes) per shard gradient: its `grad_to_host` op copies it
     # out from there (`_all_state_off`: it leaves once the copy ends); None: all of them at `at`
     parts: list[tuple[int, int]] | None = None
+    # (point, bytes) per later gradient of a shard in the window (the next micro-step, a
+    # parameter used in two graphs): its op brings the host's back to add to, and the sum is
+    # on the device until its copy out ends
+    again: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def select(items: list[Item], need: int) -> list[Item] | None:
@@ -304,16 +308,22 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
     ends, or when the copy before it is done (one copy stream, in the order they are made), and
     its memory leaves after the node during which that copy ends (`queue`: the points' end
     times and the cost model's copy time): on a GPU the backward can make gradients faster
-    than PCIe takes them away."""
+    than PCIe takes them away. A later gradient of the same shard (`GradItem.again`) is a round
+    trip: from its node on the device holds the sum (the profile, the accumulated gradient:
+    no saving) until its copy out ends."""
     n = len(live)
     ends, copy_s = queue
     drop = [0] * (n + 1)
     free = 0.0
-    for at, nbytes in sorted(p for g in chosen for p in g.parts or [(g.at, g.nbytes)]):
+    copies = sorted([(at, nb, False) for g in chosen for at, nb in g.parts or [(g.at, g.nbytes)]]
+                    + [(at, nb, True) for g in chosen for at, nb in g.again])
+    for at, nbytes, again in copies:
         if at >= n:
             continue   # never made inside a graph: off the device at the step only
         free = max(ends[at], free) + copy_s(nbytes)
         k = bisect.bisect_left(ends, free, lo=at)   # the node during which the copy ends
+        if again:
+            drop[at + 1] -= nbytes
         drop[min(k + 1, n)] += nbytes
     state = sum(i.nbytes for i in items)
     curve, saved = [], 0
@@ -346,37 +356,39 @@ def grad_outputs(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
 
 
 def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
-    """Per chunk: its shard gradients and the point after which the backward graphs have made
-    all of them (the first micro-step's). Not a chunk with a parameter whose graph Dynamo reuses
+    """Per chunk: its shard gradients, the point after which the backward graphs have made
+    all of them (the first micro-step's), where each is made first (`parts`) and made again
+    (`again`: later micro-steps, a second graph). Not a chunk with a parameter whose graph Dynamo reuses
     for another ([Note: graph reuse] in compiler/backend.py): the op names its parameter by the
     compile-time id, and would send one parameter's gradient to another's place (a reuse that
     appears after planning is an error: Engine._check_reuse)."""
     store = ctx.runtime.offload
     reused = {pid for pair in ctx.registry.reuses for pid in pair}
-    index = {}
+    index: dict[tuple[str, str], list[int]] = {}
     for j, p in enumerate(points):
-        index.setdefault((p.slot, p.name), j)
-    made: dict[int, int] = {}
+        index.setdefault((p.slot, p.name), []).append(j)
+    made: dict[int, list[int]] = {}
     for key in dict.fromkeys(ctx.order):
         slot = ctx.slots.get(key)
         if slot is None or slot.kind != "bw":
             continue
         for node, pid in grad_outputs(slot.gm.graph):
-            j = index.get((key, node.name))
-            if j is not None:
-                made[pid] = min(made.get(pid, j), j)
+            made.setdefault(pid, []).extend(index.get((key, node.name), ()))
     n = len(points)
     out = []
     for s in store.slots:
         if any(e.pid in reused for e in s.chunk.entries):
             continue
-        parts = [(made.get(e.pid, n), offload.device_bytes(sh.numel() * sh.element_size(),
-                                                           store.device))
-                 for e, sh in zip(s.chunk.entries, s.chunk.shards)]
+        parts, again = [], []
+        for e, sh in zip(s.chunk.entries, s.chunk.shards):
+            nbytes = offload.device_bytes(sh.numel() * sh.element_size(), store.device)
+            first, *later = sorted(made.get(e.pid, ())) or [n]
+            parts.append((first, nbytes))
+            again += [(j, nbytes) for j in later]
         out.append(GradItem(s.chunk.index, store.grad_bytes(s),
                             offload.device_bytes(s.chunk.nbytes, store.device),
                             max((at for at, _ in parts), default=n), s.chunk.entries[0].name,
-                            parts))
+                            parts, sorted(again)))
     return out
 
 

@@ -38,6 +38,7 @@ policy] in compiler/autoplan.py).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -110,6 +111,9 @@ class GradOff:
 class GradLife:
     first: dict[int, int]                    # parameter -> micro-step completing its gradient
     tier2: list[tuple[GradOff, int]]         # tier-2 chunk -> micro-step it leaves in
+    # (micro-step, graph key) -> item index -> bytes of tier-2 gradients that come onto the
+    # device (+) or leave it (-) from that item on (`Plan._tier2_moves`)
+    moves: dict[tuple[int, str], dict[int, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -165,7 +169,48 @@ class Plan:
                 set(reduced_at(self, self._items("bw", True), "bw"))]
         first = {p.pid: 0 if p.pid in done[0] else gas - 1 if p.pid in done[1] else gas
                  for p in self.model.params}
-        return GradLife(first, [(g, max(first[p] for p in g.pids)) for g in self.grads_off])
+        life = GradLife(first, [(g, max(first[p] for p in g.pids)) for g in self.grads_off])
+        if self.grads_off:
+            life.moves = self._tier2_moves()
+        return life
+
+    def _tier2_moves(self) -> dict[tuple[int, str], dict[int, int]]:
+        """[Note: gradients on the host] as `offload_optimizer._all_state_off` plans them: each
+        tier-2 gradient is on the device from the item that completes it (in a later micro-step:
+        the sum, the host's brought back) until its copy out ends; the copies run one after
+        another on the copy stream, in the order the gradients are made, and one still under
+        way when its graph ends holds its memory into the next graph (the step waits for all).
+        Times are the items' compute durations, as the plan's points."""
+        s = self.s
+        host = {p: _grad_bytes(s, p) for g in self.grads_off for p in g.pids}
+        moves: dict[tuple[int, str], dict[int, int]] = {}
+        t = free = 0.0
+        pending: list[tuple[float, int]] = []    # (copy end, bytes) past the last graph's end
+        for m in range(s.gas):
+            for key in ("fw", "bw"):
+                items = self._items(key, m == s.gas - 1)
+                n = len(items)
+                ends = []
+                for it in items:
+                    t += it.dur if it.kind == "compute" else 0.0
+                    ends.append(t)
+                d = moves.setdefault((m, key), {})
+                made = sorted((j, p) for p, j in reduced_at(self, items, key).items()
+                              if p in host)
+                copies = [(0, end, b, False) for end, b in pending] + [
+                    (j, None, host[p], True) for j, p in made]
+                pending = []
+                for j, end, b, new in copies:
+                    if new:
+                        free = max(ends[j], free) + s.cost.copy_s(b)
+                        end = free
+                    d[j] = d.get(j, 0) + b
+                    k = bisect.bisect_left(ends, end, lo=j) + 1   # out after the node it ends in
+                    if k < n:
+                        d[k] = d.get(k, 0) - b
+                    else:
+                        pending.append((end, b))
+        return moves
 
     def _items(self, key: str, last: bool) -> list[Item]:
         s, g = self.s, self.graph(key)
@@ -367,19 +412,15 @@ def _grads_absent(plan: Plan, m: int, life: GradLife) -> int:
 
 def _grad_curve(plan: Plan, items: list[Item], key: str, m: int, life: GradLife) -> None:
     """[Note: gradient lifetime] on the profiler's curve: each item's live bytes less the
-    gradient shards not on the device after it. A tier-2 chunk's gradients each leave right
-    after the item that makes it (its `grad_to_host` op), as `offload_optimizer._all_state_off`
-    plans it; a later micro-step's round trip (back, added to, out again) likewise."""
-    delta: dict[int, int] = {}   # item index -> bytes that appear (+) / leave (-) from it on
+    gradient shards not on the device after it. A tier-2 chunk's gradients are on the device
+    from the item that makes each (a later micro-step's: the sum) until its copy out ends, as
+    `offload_optimizer._all_state_off` plans it (`GradLife.moves`)."""
+    delta = dict(life.moves.get((m, key), {}))   # item index -> bytes that appear (+) / leave
     if key == "bw":
         host = {p for g, _ in life.tier2 for p in g.pids}
         for p, j in reduced_at(plan, items, key).items():
-            b = _grad_bytes(plan.s, p)
-            if p in host:
-                delta[j] = delta.get(j, 0) + b
-                delta[j + 1] = delta.get(j + 1, 0) - b
-            elif life.first[p] == m:
-                delta[j] = delta.get(j, 0) + b
+            if p not in host and life.first[p] == m:
+                delta[j] = delta.get(j, 0) + _grad_bytes(plan.s, p)
     adjust = -_grads_absent(plan, m, life)
     for j, it in enumerate(items):
         adjust += delta.get(j, 0)
@@ -700,14 +741,15 @@ def _offload(plan: Plan) -> dict[str, Any]:
     plan.offloaded = 0     # the curve with all state and gradients on the device
     plan.reloads, plan.streamed, plan.grads_off = [], {}, []
     points = []
-    done: dict[int, int] = {}     # parameter -> the point after which its gradient is complete
+    done: dict[int, list[int]] = {}   # parameter -> the points after which its gradient is
+    # complete, first (its first micro-step) and again (a later micro-step's, added to it)
     life = plan.grad_life()
     for m in range(s.gas):
         last = m == s.gas - 1
         for key in ("fw", "bw"):
             items = plan.items(key, last, m, life)   # every node of the profile, comm ops too
             for pid, j in reduced_at(plan, items, key).items():
-                done.setdefault(pid, len(points) + j)
+                done.setdefault(pid, []).append(len(points) + j)
             for j, it in enumerate(items):
                 compute = it.kind == "compute"
                 points.append(offload_optimizer.Point(
@@ -719,8 +761,9 @@ def _offload(plan: Plan) -> dict[str, Any]:
     n = len(points)
     grads = [offload_optimizer.GradItem(
         c, master * GRAD_SHARD_BYTES // MASTER_BYTES, master * GRAD_SHARD_BYTES // MASTER_BYTES,
-        max((done.get(pid, n) for pid in pids), default=n), label,
-        [(done.get(pid, n), _grad_bytes(s, pid)) for pid in pids])
+        max((done.get(pid, [n])[0] for pid in pids), default=n), label,
+        [(done.get(pid, [n])[0], _grad_bytes(s, pid)) for pid in pids],
+        sorted((j, _grad_bytes(s, pid)) for pid in pids for j in done.get(pid, [])[1:]))
         for c, (pids, master, label) in enumerate(chunks)]
     step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
     d = offload_optimizer.plan_step(points, states, step_base, s.planner_cost.copy_s, s.budget,
