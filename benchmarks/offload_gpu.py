@@ -50,7 +50,16 @@ def _model(args):
                       num_attention_heads=args.heads, num_key_value_heads=args.heads,
                       intermediate_size=args.ffn, max_position_embeddings=args.seq,
                       attn_implementation=args.attn, use_cache=False)
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if args.checkpoint:   # the model's own activation checkpointing, every N-th decoder layer
+        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.2x
+        if enable is not None:
+            enable(every_n_layers=args.checkpoint)
+        elif args.checkpoint == 1:
+            model.gradient_checkpointing_enable()
+        else:
+            sys.exit("--checkpoint N > 1 needs transformers' activation_checkpointing_enable")
+    return model
 
 
 def _init_dist(backend: str) -> None:
@@ -211,7 +220,7 @@ def _run_child(system: str, args, limit: int | None, budget: int | None) -> dict
 
 
 _MODEL_KEYS = ("layers", "hidden", "ffn", "heads", "vocab", "seq", "batch", "steps", "timed",
-               "compiler", "attn")
+               "compiler", "attn", "checkpoint")
 
 
 def _model_args(args) -> list[str]:
@@ -231,6 +240,9 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=6)
     p.add_argument("--compiler", default="inductor", choices=("inductor", "fx"))
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--checkpoint", type=int, default=0, metavar="N",
+                   help="activation checkpointing of every N-th decoder layer (0: none), for "
+                        "every system (the model's own: Hugging Face's)")
     p.add_argument("--limit-gib", type=float, default=None,
                    help="memory limit for the constrained systems (default: see the docstring)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)

@@ -11,6 +11,7 @@ Models:
   llama        tiny HF LlamaForCausalLM (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads).
   llama8       the same with 8 decoder layers (host work against depth).
   llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
+  llama_ckpt   the same with activation checkpointing (gradient_checkpointing_enable()).
   mixtral      tiny HF MixtralForCausalLM (4 experts, top-2, hidden 32, 2 layers), with
                transformers' default experts implementation ("grouped_mm": one graph, a custom
                op with its own autograd); `mixtral_eager` uses experts_implementation="eager"
@@ -170,7 +171,7 @@ class DisabledForwardModel(nn.Module):
         return F.mse_loss(out, y)
 
 
-def _llama(tie: bool, layers: int = 2) -> nn.Module:
+def _llama(tie: bool, layers: int = 2, checkpointed: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -179,6 +180,11 @@ def _llama(tie: bool, layers: int = 2) -> nn.Module:
         tie_word_embeddings=tie, attn_implementation="eager",
     )
     model = LlamaForCausalLM(cfg)
+    if checkpointed:   # every decoder layer's activations recomputed in the backward
+        # (use_cache=True would make HF log a warning in the forward: a graph break)
+        model.config.use_cache = False
+        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.2x
+        (enable or model.gradient_checkpointing_enable)()
     if tie:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
@@ -204,6 +210,7 @@ _BUILDERS = {
     "llama": lambda: _llama(tie=False),
     "llama8": lambda: _llama(tie=False, layers=8),
     "llama_tied": lambda: _llama(tie=True),
+    "llama_ckpt": lambda: _llama(tie=False, checkpointed=True),
     "mixtral": lambda: _mixtral("grouped_mm"),       # transformers' default; one graph
     "mixtral_eager": lambda: _mixtral("eager"),      # loop over hit experts: graph breaks
     "graph_break": GraphBreakModel,
@@ -214,7 +221,7 @@ _BUILDERS = {
 }
 
 MODEL_NAMES = tuple(_BUILDERS)
-LM_MODELS = ("llama", "llama8", "llama_tied", "mixtral", "mixtral_eager")
+LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "mixtral", "mixtral_eager")
 
 
 def build_model(name: str, seed: int = SEED) -> nn.Module:
