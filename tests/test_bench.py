@@ -260,3 +260,25 @@ def test_paired_ratios_cancel_what_slows_a_round(tmp_path):
     [row] = auto_vs_lists.compare([path])
     assert row["best"] == "ours-z3+overlap" and row["ratio"] == pytest.approx(2.0)
     assert row["verdict"] == "more than 3% slower" and row["interval"][0] > 1.9
+
+
+def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
+    """benchmarks/host_step.py (issue 16: measure a host optimizer step against streaming
+    before building one) runs its CPU part on a machine without CUDA and writes its JSON;
+    a second run does not overwrite the first."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script), "--params", "300000", "--chunk-mib",
+                               "0.5", "--repeats", "1", "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host_step-1.json", "host_step.json"]
+    rec = json.loads((tmp_path / "host_step.json").read_text())
+    assert rec["params"] == 300_000 and rec["chunks"] == 3 and rec["cuda"] is None
+    assert rec["cpu_step"]["seconds"] > 0 and rec["cpu_step"]["ns_per_param"] > 0
