@@ -363,6 +363,8 @@ def test_ragged_lengths_with_gradients_on_the_host(ragged_offload, passes):
             got, want = ragged_offload[rank][name], plain[rank]
             assert got["losses"] == want["losses"], (name, rank)
             assert all(torch.equal(got["state"][k], v) for k, v in want["state"].items()), name
+    # unbounded, nothing can run over the budget: rank 0's new shape re-plans nothing
+    assert [r["unbounded"]["replans"] for r in ragged_offload] == [0, 0]
     r0, r1 = (r[passes] for r in ragged_offload)
     print(f"\n[ragged offload] {'+'.join(passes)}: passes {r0['passes']}; tier 2 by step "
           f"{[st['tier2'] for st in r0['steps']]}; sent by step, rank 0 "

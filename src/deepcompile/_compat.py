@@ -371,7 +371,9 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     cudart = getattr(torch.cuda, "cudart", None)
     try:
         rt = cudart()
-        rc = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+        # cudaHostRegisterPortable (1): pinned for every CUDA context, not only the current
+        # device's (an engine on cuda:1 in a process whose current device is 0)
+        rc = rt.cudaHostRegister(t.data_ptr(), nbytes, 1)
     except Exception:   # noqa: BLE001 -- no CUDA runtime bindings: the caching host allocator
         return t.pin_memory()
     if int(rc) != 0:

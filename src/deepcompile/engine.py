@@ -118,7 +118,7 @@ class Engine:
         self._runtime.flat_storages = frozenset(c.param.untyped_storage().data_ptr()
                                                 for c in self._flat.chunks)
         self._registry.reuse_listeners.append(self._check_reuse)
-        self._offload = Offloader(self._flat, self.device, self._runtime)
+        self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
         self._runtime.offload = self._offload
         self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
@@ -140,9 +140,11 @@ class Engine:
             # auto may choose offload_optimizer from the profile: the state is in the budget
             # (profiled on the device: name the pass to profile with it offloaded)
             self._runtime.count_offload_bytes = True
-        if self._runtime.count_offload_bytes:
+        if self._runtime.count_offload_bytes and self._pipeline.memory_budget != float("inf"):
             # the step changed under the plan (a new shape, larger sizes): re-plan instead of
-            # running out of memory (compiler/drift.py)
+            # running out of memory (compiler/drift.py). Unbounded, no step runs out of the
+            # budget: nothing to re-plan (each re-plan runs every kept pass again), and no
+            # agreement to reach at each step boundary
             self._pipeline.on_drift.append(self._replan_offload)
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         # Dynamo keeps its backend for the life of the process: it gets a weak handle ([Note:

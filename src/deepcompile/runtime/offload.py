@@ -38,9 +38,13 @@ direction (PCIe is full duplex), ordered by events, never by luck:
   * the host reads a host buffer (a state dict, a checkpoint) only after the d2h stream is
     synchronized (`host_sync`).
 On the CPU `_SimCopier` imitates this: a copy to the device is *deferred* until someone waits
-for its event (so a step that forgot to wait reads garbage and the parity tests fail), a copy
-to the host is immediate. Everything else — which chunks, which events, which storage is
-released — is the same code on both.
+for its event (so a step that forgot to wait reads garbage and the parity tests fail). A copy
+to the host is immediate where its source is released right after (the state: on CUDA,
+`record_stream` keeps the block intact until the copy read it), and deferred where the source
+lives on in the caller's hands (a gradient, `late=True`): one in-order queue, as the d2h stream,
+run when an event in it (or one after it) is waited for, or at `host_sync` — so a source that
+the caller overwrites before the copy ran shows up on the CPU too. Everything else — which
+chunks, which events, which storage is released — is the same code on both.
 
 [Note: gradients on the host] A tier-2 chunk's shard gradients never reach `shard.grad`: the
 pass puts a `grad_to_host(grad, pid)` op right after the node that produces each of them in
@@ -126,11 +130,17 @@ class _SimCopier:
     def __init__(self) -> None:
         self.seconds = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
         self.deferred = 0          # copies to the device that ran only when waited for
+        self._d2h: list[_Pending] = []   # deferred copies to the host, in order (one stream)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype)
 
-    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], late: bool = False):
+        if late:   # the caller keeps the source: it runs when waited for (module doc)
+            copy = _Pending(self, pairs, d2h=True)
+            self._d2h.append(copy)
+            return copy
+        self.run_d2h()   # in order after the deferred ones
         t0 = time.perf_counter()
         for host, dev in pairs:
             host.copy_(dev)
@@ -138,7 +148,15 @@ class _SimCopier:
         return None
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
-        return _Pending(self, pairs)
+        return _Pending(self, pairs, after=after)
+
+    def run_d2h(self, through: "_Pending | None" = None) -> None:
+        """Run the deferred copies to the host, in order, up to `through` (all: None)."""
+        while self._d2h:
+            copy = self._d2h.pop(0)
+            copy.copy()
+            if copy is through:
+                return
 
     def wait(self, events: Iterable) -> None:
         for ev in events:
@@ -146,27 +164,40 @@ class _SimCopier:
                 ev.run()
 
     def host_sync(self) -> None:
-        pass
+        self.run_d2h()
 
     def collect(self, block: bool = False) -> None:
         pass
 
 
 class _Pending:
-    """A deferred copy to the device (the CPU's stand-in for an H2D copy and its event)."""
+    """A deferred copy (the CPU's stand-in for a copy on a stream and its event): to the
+    device, (dev, host) pairs, after the copy to the host `after`; to the host (`d2h`),
+    (host, dev) pairs, in its copier's queue."""
 
-    __slots__ = ("copier", "pairs")
+    __slots__ = ("copier", "pairs", "after", "d2h")
 
-    def __init__(self, copier: _SimCopier, pairs) -> None:
-        self.copier, self.pairs = copier, pairs
+    def __init__(self, copier: _SimCopier, pairs, after=None, d2h: bool = False) -> None:
+        self.copier, self.pairs, self.after, self.d2h = copier, pairs, after, d2h
 
     def run(self) -> None:
+        """Waited for: it (and, to the host, every copy queued before it) has run."""
+        if self.pairs is None:
+            return
+        if self.d2h:
+            self.copier.run_d2h(through=self)
+            return
+        if self.after is not None:
+            self.after.run()
+        self.copy()
+
+    def copy(self) -> None:
         if self.pairs is None:
             return
         t0 = time.perf_counter()
-        for dev, host in self.pairs:
-            dev.copy_(host)
-        self.copier.seconds["h2d"] += time.perf_counter() - t0
+        for dst, src in self.pairs:
+            dst.copy_(src)
+        self.copier.seconds["d2h" if self.d2h else "h2d"] += time.perf_counter() - t0
         self.copier.deferred += 1
         self.pairs = None
 
@@ -177,6 +208,7 @@ class _CudaCopier:
     cuda = True
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self._timed: list[tuple[str, object, object]] = []
@@ -186,9 +218,10 @@ class _CudaCopier:
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return _compat.pinned_empty(like.shape, like.dtype)
 
-    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Copy device tensors into host buffers; returns the event of completion."""
-        compute = torch.cuda.current_stream()
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], late: bool = False):
+        """Copy device tensors into host buffers; returns the event of completion. (`late`:
+        the caller keeps the sources, `_SimCopier`'s business; on CUDA every copy is late.)"""
+        compute = torch.cuda.current_stream(self.device)
         self.d2h.wait_stream(compute)               # after the step wrote them
         start, end = self._events()
         with torch.cuda.stream(self.d2h):
@@ -203,7 +236,7 @@ class _CudaCopier:
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
         """Copy host buffers into freshly allocated device tensors; returns the event."""
-        self.h2d.wait_stream(torch.cuda.current_stream())   # the blocks are free by now
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the blocks are free by now
         if after is not None:
             self.h2d.wait_event(after)                      # the host buffer is complete
         start, end = self._events()
@@ -220,7 +253,7 @@ class _CudaCopier:
         events = [e for e in events if e is not None]
         if not events:
             return
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self.device)
         start, end = self._events()
         start.record(stream)
         for ev in events:
@@ -250,10 +283,16 @@ class _CudaCopier:
 class Offloader:
     """Places the chunks of one engine between device and host and runs the optimizer step."""
 
-    def __init__(self, flat: FlatState, device: torch.device, runtime=None) -> None:
+    def __init__(self, flat: FlatState, device: torch.device, runtime=None,
+                 compiler: str = "fx") -> None:
         self.flat = flat
         self.device = device
         self.runtime = runtime
+        # [Note: gradients on the host] Inductor's generated code hands a buffer to a later
+        # kernel once its last reader returned: a `grad_to_host` op whose copy may still read
+        # its gradient then copies from a buffer of its own (fx frees through the allocator,
+        # which `record_stream` holds off)
+        self.own_sources = compiler == "inductor"
         self._copier = _CudaCopier(device) if device.type == "cuda" else _SimCopier()
         self.slots = [Slot(c) for c in flat.chunks]
         self.tiers = [RESIDENT] * len(self.slots)
@@ -275,6 +314,7 @@ class Offloader:
         self.grad_scale: torch.Tensor | None = None
         if flat.inner is not None:
             flat.facade.register_state_dict_post_hook(self._state_dict_hook)
+            flat.facade.register_load_state_dict_pre_hook(self._before_load)
             flat.on_load.append(self._after_load)
 
     # -- placement ---------------------------------------------------------------------------
@@ -491,8 +531,10 @@ class Offloader:
             self._copier.wait([self._copier.to_device([(old, host)], after=slot.grad_saved)])
             g = old.add_(g)
             self._counts["grad_h2d_bytes"] += g.numel() * g.element_size()
+        elif self.own_sources:   # the graph's buffer may go to its next kernel (see __init__)
+            g = g.clone()
         slot.sumsq[i] = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-        slot.grad_saved = self._copier.to_host([(host, g)])
+        slot.grad_saved = self._copier.to_host([(host, g)], late=True)
         slot.written.add(i)
         self._counts["grad_d2h_bytes"] += g.numel() * g.element_size()
 
@@ -594,6 +636,11 @@ class Offloader:
         """After the optimizer step: every chunk at tier >= 1 leaves the device (the copies
         overlap the next forward); the step's figures are recorded; the host gradients start a
         new window."""
+        # copies back still under way (a skipped step never waited for the reloads of the last
+        # backward): done before their state goes out again, or the copy out reads it half
+        # written and the freed block takes the rest of the copy in
+        self._copier.wait(self._pending)
+        self._pending = []
         self._copier.collect()
         self.grad_scale = None
         for s in self.slots:
@@ -643,6 +690,10 @@ class Offloader:
 
     # -- optimizer state dict ------------------------------------------------------------------
     def _state_dict_hook(self, optimizer, state_dict):
+        # state brought back by the last backward, its copies not yet waited for (between the
+        # backward and the step): the caller reads it after the wait (CUDA: the compute stream)
+        self._copier.wait(self._pending)
+        self._pending = []
         off = [s for s in self.slots if s.offloaded]
         if not off:
             return state_dict
@@ -658,6 +709,12 @@ class Offloader:
                 state_dict["state"][i] = {**state_dict["state"][i],
                                           **{k: h[off_:off_ + n] for k, h in s.host.items()}}
         return state_dict
+
+    def _before_load(self, *_) -> None:
+        """Before `load_state_dict` replaces the flat state: the copies back into the tensors it
+        is about to free are done (CUDA: a block freed under a copy would take its bytes)."""
+        self._copier.wait(self._pending)
+        self._pending = []
 
     def _after_load(self) -> None:
         # the flat state was replaced by resident tensors: what was offloaded is no more
