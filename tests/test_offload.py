@@ -958,9 +958,12 @@ def test_a_longer_sequence_is_replanned_under_the_budget():
         assert auto["plans"], auto["log"]
         for p in auto["plans"]:
             assert not p["unattainable"] and p["peak_after"] <= r["auto_budget"], p
-            assert p["offloaded_bytes"] > 0
+        # (a re-plan starts over from the graphs as compiled: where its profile is at a length
+        # that fits, offload_optimizer plans nothing and the passes after it spend the room;
+        # the longest length does not fit without offloading)
+        assert auto["plans"][-1]["offloaded_bytes"] > 0, (auto["log"], auto["plans"])
         last_profiles = [ps[-1] for ps in auto["peaks"].values() if ps]
-        assert all(label == "after offload_optimizer" and peak <= r["auto_budget"]
+        assert all(label.startswith("after ") and peak <= r["auto_budget"]
                    for label, peak in last_profiles), last_profiles
         print(f"[replan] auto (added late: {bool(added)}), budget {r['auto_budget']}: " + "; ".join(
             f"peak {p['graph_peak_bytes']} offloaded {p['offloaded_bytes']}" for p in auto["plans"]))

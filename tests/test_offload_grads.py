@@ -217,6 +217,36 @@ def test_copies_back_still_under_way_finish_before_the_state_moves_again(group, 
             [k for k in want if not torch.equal(got[k], want[k])]
 
 
+def test_the_state_of_an_offloaded_chunk_reads_as_meta_not_as_released_memory(group):
+    """[Note: optimizer state access] in runtime/offload.py: between steps an offloaded chunk's
+    per-parameter state in `engine.optimizer.state` is meta tensors of the right shapes —
+    printing them works, reading their values raises — where a view of the released device
+    storage crashed the process on any read (a segfault; on CUDA an illegal memory access).
+    state_dict() has the values; back on the device the entries are views again."""
+    from deepcompile.runtime import offload
+
+    engine = _engine()
+    store = engine._offload
+    store.set_plan({c.index: offload.STATE for c in engine._flat.chunks})
+    _train(engine, 2)
+    shards = [sh for c in engine._flat.chunks for sh in c.shards]
+    packed = engine.optimizer.state_dict()["state"]
+    for i, sh in enumerate(shards):
+        st = engine.optimizer.state[sh]
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k].device.type == "meta" and st[k].shape == sh.shape, (k, st[k])
+            assert "meta" in repr(st[k])
+            with pytest.raises((NotImplementedError, RuntimeError)):
+                st[k].cpu()
+            assert packed[i][k].device.type == "cpu" and torch.isfinite(packed[i][k]).all()
+    store.reload_all()
+    store._copier.wait(store._pending)
+    for i, sh in enumerate(shards):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(engine.optimizer.state[sh][k].reshape(-1),
+                               packed[i][k].reshape(-1)), k
+
+
 def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
     from deepcompile.runtime import offload
 

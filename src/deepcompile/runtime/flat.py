@@ -87,9 +87,11 @@ class Chunk:
     offsets: list[int]               # element offset of each shard in the chunk
     numel: int                       # elements, alignment gaps included
     param: nn.Parameter              # the flat master (the inner optimizer's parameter)
-    grad: torch.Tensor               # the flat gradient; storage allocated during the step only
-    grad_views: list[torch.Tensor]   # per shard: its slice of `grad`
-    gaps: list[torch.Tensor]         # the alignment gaps of `grad` (zeroed at every fold)
+    # the flat gradient; storage allocated during the step only (not in the repr: printing a
+    # view of a released storage crashes the process)
+    grad: torch.Tensor = dataclasses.field(repr=False)
+    grad_views: list[torch.Tensor] = dataclasses.field(repr=False)   # per shard: its slice
+    gaps: list[torch.Tensor] = dataclasses.field(repr=False)   # `grad`'s alignment gaps (zeroed)
     shards: list[nn.Parameter]
 
     @property

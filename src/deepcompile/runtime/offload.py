@@ -70,10 +70,14 @@ as it is made, where autograd keeps it to the graph's end, and the re-plan would
 step lighter than its own.
 
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
-offloaded chunk has no storage between steps: a direct read fails loudly instead of returning
-stale values. `engine.optimizer.state_dict()` gets the values through a post-hook that puts
-views of the host buffers in the returned dict; `load_state_dict` installs resident state, then
-the planned chunks are offloaded again.
+offloaded chunk would have no storage between steps, and reading a view of a released storage
+crashes the process (a segfault on the CPU, an illegal memory access on CUDA). So while a chunk
+is off the device its shards' entries in `engine.optimizer.state` are *meta* tensors of the
+same shapes (`_show`: the dicts are made once per chunk and swapped, one store per shard):
+printing one says `device='meta'`, and reading its values (`.item()`, `.cpu()`) raises.
+`engine.optimizer.state_dict()` gets the values through a post-hook that puts views of the host
+buffers in the returned dict (after the copies out are done); `load_state_dict` installs
+resident state, then the planned chunks are offloaded again.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ class Slot:
     grad_saved: object = None        # event: the last copy into `host_grad` done
     written: set = dataclasses.field(default_factory=set)   # shards written this window
     sumsq: torch.Tensor | None = None   # device, per shard: squared norm of its window gradient
+    # the facade's per-shard state dicts: on the device (views), off it (meta): `_show`
+    faces: tuple[list[dict], list[dict]] | None = dataclasses.field(default=None, repr=False)
 
     def tensors(self, optimizer) -> dict[str, torch.Tensor]:
         return self.chunk.state_tensors(optimizer)
@@ -474,6 +480,7 @@ class Offloader:
         for t in tensors.values():
             t.untyped_storage().resize_(0)
         slot.offloaded = True
+        self._show(slot, tensors)
         self._counts["d2h_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _reload(self, slot: Slot) -> object:
@@ -485,8 +492,24 @@ class Offloader:
         slot.loaded = self._copier.to_device([(t, slot.host[k]) for k, t in tensors.items()],
                                              after=slot.saved)
         slot.offloaded = False
+        self._show(slot, tensors)
         self._counts["h2d_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
         return slot.loaded
+
+    def _show(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
+        """[Note: optimizer state access] The facade's state of the chunk's shards: views of
+        the flat state where it is on the device, meta tensors where it is not."""
+        state = self.flat.facade.state
+        c = slot.chunk
+        if slot.faces is None:
+            views = [state.get(sh) for sh in c.shards]
+            if not all(views):
+                return   # no per-shard state (not stepped yet)
+            meta = [{k: torch.empty_like(v, device="meta") if k in tensors else v
+                     for k, v in d.items()} for d in views]
+            slot.faces = (views, meta)
+        for sh, d in zip(c.shards, slot.faces[slot.offloaded]):
+            state[sh] = d
 
     def reload_group(self, group: int) -> None:
         """A `reload_state` op: bring the group's chunks back, unless the device is fuller now
@@ -720,7 +743,7 @@ class Offloader:
         # the flat state was replaced by resident tensors: what was offloaded is no more
         self._pending = []
         for s in self.slots:
-            s.offloaded, s.loaded, s.saved = False, None, None
+            s.offloaded, s.loaded, s.saved, s.faces = False, None, None, None
         if self.active:
             for s in self.slots:
                 if self.tier(s) >= STATE:
