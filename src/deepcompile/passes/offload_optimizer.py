@@ -358,10 +358,10 @@ def grad_outputs(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
 def grad_items(ctx: PassContext, points: list[Point]) -> list[GradItem]:
     """Per chunk: its shard gradients, the point after which the backward graphs have made
     all of them (the first micro-step's), where each is made first (`parts`) and made again
-    (`again`: later micro-steps, a second graph). Not a chunk with a parameter whose graph Dynamo reuses
-    for another ([Note: graph reuse] in compiler/backend.py): the op names its parameter by the
-    compile-time id, and would send one parameter's gradient to another's place (a reuse that
-    appears after planning is an error: Engine._check_reuse)."""
+    (`again`: later micro-steps, a second graph). Not a chunk with a parameter whose graph
+    Dynamo reuses for another ([Note: graph reuse] in compiler/backend.py): the op names its
+    parameter by the compile-time id, and would send one parameter's gradient to another's
+    place (a reuse that appears after planning is an error: Engine._check_reuse)."""
     store = ctx.runtime.offload
     reused = {pid for pair in ctx.registry.reuses for pid in pair}
     index: dict[tuple[str, str], list[int]] = {}

@@ -347,8 +347,7 @@ class Offloader:
     def set_plan(self, tiers: dict[int, int], budget: float = float("inf")) -> None:
         """Chunk index -> tier (missing: resident). Brings everything back first."""
         self.reload_all(count=False)
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
         for s in self.slots:
             if tiers.get(s.chunk.index, RESIDENT) < GRADS:
                 self._grads_back(s)
@@ -360,8 +359,7 @@ class Offloader:
     def go_provisional(self) -> None:
         """Back to the provisional placement now (a re-plan is coming: the step changed under
         the plan): every chunk's state leaves the device, and reload ops do nothing."""
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
         for s in self.slots:
             self._grads_back(s)
         self.provisional = True
@@ -526,6 +524,12 @@ class Offloader:
             self._pending.append(self._reload(s))
             self._counts["reloaded_in_graph"] += 1
 
+    def _reloaded(self) -> None:
+        """The compute stream waits for every copy back still under way (the step, a state
+        dict, a new plan, a load, the state going out again)."""
+        self._copier.wait(self._pending)
+        self._pending = []
+
     def reload_all(self, count: bool = True) -> None:
         for s in self.slots:
             ev = self._reload(s)
@@ -624,8 +628,7 @@ class Offloader:
         """The inner optimizer's step over every chunk (gradients folded, hyperparameters
         synced): resident chunks in one call, offloaded ones streamed through the device."""
         flat = self.flat
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
         ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
         with record_function("deepcompile.optimizer_step"):
             flat.step(ready)
@@ -662,8 +665,7 @@ class Offloader:
         # copies back still under way (a skipped step never waited for the reloads of the last
         # backward): done before their state goes out again, or the copy out reads it half
         # written and the freed block takes the rest of the copy in
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
         self._copier.collect()
         self.grad_scale = None
         for s in self.slots:
@@ -715,8 +717,7 @@ class Offloader:
     def _state_dict_hook(self, optimizer, state_dict):
         # state brought back by the last backward, its copies not yet waited for (between the
         # backward and the step): the caller reads it after the wait (CUDA: the compute stream)
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
         off = [s for s in self.slots if s.offloaded]
         if not off:
             return state_dict
@@ -736,8 +737,7 @@ class Offloader:
     def _before_load(self, *_) -> None:
         """Before `load_state_dict` replaces the flat state: the copies back into the tensors it
         is about to free are done (CUDA: a block freed under a copy would take its bytes)."""
-        self._copier.wait(self._pending)
-        self._pending = []
+        self._reloaded()
 
     def _after_load(self) -> None:
         # the flat state was replaced by resident tensors: what was offloaded is no more
