@@ -325,6 +325,10 @@ def test_config_needs_a_warmup_step_for_the_state_to_exist():
     from deepcompile.passes import known_passes
 
     assert "offload_optimizer" in known_passes()
+    # a pass runs on the graphs as compiled or as the passes before it left them, never over
+    # its own rewrite (its `apply` would insert its ops twice)
+    with pytest.raises(ValueError, match="'offload_optimizer' is named more than once"):
+        deepcompile.Config(passes=("offload_optimizer", "prefetch", "offload_optimizer"))
 
 
 def test_a_reload_is_never_ordered_after_a_reduction_a_later_pass_moves():

@@ -164,6 +164,10 @@ class Config:
                              "allowed: 'auto' or a sequence of pass names")
         else:
             passes = tuple(passes)
+            twice = sorted({p for p in passes if passes.count(p) > 1})
+            if twice:   # a pass plans from the graphs before it, never over its own rewrite
+                raise ValueError(f"Config.passes: {twice[0]!r} is named more than once; "
+                                 "allowed: each pass once")
         set_(self, "passes", passes)
         for key in ("warmup_steps", "profile_steps", "measure_steps"):
             v = getattr(self, key)

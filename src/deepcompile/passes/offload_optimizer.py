@@ -43,8 +43,8 @@ The plan:
 * a budget that even all state and all gradients off the device does not meet is
   unattainable: the plan says so with the figures and changes nothing.
 
-Re-planning: `apply` first removes the reload ops a previous plan inserted, so the pass can run
-again on new profiles (the pipeline re-plans when steady-state memory drifts).
+Re-planning: a re-plan runs the pass again on the graphs as compiled ([Note: a re-plan starts
+over] in compiler/planner.py), so `apply` never meets a previous plan's ops.
 
 Order with other passes: passes before this one see the curve with the state off the device
 (provisional) and may spend that memory; this plan then keeps on the device only the state
@@ -434,26 +434,12 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     return decision
 
 
-def remove_reloads(ctx: PassContext) -> list[str]:
-    """Remove the reload and gradient ops a previous plan inserted; the keys of the slots that
-    had some."""
-    changed = []
-    for key, slot in ctx.slots.items():
-        nodes = [n for n in slot.gm.graph.nodes if n.op == "call_function"
-                 and n.target in (offload.RELOAD_STATE, offload.GRAD_TO_HOST)]
-        for n in nodes:
-            slot.gm.graph.erase_node(n)
-        if nodes:
-            changed.append(key)
-    return changed
-
-
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     store = ctx.runtime.offload
     if decisions.get("layout") not in (None, store.layout_signature()):
         raise RuntimeError("deepcompile offload_optimizer: the plan was made for another flat "
                            "layout (other parameters or optimizer groups); clear the plan cache")
-    changed = set(remove_reloads(ctx))
+    changed: set[str] = set()
     store.set_plan({c["chunk"]: c["tier"] for c in decisions["chunks"]},
                    ctx.memory_budget)
     any_pid = next(iter(ctx.registry)).pid
