@@ -227,7 +227,7 @@ def cuda_figures(sizes: list[int], repeats: int) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=1e9, help="fp32 parameters (default 1e9)")
     p.add_argument("--chunk-mib", type=float, default=64.0,
@@ -235,7 +235,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the CPU")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     import torch
 
     if args.threads:

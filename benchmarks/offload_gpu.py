@@ -210,7 +210,11 @@ def _run_child(system: str, args, limit: int | None, budget: int | None) -> dict
     if budget:
         cmd += ["--budget-bytes", str(budget)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:   # the next systems still run, the record is written
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        return {"status": f"failed: timed out after {args.timeout:g} s", "stderr": err[-4000:]}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         return {"status": f"failed: exit code {proc.returncode}", "stderr": proc.stderr[-4000:]}
@@ -227,7 +231,7 @@ def _model_args(args) -> list[str]:
     return [x for k in _MODEL_KEYS for x in (f"--{k}", str(getattr(args, k)))]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
@@ -251,7 +255,11 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--limit-bytes", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.child:
         return child(args)
 

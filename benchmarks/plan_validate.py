@@ -115,7 +115,7 @@ def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
             "collectives": rec.get("collectives")}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["tiny-llama", "tiny-llama-gas4"])
     ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
@@ -135,7 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--summarize", action="store_true",
                     help="only write the summary of the rounds already in --out's "
                          "plan_validation.jsonl (a run stopped early)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.summarize:
         out_dir = Path(args.out)

@@ -282,3 +282,43 @@ def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
     rec = json.loads((tmp_path / "host_step.json").read_text())
     assert rec["params"] == 300_000 and rec["chunks"] == 3 and rec["cuda"] is None
     assert rec["cpu_step"]["seconds"] > 0 and rec["cpu_step"]["ns_per_param"] > 0
+
+
+def test_gpu_acceptance_commands_are_valid():
+    """benchmarks/gpu_acceptance.sh (the GPU runs the open issues ask for, run when a session
+    has a GPU): every command it would run parses with the parser of the script or CLI it
+    calls, and names known systems and workloads — a renamed option must not cost a GPU
+    session its 30 minutes. `DRY_RUN=1` prints the commands without running anything."""
+    import importlib
+    import shlex
+
+    from deepcompile._bench import workloads
+    from deepcompile.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", "benchmarks/gpu_acceptance.sh", "all"], cwd=root,
+                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) >= 10, proc.stdout
+    sys.path.insert(0, str(root / "benchmarks"))
+    checked = set()
+    for argv in lines:
+        assert argv[0] == "python3", argv
+        if argv[1:3] == ["-m", "pytest"] or argv[1] == ".gpu/profile_step.py":
+            continue                        # pytest's own options; a script from ../shared/gpu
+        if argv[1:3] == ["-m", "deepcompile"]:
+            args = build_parser().parse_args(argv[3:])
+            name = argv[3]
+        else:
+            name = Path(argv[1]).stem
+            assert (root / argv[1]).is_file(), argv[1]
+            args = importlib.import_module(name).parser().parse_args(argv[2:])
+        for s in getattr(args, "systems", None) or ():
+            if name in ("bench", "plan_validate"):
+                systems.get(s)              # raises on an unknown system
+        for w in getattr(args, "workloads", None) or ():
+            workloads.get(w)
+        checked.add(name)
+    assert checked == {"demo", "bench", "offload_gpu", "host_step", "plan_validate"}, checked
