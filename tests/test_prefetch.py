@@ -451,9 +451,13 @@ def _inductor_code_job(rank, world):
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                     config={"compiler": "inductor", "warmup_steps": 1,
+                                            # bf16: every gather's input is a cast, a buffer
+                                            # Inductor could reuse ([Note: an unwaited
+                                            # gather's input])
+                                            "param_dtype": "bfloat16",
                                             "measure_steps": 0, "passes": ("test_prefetch_nofuse",
                                                        "test_bucket_nofuse")})
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
 
     def step():
         engine.backward(engine(x).sum())
@@ -478,19 +482,29 @@ def test_inductor_code_keeps_starts_before_the_compute_they_overlap():
                           "reduce": "reduce_scatter_tensor"}[kind]
             pending = {}   # buffer -> index of its start
             pairs = []     # (start index, wait index) of collectives waited in this graph
+            source = {}    # buffer -> the collective's input
+            kept = set()   # the graph's inputs and outputs: never reused for another buffer
             for ln in (ln.strip() for ln in code.splitlines()):
-                m = re.match(rf"(\w+) = torch\.ops\._c10d_functional\.{collective}\.default\(", ln)
+                m = re.match(rf"(\w+) = torch\.ops\._c10d_functional\.{collective}\.default\("
+                             r"(\w+)", ln)
+                if re.fullmatch(r"[\w, ]+= args", ln) or ln.startswith("return ("):
+                    kept.update(re.findall(r"\w+", ln))
                 w = re.match(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)", ln)
                 if m:
                     pending[m.group(1)] = len(seq)
+                    source[m.group(1)] = m.group(2)
                     seq.append("start")
                 elif w and w.group(1) in pending:
                     pairs.append((pending.pop(w.group(1)), len(seq)))
                     seq.append("wait")
                 elif compute.match(ln):
                     seq.append("compute")
-            # a start left unwaited is the one handed to the next graph (at most one here)
+            # a start left unwaited is the one handed to the next graph (at most one here);
+            # its input is an input or an output of the graph, which Inductor never gives to
+            # another buffer while the collective may still read it
             assert len(pending) <= (1 if kind == "allgather" else 0), pending
+            for buf in pending:
+                assert source[buf] in kept, (buf, source[buf], kept)
             graphs -= bool(pairs)
             for s, w in pairs:
                 assert s < w

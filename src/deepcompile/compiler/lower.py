@@ -11,7 +11,7 @@ planned one describes; nothing in it calls back into Python.
 | --- | --- | --- |
 | `allgather_param` | cast, `all_gather_into_tensor`, `wait_tensor`, slice, view | cast / view of the shard |
 | `allgather_start` / `_wait` | casts, one `cat`, one all-gather / wait, per member a column-block copy (a view for a group of one) | per member as above |
-| `allgather_for_next` | the next graph's shards as inputs, cast, cat, all-gather, **returned unwaited** | nothing |
+| `allgather_for_next` | the next graph's shards as inputs, cast, cat, all-gather, **returned unwaited** (with its input, when not an input) | nothing |
 | `allgather_from_prev` | the parked buffer as an input, `wait_tensor`, split | per member as above |
 | `kept_param` | an input: the runtime's kept tensor | same |
 | `reduce_grad` | flatten, cast, pad, `reduce_scatter_tensor("sum")`, wait, divide, cast | flatten, cast |
@@ -62,7 +62,8 @@ class Lowered:
     extra_inputs: Callable[[list], list]      # args -> the extra inputs, in order
     uncounted: frozenset[int]                 # input positions held by the runtime (memory model)
     transient: frozenset[int]                 # input positions freed after their last use
-    park_keys: list[tuple[int, ...]]          # per extra output: the group it gathers
+    park_keys: list[tuple[int, ...] | None]   # per extra output: the group it gathers (None:
+                                              # the input of the gather before, not parked)
     counts: tuple[tuple[str, int, int], ...]  # collectives launched per run: (kind, n, bytes)
     acc_positions: tuple[int, ...]            # positions of accumulators among the extra inputs
     last: bool                                # the variant of the window's last micro-step
@@ -87,7 +88,8 @@ class Lowered:
             rt.accum.mark(self.last, accs)
         if self.park_keys:
             for key, buffer in zip(self.park_keys, out[self.n_out:]):
-                rt.parked.park(key, buffer)
+                if key is not None:   # None: a gather's input, returned to keep it ([Note: an
+                    rt.parked.park(key, buffer)   # unwaited gather's input])
             out = out[: self.n_out]
         return out
 
@@ -236,8 +238,19 @@ class _Lowering:
             ph = self.extra_input(f"next_{e.pid}")
             self.fixed.append((ph, e.shard))
             shards.append(ph)
-        self.outputs_extra.append(self.gather_launch(shards, entries, dtype))
+        buffer = self.gather_launch(shards, entries, dtype)
+        self.outputs_extra.append(buffer)
         self.park_keys.append(tuple(int(p) for p in pids))
+        src = buffer.args[0]
+        if src.op != "placeholder":
+            # [Note: an unwaited gather's input] Inductor keeps a collective's input from reuse
+            # only until the wait that reads it: with the wait in the next graph, it would give
+            # the input's memory (a cast, a cat) to a later buffer of this graph while the
+            # all-gather may still read it (on CUDA, NCCL's stream). Returned, it is never
+            # reused; the runtime drops it at once (`Lowered.finish`), and from then on the
+            # allocator holds the block for the collective (c10d records it on NCCL's stream).
+            self.outputs_extra.append(src)
+            self.park_keys.append(None)
 
     def gather_from_prev(self, node: fx.Node) -> list[fx.Node]:
         shards, pids, dtype = node.args
