@@ -188,3 +188,64 @@ def test_eager_modules_was_removed_and_says_what_to_do_instead(group, tmp_path):
         Config.from_file(path, eager_modules=())
     with pytest.raises(ValueError, match=match):
         Config.from_deepspeed({"zero_optimization": {"stage": 3}}, eager_modules=())
+
+
+# ------------------------------------------------------------------------------- the GPU
+def test_a_cuda_model_must_be_on_the_current_device(monkeypatch):
+    """CUDA events, memory figures and NCCL's object collectives act on the current device:
+    a model on cuda:1 with cuda:0 current is refused with the call that fixes it."""
+    from deepcompile.engine import _check_current_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=r"cuda:1 but the current CUDA device is cuda:0; "
+                                         r"call torch.cuda.set_device\(1\)"):
+        _check_current_device(torch.device("cuda", 1))
+    _check_current_device(torch.device("cuda", 0))
+    _check_current_device(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_cuda_model_needs_nccl(backend):
+    from deepcompile.engine import _check_backend
+
+    with pytest.raises(ValueError, match="CUDA training needs 'nccl'"):
+        _check_backend(torch.device("cuda", 0), backend)
+    _check_backend(torch.device("cuda", 0), "nccl")
+    _check_backend(torch.device("cuda", 0), "cpu:gloo,cuda:nccl")
+
+
+def test_steps_before_the_steady_state_wait_for_the_device(group, monkeypatch):
+    """[Note: timed steps on a GPU]: the pipeline's step times (which the passes' verdicts
+    compare) end with the device's work done in every phase but the steady one, where a sync
+    would cost overlap. Counted by replacing the pipeline's synchronize."""
+    from deepcompile.compiler import pipeline
+
+    calls = []
+    monkeypatch.setattr(pipeline, "synchronize", lambda device: calls.append(device))
+    engine = deepcompile.initialize(_model(), optimizer=SGD,
+                                    config={"compiler": "fx", "passes": (), "warmup_steps": 1})
+    for i in range(6):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    phases = [p for p, _ in engine._pipeline.step_log]
+    assert phases[0] == "warmup" and phases[-1] == "steady", phases
+    assert calls == [torch.device("cpu")] * sum(p != "steady" for p in phases)
+
+
+def test_a_fraction_budget_counts_the_memory_pytorch_can_use(monkeypatch):
+    """A budget given as a fraction (and the default 0.9 on CUDA) is of the memory PyTorch's
+    allocator can hold — its reserved plus the free memory — not of the device's total, which
+    counts the CUDA context, NCCL's buffers and other processes as room."""
+    from deepcompile.compiler.agree import local_budget
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    cuda = torch.device("cuda", 0)
+    assert local_budget(None, cuda) == 0.9 * 70 * gib
+    assert local_budget(0.5, cuda) == 35 * gib
+    assert local_budget(12345, cuda) == 12345
+    assert local_budget(None, torch.device("cpu")) == float("inf")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        local_budget(0.5, torch.device("cpu"))

@@ -81,11 +81,11 @@ def test_parity_on_one_gpu(nccl, compiler, passes):
     ref, ref_losses = _reference()
     print(f"{compiler}: max |dloss| {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4
-    state = engine.full_state_dict()
+    stats = engine.comm_stats()   # world size 1: training gathers and reduces nothing
+    assert stats["all_gather"]["count"] == stats["reduce_scatter"]["count"] == 0, stats
+    state = engine.full_state_dict()   # (which counts its own gathers: tests/test_counts.py)
     for name, p in ref.named_parameters():
         assert (state[name] - p.detach().cpu()).abs().max().item() < 1e-4, name
-    stats = engine.comm_stats()   # world size 1: no collective at all
-    assert stats["all_gather"]["count"] == stats["reduce_scatter"]["count"] == 0, stats
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -81,8 +81,10 @@ class Config:
         graphs and as many with the graphs from before it, interleaved (after one step of each
         that settles freshly made code); a pass whose steps are all slower than before is
         reverted (compiler/autoplan.py). 0: passes are judged on memory only.
-    memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only);
-        None: 90% of device memory on CUDA, unbounded on CPU.
+    memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only:
+        of the memory PyTorch can use when the engine is made, its reserved plus the free
+        memory, so not the CUDA context or NCCL's buffers); None: 0.9 on CUDA, unbounded on
+        CPU.
     cache_dir: directory of the plan cache (profiles and decisions); None: no cache.
     loss_scale: None (the default: dynamic loss scaling when param_dtype is float16, none
         otherwise), "dynamic", or a static scale (> 0). Dynamic scaling multiplies the loss by

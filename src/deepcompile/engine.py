@@ -55,7 +55,18 @@ def _model_device(model: nn.Module) -> torch.device:
     if device.type == "meta":
         raise ValueError("deepcompile.initialize: the model is on the meta device; materialize "
                          "its parameters (e.g. model.to_empty(device=...) and initialize) first")
+    _check_current_device(device)
     return device
+
+
+def _check_current_device(device: torch.device) -> None:
+    """CUDA events, memory_allocated, synchronize and NCCL's object collectives act on the
+    current device: with another one current, the profiles would time and measure nothing."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        raise ValueError(
+            f"deepcompile.initialize: the model is on {device} but the current CUDA device is "
+            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({device.index}) "
+            "(under torchrun: int(os.environ['LOCAL_RANK'])) before initialize")
 
 
 def _ensure_process_group(device: torch.device) -> None:
@@ -69,15 +80,17 @@ def _ensure_process_group(device: torch.device) -> None:
             "or call torch.distributed.init_process_group(...) before initialize().")
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info("deepcompile: initializing the default process group (%s) from the environment", backend)
-    dist.init_process_group(backend)
+    # bound to this rank's GPU: NCCL's communicator is made now, on the right device
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
 
 
 def _check_backend(device: torch.device, backend: str) -> None:
     backends = str(backend).lower()
     if device.type == "cuda":
-        if "nccl" not in backends and "gloo" not in backends:
+        if "nccl" not in backends:   # gloo: the lowered graphs' collectives need NCCL on CUDA
             raise ValueError(f"deepcompile.initialize: the model is on {device} but the process "
-                             f"group's backend is {backend!r}, which cannot move CUDA tensors")
+                             f"group's backend is {backend!r}; CUDA training needs 'nccl' "
+                             "(torch.distributed.init_process_group('nccl'))")
     elif device.type == "cpu":
         if "gloo" not in backends and "mpi" not in backends:
             raise ValueError(f"deepcompile.initialize: the model is on the CPU but the process "

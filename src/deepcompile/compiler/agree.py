@@ -112,8 +112,16 @@ def _mean_launched(runs: list[GraphProfile]) -> dict[str, list[float]] | None:
     return out
 
 
-def agreed_budget(comm, budget: int | float | None, device: torch.device) -> float:
-    """The memory budget in bytes, the smallest over ranks (inf: unbounded)."""
+def usable_bytes(device: torch.device) -> int:
+    """Device memory this process's caching allocator can come to hold: what it has reserved
+    plus what is free. The total less the CUDA context, NCCL's buffers and other processes,
+    which the budget (a bound on `memory_allocated`) would otherwise count as room."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def local_budget(budget: int | float | None, device: torch.device) -> float:
+    """`Config.memory_budget` in bytes on this rank (inf: unbounded)."""
     if budget is None:
         if device.type != "cuda":
             return float("inf")
@@ -122,7 +130,15 @@ def agreed_budget(comm, budget: int | float | None, device: torch.device) -> flo
         if device.type != "cuda":
             raise ValueError("Config.memory_budget: a fraction of device memory needs a "
                              "CUDA device; on CPU give bytes (an int) or None (unbounded)")
-        budget = budget * torch.cuda.get_device_properties(device).total_memory
+        budget = budget * usable_bytes(device)
+    return float(budget)
+
+
+def agreed_budget(comm, budget: int | float | None, device: torch.device) -> float:
+    """The memory budget in bytes, the smallest over ranks (inf: unbounded)."""
+    budget = local_budget(budget, device)
+    if budget == float("inf"):
+        return budget
     vec = torch.tensor([float(budget)], dtype=torch.float64, device=device)
     comm.all_reduce(vec, op=dist.ReduceOp.MIN, count=False)
     return vec.item()

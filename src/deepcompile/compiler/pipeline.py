@@ -78,6 +78,12 @@ class Phase(enum.Enum):
 STEP_LOG = 512   # steps whose phase and time are kept (the step-time plot)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's work (a no-op on the CPU, where every op has finished)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _param_name(pid: int) -> str:
     try:
         return _registry.lookup(pid).name
@@ -358,9 +364,15 @@ class Pipeline:
     def end_step(self, outside_s: float = 0.0) -> None:
         """Called by the engine after every optimizer step, on every rank; `outside_s`: how
         long the step's own work took ([Note: outside the graphs])."""
+        phase = self.phase
+        if phase is not Phase.STEADY:
+            # [Note: timed steps on a GPU] the passes' verdicts compare these times: on a GPU
+            # they must be the device's, not how long the host took to launch the step (nothing
+            # else need wait for the device: with on_nonfinite="off" no step does). Steady
+            # steps are left alone: a sync would cost the overlap of a step's tail with the next.
+            synchronize(self.device)
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
-        phase = self.phase
         self.steps += 1
         self.last_step = {"phase": phase.value, "seconds": elapsed}
         if len(self.step_log) < STEP_LOG:
