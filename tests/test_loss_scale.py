@@ -77,3 +77,44 @@ def test_dynamic_loss_scaling(stage):
     gr = r0["growing"]
     assert gr["skipped"] == [False] * 5
     assert gr["scales"] == [256.0, 256.0, 512.0, 512.0, 1024.0] and gr["final_scale"] == 1024.0
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("flat", [False, True])
+def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none(bad, flat):
+    """Without a loss scale the inf/NaN check only reads the gradients (on a GPU, a pass that
+    writes them back costs as much again); it finds an inf or NaN anywhere, in either dtype."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from deepcompile.runtime.loss_scale import GradCheck
+
+    shards = [torch.zeros(5, requires_grad=True), torch.zeros(3, dtype=torch.bfloat16,
+                                                                requires_grad=True)]
+    for i, s in enumerate(shards):
+        s.grad = torch.arange(s.numel(), dtype=s.dtype) - 2.0 * i
+    if bad is not None:
+        shards[1].grad[1] = bad
+    grads = [s.grad for s in shards]
+    before = [(g._version, g.clone()) for g in grads]
+    check = GradCheck(shards, torch.device("cpu"))
+
+    class Writes(TorchDispatchMode):   # ops that write an argument, other than the flag's
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable and args and args[0] is not check.found:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Writes():
+        found = check(None, grads if flat else None)
+    assert Writes.seen == []
+    assert found.item() == (0.0 if bad is None else 1.0)
+    for g, (version, value) in zip(grads, before):
+        assert g._version == version
+        torch.testing.assert_close(g, value, rtol=0, atol=0, equal_nan=True)
+    # under a loss scale, the kernel that unscales in place
+    found = check(torch.tensor(0.5), grads if flat else None)
+    assert found.item() == (0.0 if bad is None else 1.0)
+    assert grads[0][1].item() == 0.5

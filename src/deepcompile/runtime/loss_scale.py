@@ -78,8 +78,9 @@ _is_not_none = functools.partial(operator.is_not, None)
 
 
 class GradCheck:
-    """This rank's shard gradients checked for inf/NaN, and unscaled, in one fused kernel per
-    dtype ([Note: overflow agreement]); per-parameter work only in C (`map`/`filter`)."""
+    """This rank's shard gradients checked for inf/NaN (and unscaled, under a loss scale), a
+    few fused kernels per dtype ([Note: overflow agreement]); per-parameter work only in C
+    (`map`/`filter`)."""
 
     def __init__(self, shards: list[torch.Tensor], device: torch.device) -> None:
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -87,7 +88,6 @@ class GradCheck:
             groups.setdefault(s.dtype, []).append(s)
         self.groups = list(groups.values())
         self.found = torch.zeros((), dtype=torch.float32, device=device)
-        self.one = torch.ones((), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def __call__(self, inv_scale: torch.Tensor | None = None,
@@ -98,7 +98,6 @@ class GradCheck:
         into them, runtime/flat.py), and the gradients on the host by their squared norm
         (`host_sq`, runtime/offload.py: inf/NaN if one of them is, or if it overflows)."""
         found = self.found.zero_()
-        inv = self.one if inv_scale is None else inv_scale
         if host_sq is not None:
             found.copy_((~torch.isfinite(host_sq)).float())
         if flat_grads is not None:
@@ -106,13 +105,26 @@ class GradCheck:
             for g in flat_grads:
                 by_dtype.setdefault(g.dtype, []).append(g)
             for grads in by_dtype.values():
-                _compat.nonfinite_check_and_unscale_(grads, found, inv)
+                self._check(grads, found, inv_scale)
             return found
         for shards in self.groups:
             grads = list(filter(_is_not_none, map(_grad_of, shards)))
             if grads:
-                _compat.nonfinite_check_and_unscale_(grads, found, inv)
+                self._check(grads, found, inv_scale)
         return found
+
+    @staticmethod
+    def _check(grads: list[torch.Tensor], found: torch.Tensor,
+               inv_scale: torch.Tensor | None) -> None:
+        """Unscaling: GradScaler's kernel, which reads and writes every gradient. Without a
+        loss scale nothing need be written: the largest magnitude per gradient (inf or NaN if
+        one of its elements is) reads each once — on a GPU a step's gradients are gigabytes,
+        and a pass that writes them back costs twice the time of one that only reads."""
+        if inv_scale is not None:
+            _compat.nonfinite_check_and_unscale_(grads, found, inv_scale)
+            return
+        peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+        found.copy_(found.logical_or(torch.logical_not(torch.isfinite(peaks)).any()))
 
 
 def nonfinite_ranks(comm, *flags: torch.Tensor) -> list[list[int]]:
