@@ -400,3 +400,68 @@ def test_pictures(auto_runs, tmp_path):
     assert cli.main(["report", f"{out}/report.json", "--plot", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.png", "passes.png",
                                                           "steps.png", "timeline.png"]
+
+
+class _Ev:
+    """A profiler event as report/steptrace.py reads one."""
+
+    def __init__(self, name, start, end, thread=1, cuda=False):   # start, end: microseconds
+        self._n, self._s, self._e, self._t, self._cuda = name, start * 1000, end * 1000, thread, cuda
+
+    def name(self):
+        return self._n
+
+    def start_ns(self):
+        return self._s
+
+    def end_ns(self):
+        return self._e
+
+    def duration_ns(self):
+        return self._e - self._s
+
+    def start_thread_id(self):
+        return self._t
+
+    def device_type(self):
+        import torch
+
+        return torch.autograd.DeviceType.CUDA if self._cuda else torch.autograd.DeviceType.CPU
+
+
+def test_step_trace_reads_graphs_on_every_thread_and_device_exposure_on_a_gpu():
+    """On a GPU the backward graphs run on autograd's device thread, not the caller's: the
+    trace keeps the collectives of both (it kept only the thread of the last graph), and
+    not those of a thread that ran no graph. There a wait blocks the compute stream, not the
+    host: the exposed time is when NCCL's kernels ran and no compute kernel did."""
+    import types
+
+    import torch
+
+    from deepcompile.report.steptrace import StepTracer, _uncovered
+
+    ag = "_c10d_functional::all_gather_into_tensor"
+    wait = "_c10d_functional::wait_tensor"
+    events = [
+        _Ev("deepcompile:g0.fw", 0, 100, thread=1), _Ev(ag, 10, 12, thread=1),
+        _Ev(wait, 50, 51, thread=1),
+        _Ev("deepcompile:g0.bw", 200, 400, thread=2), _Ev(ag, 210, 213, thread=2),
+        _Ev(wait, 300, 330, thread=2),
+        _Ev(ag, 250, 251, thread=3),                       # no graph ran on thread 3
+        # device: compute 0-60 and 100-300, NCCL 40-80 (20 us exposed) and 290-320 (20 us)
+        _Ev("gemm", 0, 60, cuda=True), _Ev("gemm", 100, 300, cuda=True),
+        _Ev("ncclDevKernel_AllGather", 40, 80, cuda=True),
+        _Ev("ncclDevKernel_AllGather", 290, 320, cuda=True),
+    ]
+    pipe = types.SimpleNamespace(slots={})
+    runs = [("g0.fw", True, 0), ("g0.bw", True, 0)]
+    cpu = StepTracer(pipe, torch.device("cpu"))._digest(events, runs, "steady", 1e-6)
+    launches = [e for e in cpu["events"] if e["lane"] == "launch"]
+    assert [(e["graph"], round(e["ts_s"] * 1e6)) for e in launches] == [("g0.fw", 10),
+                                                                          ("g0.bw", 210)]
+    assert cpu["exposed_s"] * 1e6 == pytest.approx(1 + 30)   # the host blocked in the waits
+    gpu = StepTracer(pipe, torch.device("cuda", 0))._digest(events, runs, "steady", 1e-6)
+    assert gpu["exposed_s"] * 1e6 == pytest.approx(20 + 20)
+    assert _uncovered([(0, 10), (20, 30)], []) == 20
+    assert _uncovered([(0, 100)], [(10, 20), (30, 40), (90, 200)]) == 70
+    assert _uncovered([(5, 8)], [(0, 10)]) == 0

@@ -17,7 +17,9 @@ What is kept (a few events per collective, not the ~2,400 aten events of a step)
 * lane "transport": what gloo's worker threads (or NCCL kernels on a GPU) spent moving data;
 * lane "device" (GPU only): when the GPU ran compute kernels (merged busy periods).
 
-`exposed_s` is the step's total blocked time; `step_s` the traced step's wall time.
+`exposed_s` is the step's total blocked time (on a GPU, where waits block the compute stream
+and not the host: the time NCCL's kernels ran and no compute kernel did); `step_s` the traced
+step's wall time.
 """
 
 from __future__ import annotations
@@ -117,13 +119,15 @@ class StepTracer:
         pipe = self.pipeline
         evs = sorted(events, key=lambda e: e.start_ns())
         t0 = min((e.start_ns() for e in evs), default=0)
-        main = None
-        spans = []       # (start, end, key)
+        # the threads that ran graphs: the caller's, and on a GPU autograd's device thread,
+        # which runs the backward graphs (collectives launched elsewhere are not the step's)
+        threads = set()
+        spans = []       # (start, end, key): graph calls do not overlap in time
         out: list[dict[str, Any]] = []
         for e in evs:
             name = e.name()
             if name.startswith("deepcompile:"):
-                main = e.start_thread_id()
+                threads.add(e.start_thread_id())
                 spans.append((e.start_ns(), e.end_ns(), name.split(":", 1)[1]))
         labels = []
         for key, last, version in runs:
@@ -137,6 +141,7 @@ class StepTracer:
 
         span_i = -1
         busy: list[tuple[int, int]] = []
+        nccl: list[tuple[int, int]] = []
         counters = [0, 0]
         exposed = 0.0
         for e in evs:
@@ -154,11 +159,11 @@ class StepTracer:
                 ev("graphs", "optimizer step", e)
             elif name in _HOST_SPANS:
                 ev("graphs", _HOST_SPANS[name], e)
-            elif name.startswith(_LAUNCH) and (main is None or e.start_thread_id() == main):
+            elif name.startswith(_LAUNCH) and (not threads or e.start_thread_id() in threads):
                 label = launches[counters[0]] if counters[0] < len(launches) else name.split("::")[1]
                 counters[0] += 1
                 ev("launch", label, e, graph=key)
-            elif name.startswith(_WAIT) and (main is None or e.start_thread_id() == main):
+            elif name.startswith(_WAIT) and (not threads or e.start_thread_id() in threads):
                 label = waits[counters[1]] if counters[1] < len(waits) else "wait"
                 counters[1] += 1
                 ev("exposed", label, e, graph=key)
@@ -170,15 +175,40 @@ class StepTracer:
                 # merged into busy periods (gaps under 5 us), not one event per kernel
                 if "nccl" in name.lower():
                     ev("transport", name, e)
+                    nccl.append((e.start_ns(), e.end_ns()))
                 else:
                     busy.append((e.start_ns(), e.end_ns()))
-        for start, end in _merge(busy, gap_ns=5000):
+        compute = _merge(busy, gap_ns=5000)
+        for start, end in compute:
             out.append({"lane": "device", "name": "GPU kernels", "ts_s": (start - t0) / 1e9,
                         "dur_s": (end - start) / 1e9})
+        if self.device.type == "cuda":
+            # a wait on a GPU blocks the compute stream, not the host: the exposed time is when
+            # NCCL's kernels ran and no compute kernel did
+            exposed = _uncovered(_merge(nccl, gap_ns=0), compute) / 1e9
         out.sort(key=operator.itemgetter("ts_s"))
         return {"phase": phase, "step_s": step_s, "exposed_s": exposed, "events": out,
                 "t0_ns": t0,
                 "graph_runs": [list(r[:2]) for r in runs]}
+
+
+def _uncovered(intervals: list[tuple[int, int]], cover: list[tuple[int, int]]) -> int:
+    """Nanoseconds of `intervals` outside `cover` (both sorted, disjoint)."""
+    total, j = 0, 0
+    for start, end in intervals:
+        t = start
+        while j < len(cover) and cover[j][1] <= t:
+            j += 1
+        k = j
+        while t < end:
+            if k >= len(cover) or cover[k][0] >= end:
+                total += end - t
+                break
+            if cover[k][0] > t:
+                total += cover[k][0] - t
+            t = max(t, cover[k][1])
+            k += 1
+    return total
 
 
 def _merge(intervals: list[tuple[int, int]], gap_ns: int) -> list[tuple[int, int]]:
