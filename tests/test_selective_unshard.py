@@ -422,7 +422,10 @@ def test_parity_with_selective_unshard(job, sc):
     d = _decisions(results[0])["decisions"]
     assert d["keep"], "the pass kept nothing"
     if sc["config"]["gradient_accumulation_steps"] > 1:
-        assert d["accumulate"]
+        # accumulating saves a bucketed gradient's bytes of its reduce-scatter: chosen unless
+        # the calibration on a loaded machine found bytes free (a zero slope, cost._fit)
+        per_byte = results[0]["report"]["cost_model"]["coeffs"]["reduce_scatter"][1]
+        assert d["accumulate"] or per_byte == 0, per_byte
     # measured counts per optimizer step are the predicted ones
     measured = _per_step(results[0], sc["config"]["gradient_accumulation_steps"])
     assert measured == {k: v["after"] for k, v in d["per_step"].items()}, (measured, d["per_step"])
