@@ -249,3 +249,39 @@ def test_a_fraction_budget_counts_the_memory_pytorch_can_use(monkeypatch):
     assert local_budget(None, torch.device("cpu")) == float("inf")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         local_budget(0.5, torch.device("cpu"))
+
+
+def test_a_profiled_run_is_issued_behind_a_lead_sized_from_the_last(group, monkeypatch):
+    """[Note: profiling ahead of the device]: each profiled run of a graph asks the profiler
+    to keep the device busy for 1.5 times the host time of its last profiled run (the first:
+    three times the median of its runs as FX code); the profiler records its host time, and
+    ignores the lead on the CPU."""
+    from deepcompile.compiler import pipeline
+
+    seen = []
+    real = pipeline.profile_run
+
+    def spy(gm, args, **kw):
+        out, prof = real(gm, args, **kw)
+        seen.append((kw["slot"], kw["lead_s"], prof.host_s, prof.lead_s))
+        return out, prof
+
+    monkeypatch.setattr(pipeline, "profile_run", spy)
+    engine = deepcompile.initialize(_model(), optimizer=SGD,
+                                    config={"compiler": "fx", "passes": (), "warmup_steps": 2,
+                                            "profile_steps": 2})
+    for i in range(5):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    slots = sorted({s for s, *_ in seen})
+    assert slots == ["g0.bw", "g0.fw"], seen
+    pipe = engine._pipeline
+    for key in slots:
+        runs = [r for r in seen if r[0] == key]
+        assert len(runs) == 2, runs
+        (_, lead0, host0, rec0), (_, lead1, host1, rec1) = runs
+        assert lead0 > 0 and host0 > 0 and host1 > 0
+        assert lead1 == pytest.approx(1.5 * host0)
+        assert rec0 == rec1 == 0.0   # the CPU: nothing runs ahead
+        assert pipe._profile_host[key] == host1

@@ -207,3 +207,36 @@ def test_a_released_engine_gives_its_device_memory_back(nccl):
     print(f"device bytes: with the engine {held}, after releasing it {after}; masters + "
           f"moments {own}")
     assert held - after >= own, (held, after, own)
+
+
+def test_profiled_node_times_are_the_device_s_behind_a_lead():
+    """[Note: profiling ahead of the device] in compiler/profiler.py: a chain of tiny kernels
+    issued one by one is host-bound; each node's CUDA events then time the host. With the
+    device kept busy longer than the host takes to issue the chain, they time the kernels:
+    the sum of node times falls well below the host's time (no NCCL needed)."""
+    from torch import fx
+
+    from deepcompile.compiler.profiler import profile_run
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    for _ in range(2000):
+        x = g.call_function(torch.ops.aten.add.Tensor, (x, 1.0))
+    g.output(x)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    t = torch.zeros(16, device="cuda")
+
+    def run(lead):
+        out, prof = profile_run(gm, [t], slot="chain", version=0, name_of=str, lead_s=lead)
+        assert out.item() == 2000
+        return prof
+
+    run(0.0)   # warm
+    bare = run(0.0)
+    ahead = run(2.0 * bare.host_s)
+    nodes = sum(n.time_s for n in ahead.nodes)
+    print(f"host {ahead.host_s * 1e3:.1f} ms to issue; node times: "
+          f"bare {sum(n.time_s for n in bare.nodes) * 1e3:.1f} ms, ahead {nodes * 1e3:.1f} ms")
+    assert ahead.lead_s > ahead.host_s
+    assert nodes < 0.5 * ahead.host_s
+    assert ahead.total_s == pytest.approx(nodes, rel=0.5)

@@ -8,6 +8,7 @@ managers around a single call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Callable, Sequence
 
@@ -312,6 +313,27 @@ def nonfinite_check_and_unscale_(grads: list, found: torch.Tensor, inv_scale: to
     set `found` to 1 if any element is inf/NaN (GradScaler's kernel; private name, CPU and CUDA
     kernels in 2.11-2.15)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+
+
+def cuda_spin(seconds: float, device: torch.device) -> None:
+    """Keep `device`'s current stream busy for about `seconds` (`torch.cuda._sleep`, a private
+    spin kernel of a number of clock cycles; the cycles per second measured once per device)."""
+    cycles = int(seconds * _spin_hz(device.index if device.index is not None else
+                                    torch.cuda.current_device()))
+    if cycles > 0:
+        torch.cuda._sleep(cycles)
+
+
+@functools.lru_cache(maxsize=None)
+def _spin_hz(index: int) -> float:
+    with torch.cuda.device(index):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)   # warm
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        return 10_000_000 / max(start.elapsed_time(end) / 1e3, 1e-9)
 
 
 def is_op_overload(target) -> bool:

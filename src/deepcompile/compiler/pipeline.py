@@ -143,6 +143,7 @@ class Pipeline:
         # profiled step's own wall time is no measure of it: it includes lowering the graphs a
         # pass rewrote and the profiler's bookkeeping.
         self._outside_now: list[float] = []
+        self._profile_host: dict[str, float] = {}   # slot -> the profiler's last host time
         self.outside_s = 0.0
         self._step_order: list[str] = []
         self.cost: CostModel | None = None
@@ -291,10 +292,16 @@ class Pipeline:
                 out, prof = profile_run(low.gm, full, slot=target.key, version=slot.version,
                                         name_of=_param_name, runtime_bytes=self._runtime_bytes,
                                         uncounted=low.uncounted, transient=low.transient,
-                                        split=rt.flat_storages)
+                                        split=rt.flat_storages,
+                                        lead_s=self._profile_lead(slot))
             except BaseException:
                 self.guard.failed_graph = slot.key
                 raise
+            self._profile_host[slot.key] = prof.host_s
+            if prof.lead_s and prof.lead_s < prof.host_s:
+                log.debug("deepcompile: profiling %s, the host took %.1f ms to issue it, the "
+                          "device was kept busy %.1f ms: the later nodes' times are the host's",
+                          slot.key, prof.host_s * 1e3, prof.lead_s * 1e3)
             prof.launched = {kind: [n, nbytes] for kind, n, nbytes in low.counts}
             prof = fold_profile(prof, low.gm, slot.gm, _param_name)
             if slot.rep is not None:
@@ -330,6 +337,21 @@ class Pipeline:
             raise
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
+
+    def _profile_lead(self, slot: GraphSlot) -> float:
+        """[Note: profiling ahead of the device] in compiler/profiler.py: how long to keep the
+        device busy before a profiled run of `slot` — half as long again as the profiler last
+        took to issue it (the first time: three times a run as FX code), the same on every
+        rank (the MAX: a rank whose device starts later would find its first wait longer).
+        The profiler ignores it on the CPU, where nothing runs ahead."""
+        last = self._profile_host.get(slot.key)
+        if last is not None:
+            lead = 1.5 * last
+        else:
+            lead = 3.0 * statistics.median(slot.run_s) if slot.run_s else 0.0
+        if self.comm.world > 1:
+            (lead,) = agree_max(self.comm, [lead], self.device)
+        return lead
 
     def _lowered(self, slot: GraphSlot, last: bool) -> Lowered:
         key = (last, slot.version)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from .. import _compat
 from ..runtime import ops
 
 COMM_KINDS = ops.COMM_KINDS   # op -> kind ([Note: communication op kinds] in runtime/ops.py)
@@ -47,12 +48,17 @@ class GraphProfile:
     slot: str
     version: int               # graph version (bumped by every pass that changes it)
     nodes: list[NodeProfile]
-    total_s: float             # wall time of the whole run
+    total_s: float             # wall time of the whole run (CUDA: the device's, first node
+                               # to last)
     # collectives one run launched, as the lowered code that ran counts them: kind -> [count,
     # bytes], the mean over the profiled runs (a graph that accumulates gradients locally
     # reduces in the window's last micro-step only; at world size 1 nothing is launched).
     # None: not measured (count the graph's nodes)
     launched: dict[str, list[float]] | None = None
+    # [Note: profiling ahead of the device] the host's time to issue the run (CUDA: before
+    # waiting for the device), and how long the device was kept busy before the first node
+    host_s: float = 0.0
+    lead_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -178,12 +184,13 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
                 runtime_bytes: Callable[[], int] = lambda: 0,
                 uncounted: frozenset[int] = frozenset(),
                 transient: frozenset[int] = frozenset(),
-                split: frozenset[int] = frozenset()) -> tuple[Any, GraphProfile]:
+                split: frozenset[int] = frozenset(),
+                lead_s: float = 0.0) -> tuple[Any, GraphProfile]:
     """Run `gm` on `args` once, node by node; return its outputs and its profile. Inputs at
     the positions in `uncounted` are the runtime's (counted by `runtime_bytes`, not here);
     inputs at the positions in `transient` are freed after their last use (`args` is
     consumed: the caller hands them over); the others stay alive to the end, as the caller's
-    arguments do."""
+    arguments do. `lead_s` (CUDA): [Note: profiling ahead of the device]."""
     graph = gm.graph
     cuda = any(t.is_cuda for t in tensors_in(args))
     free_after = last_uses(graph, keep_inputs=not transient)
@@ -197,6 +204,15 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
     clock = time.perf_counter
     if cuda:
         torch.cuda.synchronize()
+        if lead_s > 0:
+            # [Note: profiling ahead of the device] A node's CUDA events time the device
+            # between them: when the host issues the nodes one by one (tens of microseconds
+            # each, more with this bookkeeping) slower than the device runs them, they time the
+            # host, not the kernel — small nodes by far the most, which compiled code fuses.
+            # Kept busy first for longer than the host takes to issue the graph, the device
+            # finds every node already queued and the events time it alone. The pipeline
+            # sizes the lead from the last run's host time (Pipeline._profile_lead).
+            _compat.cuda_spin(lead_s, next(t.device for t in tensors_in(args) if t.is_cuda))
     t_begin = clock()
     result = None
     for node in graph.nodes:
@@ -254,9 +270,12 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
                 live.remove(key)
         used = torch.cuda.memory_allocated() if cuda else live.bytes + runtime_bytes()
         records.append((node, start, end, out_bytes, used))
+    host = clock() - t_begin
     if cuda:
         torch.cuda.synchronize()
     total = clock() - t_begin
+    if cuda and records:
+        total = records[0][1].elapsed_time(records[-1][2]) / 1e3
     nodes = []
     for node, start, end, out_bytes, used in records:
         if cuda:
@@ -272,7 +291,8 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         acc = 0.0
         for n in nodes:
             n.start_s, acc = acc, acc + n.time_s
-    return result, GraphProfile(slot=slot, version=version, nodes=nodes, total_s=total)
+    return result, GraphProfile(slot=slot, version=version, nodes=nodes, total_s=total,
+                                host_s=host, lead_s=lead_s if cuda else 0.0)
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
