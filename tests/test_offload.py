@@ -1003,8 +1003,8 @@ def test_gradients_of_a_reused_graphs_parameters_stay_on_the_device():
             if c["tier"] == R.TIER_NAMES[R.GRADS]]
     assert sent and all("..." not in p for p in sent)   # every parameter named
     reused = {n for pair in r["grads"]["report"]["graph_reuse"] for n in pair}
-    # Dynamo reuses loop_break's layer graph from torch 2.12 on; 2.11 compiles each layer on its
-    # own (no reuse, nothing to exclude: the layers' gradients go too, and training is the same)
+    # Dynamo reuses loop_break's layer graph from torch 2.12 on; under 2.11 no graph is reused
+    # (nothing to exclude: the layers' gradients go too, and training is the same)
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12):
         assert any(n.startswith("layers.") for n in reused), reused
     assert not any(n in reused for p in sent for n in p), (sent, reused)
