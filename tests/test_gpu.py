@@ -240,3 +240,36 @@ def test_profiled_node_times_are_the_device_s_behind_a_lead():
     assert ahead.lead_s > ahead.host_s
     assert nodes < 0.5 * ahead.host_s
     assert ahead.total_s == pytest.approx(nodes, rel=0.5)
+
+
+def _steps(engine, start, n):
+    losses = []
+    for step in range(start, start + n):
+        batch = {k: v.cuda() for k, v in _models.local_batch("llama", step, 0, 1).items()}
+        loss = _models.loss_of(engine(**batch))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_checkpoint_resumes_on_the_gpu(nccl, tmp_path):
+    """tests/test_checkpoint.py on the GPU: saved after 4 steps, loaded into a fresh engine,
+    the next 4 steps give the losses and weights of the run that went on (fx, no passes; within
+    the parity tests' tolerance: attention's backward may use atomics on a GPU), and the
+    optimizer state comes back onto the device."""
+    config = {"compiler": "fx", "warmup_steps": 1, "passes": ()}
+    engine, _, _ = _train(config, steps=4)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    went_on = _steps(engine, 4, 4)
+    weights = engine.full_state_dict()
+    del engine
+    resumed, _, _ = _train(config, steps=0)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    state = [t for st in resumed.optimizer.state.values() for t in st.values()
+             if torch.is_tensor(t) and t.dim() > 0]
+    assert state and all(t.is_cuda for t in state)
+    again = _steps(resumed, 4, 4)
+    assert max(abs(a - b) for a, b in zip(again, went_on)) < 1e-4, (again, went_on)
+    for name, w in resumed.full_state_dict().items():
+        assert (w - weights[name]).abs().max().item() < 1e-4, name
