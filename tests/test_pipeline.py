@@ -355,3 +355,87 @@ def test_agreed_node_times_blocking_min_compute_scaled_to_the_slowest_rank():
     got = run_distributed(_agree_job, WORLD, timeout=120)
     assert got[0] == got[1]
     assert got[0] == {"mm": (6.0, 200), "ag": (1.0, 200), "relu": (3.0, 200)}
+
+
+# ------------------------------------------------------- on a GPU (imitated in-process, world 1)
+_SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _small():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def test_steps_before_the_steady_state_wait_for_the_device(group, monkeypatch):
+    """[Note: timed steps on a GPU]: the pipeline's step times (which the passes' verdicts
+    compare) end with the device's work done in every phase but the steady one, where a sync
+    would cost overlap. Counted by replacing the pipeline's synchronize."""
+    import deepcompile
+    from deepcompile.compiler import pipeline
+
+    calls = []
+    monkeypatch.setattr(pipeline, "synchronize", lambda device: calls.append(device))
+    engine = deepcompile.initialize(_small(), optimizer=_SGD,
+                                    config={"compiler": "fx", "passes": (), "warmup_steps": 1})
+    for i in range(6):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    phases = [p for p, _ in engine._pipeline.step_log]
+    assert phases[0] == "warmup" and phases[-1] == "steady", phases
+    assert calls == [torch.device("cpu")] * sum(p != "steady" for p in phases)
+
+
+def test_a_fraction_budget_counts_the_memory_pytorch_can_use(monkeypatch):
+    """A budget given as a fraction (and the default 0.9 on CUDA) is of the memory PyTorch's
+    allocator can hold — its reserved plus the free memory — not of the device's total, which
+    counts the CUDA context, NCCL's buffers and other processes as room."""
+    from deepcompile.compiler.agree import local_budget
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    cuda = torch.device("cuda", 0)
+    assert local_budget(None, cuda) == 0.9 * 70 * gib
+    assert local_budget(0.5, cuda) == 35 * gib
+    assert local_budget(12345, cuda) == 12345
+    assert local_budget(None, torch.device("cpu")) == float("inf")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        local_budget(0.5, torch.device("cpu"))
+
+
+def test_a_profiled_run_is_issued_behind_a_lead_sized_from_the_last(group, monkeypatch):
+    """[Note: profiling ahead of the device]: each profiled run of a graph asks the profiler
+    to keep the device busy for 1.5 times the host time of its last profiled run (the first:
+    three times the median of its runs as FX code); the profiler records its host time, and
+    ignores the lead on the CPU."""
+    import deepcompile
+    from deepcompile.compiler import pipeline
+
+    seen = []
+    real = pipeline.profile_run
+
+    def spy(gm, args, **kw):
+        out, prof = real(gm, args, **kw)
+        seen.append((kw["slot"], kw["lead_s"], prof.host_s, prof.lead_s))
+        return out, prof
+
+    monkeypatch.setattr(pipeline, "profile_run", spy)
+    engine = deepcompile.initialize(_small(), optimizer=_SGD,
+                                    config={"compiler": "fx", "passes": (), "warmup_steps": 2,
+                                            "profile_steps": 2})
+    for i in range(5):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    slots = sorted({s for s, *_ in seen})
+    assert slots == ["g0.bw", "g0.fw"], seen
+    pipe = engine._pipeline
+    for key in slots:
+        runs = [r for r in seen if r[0] == key]
+        assert len(runs) == 2, runs
+        (_, lead0, host0, rec0), (_, lead1, host1, rec1) = runs
+        assert lead0 > 0 and host0 > 0 and host1 > 0
+        assert lead1 == pytest.approx(1.5 * host0)
+        assert rec0 == rec1 == 0.0   # the CPU: nothing runs ahead
+        assert pipe._profile_host[key] == host1

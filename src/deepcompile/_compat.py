@@ -318,8 +318,7 @@ def nonfinite_check_and_unscale_(grads: list, found: torch.Tensor, inv_scale: to
 def cuda_spin(seconds: float, device: torch.device) -> None:
     """Keep `device`'s current stream busy for about `seconds` (`torch.cuda._sleep`, a private
     spin kernel of a number of clock cycles; the cycles per second measured once per device)."""
-    cycles = int(seconds * _spin_hz(device.index if device.index is not None else
-                                    torch.cuda.current_device()))
+    cycles = int(seconds * _spin_hz(device.index))   # a tensor's CUDA device has its index
     if cycles > 0:
         torch.cuda._sleep(cycles)
 
