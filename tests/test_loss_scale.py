@@ -118,3 +118,57 @@ def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none(bad,
     found = check(torch.tensor(0.5), grads if flat else None)
     assert found.item() == (0.0 if bad is None else 1.0)
     assert grads[0][1].item() == 0.5
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch, policy):
+    """With clipping and no loss scale, the flat step computes the gradients' 2-norms once:
+    the inf/NaN check reads them (a 2-norm is inf/NaN when an element is) and the clip uses
+    them — one pass over the gradients per step (on a GPU, gigabytes) where there were two.
+    Training is bitwise the engine's with the check off; an inf is still found ("raise"
+    names the rank, "skip" leaves the weights as they were)."""
+    import deepcompile
+    from deepcompile.runtime.guardrails import NonFiniteError
+
+    def engine(on_nonfinite):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))
+        return deepcompile.initialize(
+            model, optimizer=functools.partial(torch.optim.AdamW, lr=0.01),
+            config={"compiler": "fx", "passes": (), "max_grad_norm": 0.05,
+                    "on_nonfinite": on_nonfinite})
+
+    def step(e, i):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        e.backward(e(x).square().mean())
+        return e.step()
+
+    def weights(e):
+        return {k: v.clone() for k, v in e.full_state_dict().items()}
+
+    checked, plain = engine(policy), engine("off")
+    for i in range(3):
+        step(checked, i)
+        step(plain, i)
+    calls = []
+    norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(a[1]) or norm(*a, **k))
+    step(checked, 3)
+    assert calls == [2.0], calls            # before: an inf-norm for the check, then the 2-norm
+    monkeypatch.undo()
+    step(plain, 3)
+    a, b = weights(checked), weights(plain)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    before = weights(checked)
+    hook = checked._flat.chunks[0].shards[0].register_hook(lambda g: g * float("inf"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    checked.backward(checked(x).square().mean())
+    hook.remove()
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match=r"gradients on rank\(s\) \[0\]"):
+            checked.step()
+    else:
+        assert checked.step() and checked.nonfinite_skipped == 1
+    assert all(torch.equal(before[k], v) for k, v in weights(checked).items())

@@ -278,9 +278,14 @@ class Engine:
             if host_sq is not None and self._scaler is not None:
                 host_scale = self._scaler.inv_scale()
             # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
-            finite, bad = self._grads_finite(grads, host_sq)
-            if finite and self.config.max_grad_norm is not None:
-                coef = self._clip_grad_norm(self.config.max_grad_norm, grads, host_sq, host_scale)
+            # with clipping and no loss scale, one read of the gradients serves the inf/NaN
+            # check and the clip: their 2-norms (under a loss scale the check unscales first)
+            clip = self.config.max_grad_norm
+            norms = (torch._foreach_norm(grads, 2.0)
+                     if clip is not None and self._scaler is None and grads else None)
+            finite, bad = self._grads_finite(grads, host_sq, norms)
+            if finite and clip is not None:
+                coef = self._clip_grad_norm(clip, grads, host_sq, host_scale, norms)
                 if host_sq is not None:
                     host_scale = coef if host_scale is None else host_scale * coef
             if finite:
@@ -327,16 +332,18 @@ class Engine:
         return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
 
     def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None,
-                      host_sq: torch.Tensor | None = None) -> tuple[bool, str | None]:
+                      host_sq: torch.Tensor | None = None,
+                      norms: list[torch.Tensor] | None = None) -> tuple[bool, str | None]:
         """Whether to take the step (the shards' gradients checked and unscaled, or the flat
         step's `flat_grads`), and (Config.on_nonfinite="raise") what to say in the
         NonFiniteError; the same on every rank ([Note: overflow agreement] in
-        runtime/loss_scale.py: one fused check per dtype, one all-reduce of one-hot vectors)."""
+        runtime/loss_scale.py: one fused check per dtype, one all-reduce of one-hot vectors);
+        `norms`: the flat gradients' 2-norms, computed for clipping, read instead of them."""
         policy, scaler = self.config.on_nonfinite, self._scaler
         if scaler is None and policy == "off":
             return True, None
         inv = scaler.inv_scale() if scaler is not None else None
-        found = self._grad_check(inv, flat_grads, host_sq)
+        found = self._grad_check(inv, flat_grads, host_sq, norms)
         if self._check_losses:   # a loss names the rank it came from; its gradient reaches all
             grads, losses = nonfinite_ranks(self._comm, found, self._loss_bad)
             self._loss_bad.zero_()
@@ -418,13 +425,16 @@ class Engine:
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float, grads: list[torch.Tensor],
                         host_sq: torch.Tensor | None = None,
-                        host_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        host_scale: torch.Tensor | None = None,
+                        norms: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Clips `grads` in place to a global norm of `max_norm`; the gradients on the host
         (offload tier 2) count by their squared norm `host_sq` times `host_scale` squared (the
-        factor not yet applied to them; None: 1). Returns the clipping coefficient (<= 1), for
-        the caller to apply to the host gradients."""
+        factor not yet applied to them; None: 1). `norms`: the 2-norms of `grads` if already
+        computed. Returns the clipping coefficient (<= 1), for the caller to apply to the host
+        gradients."""
         if grads:   # shards are disjoint; padding gradients and alignment gaps are 0
-            norms = torch._foreach_norm(grads, 2.0)
+            if norms is None:
+                norms = torch._foreach_norm(grads, 2.0)
             local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)

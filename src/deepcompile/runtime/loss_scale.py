@@ -92,14 +92,25 @@ class GradCheck:
     @torch.no_grad()
     def __call__(self, inv_scale: torch.Tensor | None = None,
                  flat_grads: list[torch.Tensor] | None = None,
-                 host_sq: torch.Tensor | None = None) -> torch.Tensor:
+                 host_sq: torch.Tensor | None = None,
+                 norms: list[torch.Tensor] | None = None) -> torch.Tensor:
         """1.0 when a gradient of this rank holds an inf/NaN, else 0.0 (a device tensor): the
         shards' gradients, or the flat step's gradients (`flat_grads`: the shards' were folded
         into them, runtime/flat.py), and the gradients on the host by their squared norm
-        (`host_sq`, runtime/offload.py: inf/NaN if one of them is, or if it overflows)."""
+        (`host_sq`, runtime/offload.py: inf/NaN if one of them is, or if it overflows).
+        `norms` (no loss scale): the flat gradients' 2-norms, computed for clipping, are read
+        instead of the gradients — one pass over gigabytes fewer per step on a GPU. A 2-norm is
+        inf/NaN if an element is; it also overflows when the squares sum past the float32
+        range (elements near 1e19), which counts as non-finite here, as in torch's
+        `clip_grad_norm_(error_if_nonfinite=True)`."""
         found = self.found.zero_()
         if host_sq is not None:
             found.copy_((~torch.isfinite(host_sq)).float())
+        if norms is not None and inv_scale is None:
+            if norms:
+                bad = torch.logical_not(torch.isfinite(torch.stack(norms))).any()
+                found.copy_(found.logical_or(bad))
+            return found
         if flat_grads is not None:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for g in flat_grads:
