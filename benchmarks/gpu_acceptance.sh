@@ -17,7 +17,8 @@
 #   bench       12     9         llama-1b: compile-1proc, ours-z3-all, fsdp2, ds-deepcompile
 #                                (DeepSpeed's one-time work is ~350 s of it)
 #   offload     16     9         0.95 B Llama under a limit: ours-offload vs FSDP2/DeepSpeed offload
-#   host-step   16     4         streamed step vs a host (CPU) step, 1e9 params, scaled to 7-13 B
+#   host-step   16     6         streamed step vs a host (CPU) step, 1e9 params, scaled to 7-13 B;
+#                                llama-1b's AdamW step: per parameter (torch) vs the flat step
 #   auto        12     6         llama-1b: compile-1proc, ours-z3-auto (the default passes)
 #   big         16     9         7 B Llama on one GPU, ours-offload (tier 1 planned)
 #   big-peers   16     10        the same 7 B with DeepSpeed ZeRO-Offload and FSDP2 CPUOffload
@@ -78,7 +79,8 @@ one() {
     offload)
       run 570 "$log" $py benchmarks/offload_gpu.py --steps 8 --timed 3 --timeout 240 --out "$out" ;;
     host-step)
-      run 570 "$log" $py benchmarks/host_step.py --out "$out" ;;
+      run 400 "$log" $py benchmarks/host_step.py --out "$out"
+      run 170 "$log" $py benchmarks/opt_step.py --workload llama-1b --out "$out" ;;
     big)
       run 570 "$log" $py benchmarks/offload_gpu.py "${BIG[@]}" --systems ours-offload \
         --timeout 540 --out "$out" ;;

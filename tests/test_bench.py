@@ -284,6 +284,31 @@ def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
     assert rec["cpu_step"]["seconds"] > 0 and rec["cpu_step"]["ns_per_param"] > 0
 
 
+def test_opt_step_times_each_way_of_stepping(tmp_path):
+    """benchmarks/opt_step.py (issue 16 item 4: the flat fused step against torch's
+    per-parameter AdamW) steps a workload's parameter shapes every way on the CPU and writes
+    its JSON: the flat ways step the engine's chunks (one here), torch's ways every tensor."""
+    from deepcompile._bench import workloads
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "opt_step.py"
+    proc = subprocess.run([sys.executable, str(script), "--workload", "tiny-llama", "--rounds",
+                           "2", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "opt_step.json").read_text())
+    model = workloads.build_model(workloads.get("tiny-llama"), "meta")
+    assert rec["params"] == workloads.num_params(model)
+    assert rec["tensors"] == len(list(model.parameters()))
+    ways = rec["ways"]
+    assert set(ways) == {"torch", "torch-foreach", "torch-fused", "flat", "flat-step"}
+    assert ways["flat"]["tensors"] == ways["flat-step"]["tensors"] == 1
+    assert ways["torch"]["tensors"] == rec["tensors"]
+    assert ways["flat"]["fused"] and ways["torch-fused"]["fused"] and not ways["torch"]["fused"]
+    for r in ways.values():
+        assert len(r["times_s"]) == 2 and r["median_s"] > 0
+
+
 def test_gpu_acceptance_commands_are_valid():
     """benchmarks/gpu_acceptance.sh (the GPU runs the open issues ask for, run when a session
     has a GPU): every command it would run parses with the parser of the script or CLI it
@@ -321,4 +346,5 @@ def test_gpu_acceptance_commands_are_valid():
         for w in getattr(args, "workloads", None) or ():
             workloads.get(w)
         checked.add(name)
-    assert checked == {"demo", "bench", "offload_gpu", "host_step", "plan_validate"}, checked
+    assert checked == {"demo", "bench", "offload_gpu", "host_step", "opt_step",
+                       "plan_validate"}, checked
