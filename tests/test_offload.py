@@ -868,8 +868,10 @@ def _seq_batch(step: int, seq: int, rank: int) -> torch.Tensor:
     return torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-# a new graph at 16 (Dynamo makes it dynamic), larger sizes at 24 (and room for re-plans to settle)
-SEQS = [8] * 4 + [16] * 4 + [24] * 7
+# a new graph at 16 (Dynamo makes it dynamic), larger sizes at 24 (and room for re-plans to
+# settle: under load, passes="auto" took more than 7 steps there once — a verdict the noise
+# reverted is planned again; on torch 2.15 beside other work, its last step still profiled)
+SEQS = [8] * 4 + [16] * 4 + [24] * 10
 
 
 def _drift_run(rank, world, config):
