@@ -187,3 +187,32 @@ def test_config_json_shapes(tmp_path):
         shapes.load(str(bad))
     with pytest.raises(ValueError, match="neither a built-in shape"):
         shapes.load("no-such-model")
+
+
+def test_profiled_pieces_keep_the_preemptions_a_run_has(monkeypatch):
+    """planner/measure.py: per node the median over the repeats (the graph's shape), scaled so
+    the nodes sum to the mean run (its level: a step's wall time is many runs'). A median per
+    node drops the preemptions the runs keep: with more ranks than cores runs are interrupted
+    (here: once in `a`, once in `b`) while each node's median is the quiet time."""
+    from types import SimpleNamespace
+
+    import deepcompile.compiler.profiler as profiler
+    from deepcompile.planner.measure import profile_pieces
+
+    # (a, b) per run: the warm-up, then the 3 timed repeats
+    fw_runs = iter([(9.0, 9.0), (5.0, 1.0), (1.0, 5.0), (1.0, 1.0)])
+
+    def fake_run(graph, args, **kw):
+        times = next(fw_runs) if graph == "fw" else (2.0,)
+        names = "ab" if graph == "fw" else "c"
+        prof = SimpleNamespace(nodes=[SimpleNamespace(name=n, time_s=t)
+                                      for n, t in zip(names, times)])
+        return [torch.ones(1)], prof
+
+    monkeypatch.setattr(profiler, "profile_run", fake_run)
+    pg = SimpleNamespace(piece=SimpleNamespace(params=[], inputs=[]), fw="fw", bw="bw",
+                         n_outputs=1, tangent_of=[0])
+    got = profile_pieces({"layer": pg}, repeats=3)
+    # medians 1 + 1; runs 6, 6, 2: mean 14/3
+    assert got["layer.fw"] == pytest.approx({"a": 7 / 3, "b": 7 / 3}, rel=1e-12)
+    assert got["layer.bw"] == {"c": 2.0}             # no preemption: as measured

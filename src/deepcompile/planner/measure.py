@@ -19,7 +19,12 @@ in a run, with the cost model the runtime calibrates at start-up (`compiler.cost
 gloo's collectives alone, without the ops' host cost). All of it runs in N
 spawned ranks at once, one thread each as the bench runs them, so the figures include what N
 ranks sharing these cores cost each other; per figure, the median over the repeats, then the
-maximum over ranks (the pipeline's agreement rule).
+maximum over ranks (the pipeline's agreement rule). The ranks start profiling the pieces (and
+timing the optimizer) together, behind a barrier: before (stop 31), a rank that finished
+tracing first profiled while others still traced, the last one alone, and at 4 ranks on 2
+cores the pieces' graphs measured what they measure at one rank (layer forward 0.95 against
+0.88 ms) while the step's compute took 2.8x its CPU time. The node times are medians (which
+drop preemptions) scaled per graph to the runs' mean sum (which keeps them).
 """
 
 from __future__ import annotations
@@ -95,14 +100,19 @@ class _Times:
 
 
 def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, float]]:
-    """Median time per node of each piece's forward and backward on real inputs; `clock`
-    (CPU-time mode): every node timed with it instead of deepcompile's profiler."""
+    """Time per node of each piece's forward and backward on real inputs; `clock` (CPU-time
+    mode): every node timed with it instead of deepcompile's profiler. Per node the median over
+    the repeats, scaled per graph so that the nodes sum to the mean of the runs' sums: a median
+    per node drops the preemptions, which the wall time of a step (many runs) keeps — with more
+    ranks than cores, about half of it; a run of a millisecond is either preempted or not, so
+    the runs' median would drop them too ([Note: measuring on the CPU])."""
     from ..compiler.profiler import profile_run
 
     if clock is not None:
         profile_run = _clock_run(clock)  # noqa: F811
 
     runs: dict[str, dict[str, list[float]]] = {}
+    sums: dict[str, list[float]] = {}
     for name, pg in graphs.items():
         args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
         for r in range(repeats + 1):
@@ -120,7 +130,14 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
                 d = runs.setdefault(f"{name}.{phase}", {})
                 for n in prof.nodes:
                     d.setdefault(n.name, []).append(n.time_s)
-    return {k: {n: statistics.median(v) for n, v in d.items()} for k, d in runs.items()}
+                sums.setdefault(f"{name}.{phase}", []).append(sum(n.time_s for n in prof.nodes))
+    out = {}
+    for k, d in runs.items():
+        med = {n: statistics.median(v) for n, v in d.items()}
+        total = sum(med.values())
+        scale = statistics.fmean(sums[k]) / total if total > 0 else 1.0
+        out[k] = {n: t * scale for n, t in med.items()}
+    return out
 
 
 def time_optimizer(numels: list[int], world: int, repeats: int,
@@ -340,7 +357,13 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
                           fake=False, seed=spec["seed"])
         graphs = trace.trace_all(ps)
         cpu = spec.get("clock") == "cpu"
+        # every rank profiles at the same time, as every rank computes at the same time in a
+        # step: a rank that profiled alone while the others were still tracing (or already
+        # waiting in the network sweep) measured an idle machine's times, however many ranks
+        # share its cores ([Note: measuring on the CPU])
+        dist.barrier()
         node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None)
+        dist.barrier()
         opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"],
                                time.thread_time if cpu else time.perf_counter)
         if world > 1:
