@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from _results import write_json  # benchmarks/_results.py (this script's folder)
 
 MODELS = {"llama-2-7b": 6.74e9, "llama-3-8b": 8.03e9, "llama-2-13b": 13.02e9}
 
@@ -276,15 +276,7 @@ def main() -> None:
             print(f"  {model} ({size / 1e9:.2f} B), all state off the device: " + ", ".join(
                 f"{k.removesuffix('_s')} {v:.2f} s" for k, v in scaled[model].items()))
     record["scaled_to_models"] = scaled
-    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"{datetime.date.today().isoformat()}-host-step-"
-        f"{(g['gpu'] if g else platform.node()).replace(' ', '_')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, i = out_dir / "host_step.json", 1
-    while path.exists():
-        path, i = out_dir / f"host_step-{i}.json", i + 1
-    path.write_text(json.dumps(record, indent=1))
-    print(f"written: {path}")
+    write_json(record, "host_step", args.out, f"host-step-{g['gpu'] if g else platform.node()}")
 
 
 if __name__ == "__main__":

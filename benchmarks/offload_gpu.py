@@ -36,7 +36,8 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
+
+from _results import write_json  # benchmarks/_results.py (this script's folder)
 
 SYSTEMS = ("ours-fits", "ours-offload", "ours-no-offload", "fsdp2-cpuoffload", "deepspeed-offload")
 
@@ -300,15 +301,7 @@ def main() -> None:
         "adam_state_bytes": adam_bytes, "limit_bytes": limit, "ours_budget_bytes": budget,
         "results": results,
     }
-    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        datetime.date.today().isoformat() + "-" + props.name.replace(" ", "_"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "offload_gpu.json"
-    i = 1
-    while path.exists():
-        path = out_dir / f"offload_gpu-{i}.json"
-        i += 1
-    path.write_text(json.dumps(record, indent=1, default=str))
+    write_json(record, "offload_gpu", args.out, props.name)
     print(f"\nlimit {limit / 2**30:.2f} GiB (ours: budget {budget / 2**30:.2f} GiB); {n / 1e9:.2f} B params")
     print(f"{'system':<20} {'status':<40} {'tokens/s':>10} {'peak GiB':>9}")
     for name, r in results.items():

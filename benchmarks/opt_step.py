@@ -15,7 +15,7 @@ shapes (built on the meta device, then allocated; values random, gradients fresh
                  builds): the per-parameter gradients folded into each chunk's flat gradient,
                  then the inner optimizer (fused where torch has it) over the chunks
   flat-step      the flat step without the fold (what remains once gradients are written
-                 into the flat buffers directly: not built, see docs/notes/issue-16.md)
+                 into the flat buffers directly: not built; docs/notes/gpu-readiness.md)
 
 Each way has its own parameters and runs alone (built, warmed up by two steps, timed over
 `--rounds` steps, freed); each figure is the median of its rounds.
@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from _results import write_json  # benchmarks/_results.py (this script's folder)
 
 WAYS = ("torch", "torch-foreach", "torch-fused", "flat", "flat-step")
 
@@ -194,14 +194,7 @@ def main() -> None:
         "workload": args.workload, "params": n, "tensors": len(shapes), "rounds": args.rounds,
         "ways": ways,
     }
-    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"{datetime.date.today().isoformat()}-opt-step-{name.replace(' ', '_')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, i = out_dir / "opt_step.json", 1
-    while path.exists():
-        path, i = out_dir / f"opt_step-{i}.json", i + 1
-    path.write_text(json.dumps(record, indent=1))
-    print(f"written: {path}")
+    write_json(record, "opt_step", args.out, f"opt-step-{name}")
 
 
 if __name__ == "__main__":
