@@ -869,8 +869,9 @@ def _seq_batch(step: int, seq: int, rank: int) -> torch.Tensor:
 
 
 # a new graph at 16 (Dynamo makes it dynamic), larger sizes at 24 (and room for re-plans to
-# settle: under load, passes="auto" took more than 7 steps there once — a verdict the noise
-# reverted is planned again; on torch 2.15 beside other work, its last step still profiled)
+# settle: passes="auto" re-profiles as long as its verdicts, which depend on measured times,
+# revert and plan again; with 7 steps here its last step still profiled once each in full
+# suites on torch 2.12 and 2.15, and it reached steady state at the 5th step in other runs)
 SEQS = [8] * 4 + [16] * 4 + [24] * 10
 
 

@@ -112,7 +112,6 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
         profile_run = _clock_run(clock)  # noqa: F811
 
     runs: dict[str, dict[str, list[float]]] = {}
-    sums: dict[str, list[float]] = {}
     for name, pg in graphs.items():
         args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
         for r in range(repeats + 1):
@@ -130,12 +129,11 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
                 d = runs.setdefault(f"{name}.{phase}", {})
                 for n in prof.nodes:
                     d.setdefault(n.name, []).append(n.time_s)
-                sums.setdefault(f"{name}.{phase}", []).append(sum(n.time_s for n in prof.nodes))
     out = {}
-    for k, d in runs.items():
+    for k, d in runs.items():   # every node once per run: the runs' mean sum is the means' sum
         med = {n: statistics.median(v) for n, v in d.items()}
         total = sum(med.values())
-        scale = statistics.fmean(sums[k]) / total if total > 0 else 1.0
+        scale = sum(map(statistics.fmean, d.values())) / total if total > 0 else 1.0
         out[k] = {n: t * scale for n, t in med.items()}
     return out
 
