@@ -259,7 +259,8 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              *([f"- {note}"] if note else []),
              "- load average (1 min) when each launch started: "
              + ", ".join(f"{m['load'][0]:.1f}" for r in rows for m in r["measured"].values())
-             + f"; at the end {meta['load_end'][0]:.1f} (2 cores, shared with other workers)",
+             + f"; at the end {meta['load_end'][0]:.1f} ({meta['cpus']} cores; the load "
+             "counts the bench's own ranks and the planner's)",
              f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
              "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
              f"{args.steps} timed steps)", "",

@@ -4,7 +4,8 @@
 cores), nothing is scaled: the pieces are built with real random weights, traced like the fake
 ones, and each graph is run through deepcompile's own profiler (`compiler.profiler.profile_run`:
 one wall-clock time per node, the FX graph executed node by node, as `compiler="fx"` runs it);
-the optimizer step is AdamW on this rank's shards; the network is the runtime's own
+the optimizer step is AdamW on this rank's shards, as the engine steps them (the flat fused
+step) and as the peers do (parameter by parameter); the network is the runtime's own
 communication as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
 launched and waited below autograd, the reduction's divide; synchronous, and asynchronous with
 compute between, and the host time of a launch and of a wait) timed over a sweep of sizes and
@@ -51,18 +52,20 @@ _NET_KEYS = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter
 class HostProfile:
     world: int
     node_s: dict[str, dict[str, float]]     # "piece.phase" -> node name -> seconds
-    optimizer_s: float                       # AdamW on the shards + engine.step's own time
+    optimizer_s: float                       # the flat AdamW step + engine.step's own time
     network: Fitted
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
     clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
+    peer_optimizer_s: float | None = None    # per-parameter AdamW (the peers') + the same
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "clock": self.clock, "optimizer_s": self.optimizer_s,
+                "peer_optimizer_s": self.peer_optimizer_s,
                 "overhead_s": self.overhead_s,
                 "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
                 "network": self.network.to_dict(), "load": self.load,
@@ -138,17 +141,42 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
     return out
 
 
+@dataclasses.dataclass
+class _Entry:        # what runtime/flat.py's FlatState reads of a registry entry
+    pid: int
+    shard: torch.Tensor
+
+
 def time_optimizer(numels: list[int], world: int, repeats: int,
-                   clock=time.perf_counter) -> float:
-    """Median time of one AdamW step on this rank's fp32 shards of parameters of `numels`."""
+                   clock=time.perf_counter, flat: bool = False) -> float:
+    """Median time of one AdamW step on this rank's fp32 shards of parameters of `numels`:
+    torch's AdamW stepping them one by one (the peers' step), or `flat`: as deepcompile's
+    engine steps them ([Note: flat step] in runtime/flat.py: the shards in chunks, their
+    gradients folded into each chunk's flat gradient, the inner optimizer's fused step over
+    the chunks, the flat gradients released). The gradients are handed to the shards before
+    each step, untimed (autograd does that in a run)."""
     shards = [torch.nn.Parameter(torch.randn(-(-n // world))) for n in numels]
-    for p in shards:
-        p.grad = torch.randn_like(p)
+    grads = [torch.randn_like(p) for p in shards]
     opt = torch.optim.AdamW(shards, lr=1e-3)
+    if flat:
+        from ..runtime.flat import FlatState
+
+        state = FlatState(opt, [_Entry(i, p) for i, p in enumerate(shards)],
+                          torch.device("cpu"))
+
+        def step():
+            state.fold_grads()
+            state.sync_hyperparameters()
+            state.step(state.chunks)
+            state.release_grads()
+    else:
+        step = opt.step
     times = []
     for r in range(repeats + 2):
+        for p, g in zip(shards, grads):
+            p.grad = g
         t0 = clock()
-        opt.step()
+        step()
         if r >= 2:
             times.append(clock() - t0)
     return statistics.median(times)
@@ -289,8 +317,10 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
     model's output object: the forward and backward calls' time minus their graphs' run
-    times) and per optimizer step (`engine.step()` minus the optimizer's own `step`), measured
-    on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
+    times) and per optimizer step (`engine.step()` minus its optimizer step: on the flat path
+    the fold, the hyperparameters' sync, the chunks' step and the release, which
+    `time_optimizer(flat=True)` times for the whole model; before stop 32 they were counted
+    here for the one-layer model on top of it), measured on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
     parameters are sharded by the engine: call it after everything else of the pieces.
     `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share)."""
     import functools
@@ -299,18 +329,24 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
 
     eng = initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                      config={"compiler": "fx", "passes": ()})
-    inner = eng.optimizer.step
     spent = [0.0]
 
     clock = time.thread_time if cpu else time.perf_counter
 
-    def timed_step(*a, **k):   # this throwaway engine's optimizer, timed
+    def timed_step(fn, *a, **k):   # this throwaway engine's optimizer step, timed
         t0 = clock()
-        out = inner(*a, **k)
+        out = fn(*a, **k)
         spent[0] += clock() - t0
         return out
 
-    eng.optimizer.step = timed_step
+    flat = eng._flat
+    if flat.inner is not None:   # the flat step (runtime/flat.py): timed by `time_optimizer`
+        for obj, name in ((flat, "fold_grads"), (flat, "sync_hyperparameters"),
+                          (eng._offload, "run_step"), (flat, "release_grads")):
+            inner = getattr(obj, name)
+            setattr(obj, name, functools.partial(timed_step, inner))
+    else:
+        eng.optimizer.step = functools.partial(timed_step, eng.optimizer.step)
     warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
     micro, step = [], []
     for i in range(warm + repeats):
@@ -362,8 +398,10 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         dist.barrier()
         node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None)
         dist.barrier()
-        opt_s = time_optimizer(list(pieces.param_numels(ps).values()), world, spec["repeats"],
-                               time.thread_time if cpu else time.perf_counter)
+        numels, opt_clock = list(pieces.param_numels(ps).values()), \
+            time.thread_time if cpu else time.perf_counter
+        opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock, flat=True)
+        peer_opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock)
         if world > 1:
             net = sweep_ops(comm, spec["net_repeats"])
             eta = overlap_factor(comm, spec["net_repeats"])
@@ -375,16 +413,18 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
-        flat = [t for d in node_s.values() for t in d.values()] + [opt_s, over, step_over, -eta] + \
-            [t for k in keys for t in net[k]]
+        flat = [t for d in node_s.values() for t in d.values()] + \
+            [opt_s, peer_opt_s, over, step_over, -eta] + [t for k in keys for t in net[k]]
         vec = torch.tensor(flat, dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         if rank == 0:
             vals = iter(vec.tolist())
             node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
-            opt_s, over, step_over, eta = next(vals), next(vals), next(vals), -next(vals)
+            opt_s, peer_opt_s, over, step_over, eta = (next(vals), next(vals), next(vals),
+                                                       next(vals), -next(vals))
             net = {k: [next(vals) for _ in net[k]] for k in keys}
             queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
+                              "peer_optimizer_s": peer_opt_s + step_over,
                               "overhead_s": over,
                               "overlap": eta, "net": net, "plan_cost": plan_cost}))
         dist.destroy_process_group()
@@ -439,4 +479,5 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
                      copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
                      overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
-                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]), clock)
+                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]), clock,
+                       data["peer_optimizer_s"])

@@ -272,10 +272,13 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
     budget = _budget(args, device_memory)
     setting_info["memory_budget_bytes"] = budget
 
-    def setting(model):
+    def setting(model, peer: bool = False):
+        opt_s = None   # a GPU's: from its memory bandwidth
+        if cpu:        # measured: ours steps flat chunks, the peers parameter by parameter
+            opt_s = host.peer_optimizer_s if peer and host.peer_optimizer_s else host.optimizer_s
         return Setting(model, args.world, net, budget, args.gas, mem_bw,
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
-                       host_is_compute=cpu, optimizer_s=host.optimizer_s if cpu else None,
+                       host_is_compute=cpu, optimizer_s=opt_s,
                        stage=args.stage,
                        framework_s=host.overhead_s if cpu else gpu.framework_host_s,
                        plan_cost=host.plan_cost if cpu else None, replay=args.replay,
@@ -298,13 +301,13 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
     if args.stage == 3:
         for peer in args.peers:
             if peer == "fsdp2":
-                sch = peers.fsdp2(setting(model_u), costs, compiled=False, name=peer,
+                sch = peers.fsdp2(setting(model_u, True), costs, compiled=False, name=peer,
                                   description="FSDP2 (per-layer units, one ahead), eager")
             elif peer == "fsdp2-compile":
-                sch = peers.fsdp2(setting(model_f), costs, compiled=True, name=peer,
+                sch = peers.fsdp2(setting(model_f, True), costs, compiled=True, name=peer,
                                   description="FSDP2 with compiled layers")
             elif peer == "ds-z3":
-                sch = peers.deepspeed(setting(model_u), costs, name=peer,
+                sch = peers.deepspeed(setting(model_u, True), costs, name=peer,
                                       description="DeepSpeed ZeRO-3, eager, default buckets")
             else:
                 raise PlanError(f"deepcompile plan: unknown peer {peer!r}; known: "
