@@ -27,7 +27,6 @@ benchmarks/results/<date>-opt-step-<machine>/opt_step.json, never overwriting).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
@@ -38,12 +37,6 @@ import time
 from _results import write_json  # benchmarks/_results.py (this script's folder)
 
 WAYS = ("torch", "torch-foreach", "torch-fused", "flat", "flat-step")
-
-
-@dataclasses.dataclass
-class _Entry:        # what runtime/flat.py's FlatState reads of a registry entry
-    pid: int
-    shard: object
 
 
 def _shapes(workload: str) -> list[tuple]:
@@ -78,8 +71,7 @@ class _Way:
             from deepcompile.runtime.flat import FlatState
 
             facade = torch.optim.AdamW(self.params, **ADAMW)
-            self.flat = FlatState(facade, [_Entry(i, p) for i, p in enumerate(self.params)],
-                                  torch.device(device))
+            self.flat = FlatState.of_parameters(facade, device)
             self.fused = self.flat.fused
         else:
             impl = {"torch": {}, "torch-foreach": {"foreach": True},

@@ -141,12 +141,6 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
     return out
 
 
-@dataclasses.dataclass
-class _Entry:        # what runtime/flat.py's FlatState reads of a registry entry
-    pid: int
-    shard: torch.Tensor
-
-
 def time_optimizer(numels: list[int], world: int, repeats: int,
                    clock=time.perf_counter, flat: bool = False) -> float:
     """Median time of one AdamW step on this rank's fp32 shards of parameters of `numels`:
@@ -161,8 +155,7 @@ def time_optimizer(numels: list[int], world: int, repeats: int,
     if flat:
         from ..runtime.flat import FlatState
 
-        state = FlatState(opt, [_Entry(i, p) for i, p in enumerate(shards)],
-                          torch.device("cpu"))
+        state = FlatState.of_parameters(opt, "cpu")
 
         def step():
             state.fold_grads()
@@ -320,8 +313,9 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     times) and per optimizer step (`engine.step()` minus its optimizer step: on the flat path
     the fold, the hyperparameters' sync, the chunks' step and the release, which
     `time_optimizer(flat=True)` times for the whole model; before stop 32 they were counted
-    here for the one-layer model on top of it), measured on the pieces' one-layer model at this world size (compiler "fx", insertion only). Its
-    parameters are sharded by the engine: call it after everything else of the pieces.
+    here for the one-layer model on top of it), measured on the pieces' one-layer model at
+    this world size (compiler "fx", insertion only). Its parameters are sharded by the
+    engine: call it after everything else of the pieces.
     `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share)."""
     import functools
 

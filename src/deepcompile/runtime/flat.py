@@ -122,6 +122,13 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in ELEMENTWISE
 
 
+@dataclasses.dataclass
+class _Standalone:     # what FlatState reads of a registry entry, for a bare parameter
+    pid: int
+    shard: torch.Tensor
+    name: str
+
+
 class FlatState:
     """The chunks of one engine and, for elementwise optimizers, the inner optimizer."""
 
@@ -162,6 +169,14 @@ class FlatState:
                      "state cannot be offloaded", type(facade).__name__,
                      ", ".join(c.__name__ for c in ELEMENTWISE))
         self.on_load: list = []              # called after the inner state was reloaded
+
+    @classmethod
+    def of_parameters(cls, facade: torch.optim.Optimizer, device) -> "FlatState":
+        """Chunks over the facade's own parameters (flat 1-D tensors), with no engine: the flat
+        step measured alone (the planner's optimizer timing, benchmarks/opt_step.py)."""
+        params = [p for g in facade.param_groups for p in g["params"]]
+        return cls(facade, [_Standalone(i, p, f"param{i}") for i, p in enumerate(params)],
+                   torch.device(device))
 
     # -- layout -----------------------------------------------------------------------------
     def _runs(self, members: list[ParamEntry]) -> Iterable[list[ParamEntry]]:
