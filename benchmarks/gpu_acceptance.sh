@@ -24,8 +24,10 @@
 #   big-peers   16     10        the same 7 B with DeepSpeed ZeRO-Offload and FSDP2 CPUOffload
 #   validate    15     9         deepcompile plan's prediction vs measured, llama-1b, world 1
 #   profile     12     4         torch.profiler over 3 steady steps, ours and plain compile
+#   attention   12,15  3         llama-1b's SDPA eager and compiled: mask, is_causal, the kernel
+#                                (compiled Llama gets an explicit mask before torch 2.14)
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|validate|profile|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|validate|profile|attention|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -98,13 +100,17 @@ one() {
       else
         echo "profile: copy ../shared/gpu/profile_step.py into .gpu/ first" >&2; return 2
       fi ;;
+    attention)
+      run 240 "$log" $py benchmarks/attention_path.py --workload llama-1b --out "$out" ;;
     *) echo "unknown part $p" >&2; return 2 ;;
   esac
 }
 
 setup
 if [[ $part == all ]]; then
-  for p in tests bench offload host-step auto big big-peers validate profile; do one "$p"; done
+  for p in tests bench offload host-step auto big big-peers validate profile attention; do
+    one "$p"
+  done
 else
   one "$part"
 fi

@@ -347,4 +347,31 @@ def test_gpu_acceptance_commands_are_valid():
             workloads.get(w)
         checked.add(name)
     assert checked == {"demo", "bench", "offload_gpu", "host_step", "opt_step",
-                       "plan_validate"}, checked
+                       "plan_validate", "attention_path"}, checked
+
+
+def test_attention_path_reports_the_sdpa_calls_and_ops(tmp_path):
+    """benchmarks/attention_path.py (stop 32): tiny-llama on the CPU, compiled without
+    Inductor (`aot_eager`: the same Dynamo graph, no C++ build). Eager Llama calls SDPA with
+    no mask and `is_causal=True`; the compiled graph's calls are recorded as Dynamo has them
+    (with torch < 2.14 an explicit mask, from 2.14 as eager: transformers' masking_utils), a
+    mask never with `is_causal`; each way's attention ops ran once per layer, forward and
+    backward."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import attention_path
+
+    rec = attention_path.main(["--workload", "tiny-llama", "--device", "cpu", "--backend",
+                               "aot_eager", "--out", str(tmp_path)])
+    layers = 2
+    assert rec["eager"]["sdpa_calls"] == [{"attn_mask": False, "is_causal": True}] * layers
+    compiled = rec["compiled"]["sdpa_calls"]
+    assert len(compiled) == layers
+    assert all(c["attn_mask"] != c["is_causal"] for c in compiled)
+    for way in ("eager", "compiled"):
+        ops = rec[way]["ops"]
+        fw = [k for k in ops if "attention" in k and "backward" not in k
+              and not k.startswith("aten::scaled_dot_product_attention")]
+        bw = [k for k in ops if "backward" in k]
+        assert fw and bw, ops
+        assert all(ops[k]["count"] == layers for k in fw + bw), ops
+    assert (tmp_path / "attention_path.json").is_file()
