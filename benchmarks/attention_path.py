@@ -1,10 +1,11 @@
 """Which attention a Hugging Face model's training step runs, compiled and eager (stop 32;
 docs/notes/gpu-readiness.md).
 
-Under Dynamo (as deepcompile's graphs and plain `torch.compile` see the model) with torch 2.13
-and transformers 5.23, Llama builds an explicit causal mask and calls SDPA with
-`attn_mask=<bool>, is_causal=False`; run eagerly it passes no mask (`is_causal=True`).
-transformers' masking_utils skips the mask under compile only from torch 2.14 (pytorch#176499).
+Under Dynamo (as deepcompile's graphs and plain `torch.compile` see the model), with
+transformers 5.23 and torch 2.11.0, 2.13.0 and 2.14.1 alike (run on the CPU), Llama builds an
+explicit causal mask and calls SDPA with `attn_mask=<bool>, is_causal=False`; run eagerly it
+passes no mask (`is_causal=True`). (transformers' masking_utils expects compiled runs to skip it
+once pytorch#176499 is in; 2.14.1 does not yet.)
 On CUDA a mask rules out the flash kernel, so the compiled systems of the bench could run a
 slower attention than the eager peers, and the planner's roofline (causal flash everywhere)
 would under-count theirs. For each way, eager and compiled (`--backend`, Inductor by

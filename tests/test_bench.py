@@ -354,8 +354,8 @@ def test_attention_path_reports_the_sdpa_calls_and_ops(tmp_path):
     """benchmarks/attention_path.py (stop 32): tiny-llama on the CPU, compiled without
     Inductor (`aot_eager`: the same Dynamo graph, no C++ build). Eager Llama calls SDPA with
     no mask and `is_causal=True`; the compiled graph's calls are recorded as Dynamo has them
-    (with torch < 2.14 an explicit mask, from 2.14 as eager: transformers' masking_utils), a
-    mask never with `is_causal`; each way's attention ops ran once per layer, forward and
+    (an explicit mask on torch 2.11-2.14; as eager once pytorch#176499 is in: transformers'
+    masking_utils), a mask never with `is_causal`; each way's attention ops ran once per layer, forward and
     backward."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import attention_path
