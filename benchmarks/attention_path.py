@@ -76,9 +76,8 @@ def _sdpa_calls_compiled(model, ids) -> list[dict]:
                               "is_causal": bool(n.kwargs.get("is_causal", False))})
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(model, backend=capture)(input_ids=ids, labels=ids)
-    torch._dynamo.reset()
     return calls
 
 
@@ -130,9 +129,8 @@ def measure(workload: str, device: str, backend: str) -> dict:
         compiled_calls = _sdpa_calls_compiled(model, ids)
     model.zero_grad(set_to_none=True)
     eager_ops = _attention_ops(step(model), cuda)
-    torch._dynamo.reset()
+    torch.compiler.reset()   # not the capture's graphs: Dynamo compiles afresh for `backend`
     compiled_ops = _attention_ops(step(torch.compile(model, backend=backend)), cuda)
-    torch._dynamo.reset()
     return {"workload": workload, "device": device, "backend": backend,
             "torch": torch.__version__, "transformers": _version("transformers"),
             "gpu": torch.cuda.get_device_name() if cuda else None,

@@ -52,13 +52,13 @@ _NET_KEYS = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter
 class HostProfile:
     world: int
     node_s: dict[str, dict[str, float]]     # "piece.phase" -> node name -> seconds
-    optimizer_s: float                       # the flat AdamW step + engine.step's own time
+    optimizer_s: float                       # ours: the flat AdamW step + engine.step's own time
+    peer_optimizer_s: float                  # the peers: per-parameter AdamW + the same
     network: Fitted
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
     clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
-    peer_optimizer_s: float | None = None    # per-parameter AdamW (the peers') + the same
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
@@ -472,6 +472,6 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     network = Fitted(world, {k: fit(list(zip(SWEEP, net[k]))) for k in kinds}, launch=launch,
                      copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
                      overlap=data["overlap"], wait=wait)
-    return HostProfile(world, data["node_s"], data["optimizer_s"], network, load,
-                       data["overhead_s"], LinearCostModel.from_dict(data["plan_cost"]), clock,
-                       data["peer_optimizer_s"])
+    return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
+                       network, load, data["overhead_s"],
+                       LinearCostModel.from_dict(data["plan_cost"]), clock)

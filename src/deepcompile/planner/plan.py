@@ -275,7 +275,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
     def setting(model, peer: bool = False):
         opt_s = None   # a GPU's: from its memory bandwidth
         if cpu:        # measured: ours steps flat chunks, the peers parameter by parameter
-            opt_s = host.peer_optimizer_s if peer and host.peer_optimizer_s else host.optimizer_s
+            opt_s = host.peer_optimizer_s if peer else host.optimizer_s
         return Setting(model, args.world, net, budget, args.gas, mem_bw,
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
                        host_is_compute=cpu, optimizer_s=opt_s,
