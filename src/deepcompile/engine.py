@@ -21,7 +21,7 @@ from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
 from .runtime.flat import FlatState, _grad_of, _is_not_none
 from .runtime.guardrails import Guardrails, NonFiniteError, UsageError
-from .runtime.loss_scale import GradCheck, nonfinite_ranks
+from .runtime.loss_scale import GradCheck, grad_norms, nonfinite_ranks
 from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
 from .runtime.runtime import EngineRuntime
@@ -278,11 +278,12 @@ class Engine:
             if host_sq is not None and self._scaler is not None:
                 host_scale = self._scaler.inv_scale()
             # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
-            # with clipping and no loss scale, one read of the gradients serves the inf/NaN
-            # check and the clip: their 2-norms (under a loss scale the check unscales first)
+            # without a loss scale one read of the gradients serves the inf/NaN check and the
+            # clip: their 2-norms (under a loss scale the check unscales first)
             clip = self.config.max_grad_norm
-            norms = (torch._foreach_norm(grads, 2.0)
-                     if clip is not None and self._scaler is None and grads else None)
+            check = self.config.on_nonfinite != "off"
+            norms = (grad_norms(grads) if (clip is not None or check) and self._scaler is None
+                     and grads else None)
             finite, bad = self._grads_finite(grads, host_sq, norms)
             if finite and clip is not None:
                 coef = self._clip_grad_norm(clip, grads, host_sq, host_scale, norms)
@@ -338,7 +339,7 @@ class Engine:
         step's `flat_grads`), and (Config.on_nonfinite="raise") what to say in the
         NonFiniteError; the same on every rank ([Note: overflow agreement] in
         runtime/loss_scale.py: one fused check per dtype, one all-reduce of one-hot vectors);
-        `norms`: the flat gradients' 2-norms, computed for clipping, read instead of them."""
+        `norms`: the flat gradients' 2-norms (`grad_norms`), read instead of them."""
         policy, scaler = self.config.on_nonfinite, self._scaler
         if scaler is None and policy == "off":
             return True, None
@@ -434,8 +435,8 @@ class Engine:
         gradients."""
         if grads:   # shards are disjoint; padding gradients and alignment gaps are 0
             if norms is None:
-                norms = torch._foreach_norm(grads, 2.0)
-            local = torch.linalg.vector_norm(torch.stack(norms).float(), 2.0).pow(2)
+                norms = grad_norms(grads)
+            local = torch.linalg.vector_norm(torch.stack(norms), 2.0).pow(2)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
         if host_sq is not None:   # offload tier 2: the host gradients' squared norm, unscaled

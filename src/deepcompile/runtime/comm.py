@@ -86,7 +86,10 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, count: bool = True) -> torch.Tensor:
         """`count=False` for deepcompile's own bookkeeping (calibration, agreeing profiles):
-        comm_stats() reports training traffic."""
+        comm_stats() reports training traffic. At world size 1 nothing runs (nor is counted):
+        the result is `tensor`, and NCCL would still launch a kernel for it."""
+        if self.world == 1:
+            return tensor
         if count:
             self._count("all_reduce", tensor.numel() * tensor.element_size())
         dist.all_reduce(tensor, op=op, group=self.group)
