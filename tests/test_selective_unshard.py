@@ -718,3 +718,107 @@ def test_inductor_never_writes_into_a_kept_parameter():
         assert max(abs(a - b[rank]) for a, b in zip(r["losses"], ref_losses)) < 1e-5
     for name, ref in ref_state.items():
         assert (results[0]["state"][name] - ref).abs().max() < 1e-5, name
+
+
+# --------------------------------------------------------------------------- world size 1
+def _world1_engine(passes, dtype):
+    import deepcompile
+
+    model = _models.build_model("llama")
+    return deepcompile.initialize(
+        model, functools.partial(torch.optim.AdamW, lr=1e-2),
+        deepcompile.Config(compiler="fx", passes=passes, param_dtype=dtype,
+                           gradient_accumulation_steps=2, measure_steps=0))
+
+
+def _casts_in_graphs(engine, run):
+    """Casts of a shard (its storage) to another dtype inside the lowered graphs while `run`
+    runs (a dispatch mode inside each graph's runner: around a compiled call it would make
+    Dynamo run eagerly), and in `engine.step()` (the refresh)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shards = {e.shard.untyped_storage().data_ptr(): e.shard.dtype for e in engine._registry}
+    seen = {"graphs": 0, "step": 0}
+
+    class Casts(TorchDispatchMode):
+        where = "graphs"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._foreach_copy_.default:   # (destinations, sources)
+                pairs = zip(args[0], args[1])
+            else:
+                pairs = [(out, args[0] if args else None)]
+            for dst, src in pairs:
+                if (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                        and shards.get(src.untyped_storage().data_ptr()) == src.dtype
+                        and dst.dtype != src.dtype):
+                    seen[self.where] += 1
+            return out
+
+    def wrap(fn, where):
+        def inner(*a, **k):
+            mode = Casts()
+            mode.where = where
+            with mode:
+                return fn(*a, **k)
+        return inner
+
+    slots = list(engine._pipeline.slots.values())
+    saved = [s.runner for s in slots]
+    for s in slots:
+        s.runner = wrap(s.runner, "graphs")
+    step = engine.step
+    engine.step = wrap(step, "step")
+    try:
+        run()
+    finally:
+        for s, r in zip(slots, saved):
+            s.runner = r
+        engine.step = step
+    return seen
+
+
+def test_at_world_size_1_a_casting_gather_is_kept_and_cast_once_per_step(group):
+    """At world size 1 with a compute dtype other than the masters' every use of a parameter
+    casts its shard (forward and backward, each micro-step). `selective_unshard` keeps a copy
+    cast once per optimizer step by the refresh: the lowered graphs cast nothing, and training
+    is bitwise the same as without the pass (a cast is a cast). In fp32 (the gather is a view)
+    it keeps nothing."""
+    def train(passes, dtype, steps=14):
+        torch.manual_seed(0)
+        engine = _world1_engine(passes, dtype)
+        losses = []
+        for i in range(steps):
+            for m in range(2):
+                out = engine(**_models.local_batch("llama", 2 * i + m, 0, 1))
+                loss = _models.loss_of(out)
+                engine.backward(loss)
+                losses.append(loss.item())
+            engine.step()
+        return engine, losses
+
+    def one_step(engine, i):
+        def run():
+            for m in range(2):
+                engine.backward(_models.loss_of(engine(**_models.local_batch("llama", 2 * i + m, 0, 1))))
+            engine.step()
+        return run
+
+    plain, plain_losses = train((), torch.bfloat16)
+    kept, kept_losses = train(("selective_unshard",), torch.bfloat16)
+    assert kept.report().phase == "steady"
+    (entry,) = [p for p in kept.report().to_dict()["passes"] if p["pass"] == "selective_unshard"]
+    assert entry["kept"] and len(entry["decisions"]["keep"]) == len(list(kept._registry))
+    n = len(list(plain._registry))
+    before = _casts_in_graphs(plain, one_step(plain, 14))
+    after = _casts_in_graphs(kept, one_step(kept, 14))
+    assert before["graphs"] >= 2 * n and before["step"] == 0, before   # forward + backward, x2
+    assert after == {"graphs": 0, "step": n}, after                    # the refresh, once each
+    assert kept_losses == plain_losses
+    a, b = plain.full_state_dict(), kept.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    fp32, _ = train(("selective_unshard",), None, steps=8)
+    (entry,) = [p for p in fp32.report().to_dict()["passes"] if p["pass"] == "selective_unshard"]
+    assert entry["decisions"]["keep"] == [] and not entry["changed"]

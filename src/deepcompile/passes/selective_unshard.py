@@ -26,8 +26,13 @@ only, so every rank decides the same):
   exceeds the capacity). Unbounded budget: every option that saves something, the most
   valuable per parameter. A parameter involved in graph reuse is not chosen (a reused graph
   names another parameter's id, and an accumulator is found by the id). At ZeRO-1/2 nothing is chosen: the parameters are
-  replicated, and ZeRO-1 already reduces once per optimizer step; at world size 1 neither: a
-  gather is a view or a cast of the local shard.
+  replicated, and ZeRO-1 already reduces once per optimizer step. At world size 1 a gather is a
+  view of the local shard (nothing to keep) or, when the compute dtype differs from the
+  master's (`param_dtype`), a cast of it: every use of the parameter casts it again (its
+  forward and its backward, each micro-step), where a kept copy is cast once per optimizer step
+  by the refresh. So at world size 1 only casting gathers are candidates, valued by the same
+  cost model (its all-gather at world size 1 is a copy of the bytes: it counts a cast's write,
+  not its wider read, so it under-values keeping).
 
 Apply (passes only schedule: inputs and outputs of graphs never change): in every graph, a
 kept parameter's `allgather_param` becomes `kept_param` (same arguments), and it is pulled out
@@ -231,7 +236,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # accumulates gradients locally; the pass is a ZeRO-3 pass and keeps nothing there.
     cands = [Candidate(e.pid, e.name, _kept.kept_bytes(e), accumulator_bytes(e),
                        e.padded_numel * e.compute_dtype.itemsize)
-             for e in ctx.registry if e.pid in used and e.zero_stage == 3 and ctx.world_size > 1]
+             for e in ctx.registry if e.pid in used and e.zero_stage == 3
+             and (ctx.world_size > 1 or e.compute_dtype != e.shard.dtype)]
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
     peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)

@@ -12,7 +12,8 @@ destination is the head of a padded buffer of `padded_numel` elements, viewed as
 them: a handful of calls per group, whatever the number of parameters (host cost per step does
 not grow with the model's depth). At most two collectives are in flight: the next group's
 transfer overlaps the copy out of the current one, and the temporary buffers stay within
-2 x max_bytes.
+2 x max_bytes. At world size 1 there is nothing to gather: every shard is cast (or copied) into
+its destination in one `_foreach_copy_`.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ class _Group:
         src = self.shards[0].detach() if len(self.shards) == 1 else torch.cat(self.shards)
         if src.dtype != self.dtype:
             src = src.to(self.dtype)
-        if self.comm.world == 1:
-            return src, None
         return self.comm.all_gather_async(src)
 
     def copy_out(self, buffer: torch.Tensor) -> None:
@@ -82,6 +81,10 @@ class RegatherPlan:
         dest = {e.pid: d for e, d in zip(entries, dests)}
         self.groups = [_Group(g, [dest[e.pid] for e in g]) for g in groups(entries, max_bytes)]
         self.label = label
+        # world size 1: (destinations, shards), made once (the shards are the live leaves)
+        self._local = None
+        if entries and entries[0].comm.world == 1:
+            self._local = ([d[0] for d in dests], [e.shard for e in entries])
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -95,12 +98,15 @@ class RegatherPlan:
         """Re-gather every group; returns the number of collectives."""
         plan = self.groups
         scope = record_function(self.label) if self.label else contextlib.nullcontext()
+        if self._local is not None:   # world size 1: no collective, each shard cast straight
+            with scope:               # into its destination, one fused pass
+                torch._foreach_copy_(*self._local)
+            return 0
         with scope:
             pending = plan[0].launch() if plan else None
             for i, group in enumerate(plan):
                 buffer, work = pending
                 pending = plan[i + 1].launch() if i + 1 < len(plan) else None
-                if work is not None:
-                    work.wait()
+                work.wait()
                 group.copy_out(buffer)
-        return len(plan) if plan and plan[0].comm.world > 1 else 0
+        return len(plan)
