@@ -68,7 +68,7 @@ def test_verdict_reverts_only_what_is_worse_with_confidence():
 
 # ------------------------------------------------------------------------------- pure: choose
 def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak: int,
-         movable=(), step_bytes=0):
+         movable=(), step_bytes=0, compute_dtype=torch.float32):
     from deepcompile.passes import PassContext
     from deepcompile.runtime import ops
 
@@ -83,7 +83,10 @@ def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak:
     prof = types.SimpleNamespace(peak_bytes=peak)
     store = types.SimpleNamespace(movable=lambda: list(movable), step_bytes=lambda: step_bytes)
     return PassContext(slots={"g0.fw": slot}, profiles={"g0.fw": prof}, order=["g0.fw"],
-                       registry=None, runtime=types.SimpleNamespace(offload=store), cost=None,
+                       registry=[types.SimpleNamespace(zero_stage=3, compute_dtype=compute_dtype,
+                                                       shard=torch.zeros(2))
+                                 for _ in range(zero_stage_gathers)],
+                       runtime=types.SimpleNamespace(offload=store), cost=None,
                        memory_budget=budget, world_size=world, decisions={})
 
 
@@ -100,6 +103,14 @@ def test_choose_reads_stage_world_collectives_and_budget():
     chosen, out = choose(_ctx(4, 4, 1, inf, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == [] and all("world size 1" in c.reason for c in out
                                        if c.name != "offload_optimizer")
+    # world size 1 with a compute dtype other than the masters': a gather is a cast at every
+    # use, a kept copy is cast once per step (if there is memory for it)
+    chosen, out = choose(_ctx(4, 4, 1, inf, 100, compute_dtype=torch.bfloat16), zero_stage=3,
+                         warmup_steps=2)
+    assert names(chosen) == ["selective_unshard"] and "4 parameters cast" in chosen[0].reason
+    chosen, _ = choose(_ctx(4, 4, 1, 100.0, 100, compute_dtype=torch.bfloat16), zero_stage=3,
+                       warmup_steps=2)
+    assert names(chosen) == []
     # no memory left under the budget: nothing kept gathered
     chosen, out = choose(_ctx(4, 4, 2, 100.0, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == ["prefetch", "bucket_reduce"]

@@ -12,6 +12,8 @@ budget), so every launch of the same program chooses the same list:
 * `selective_unshard` next (ZeRO-3, more than one rank, memory left under the budget): keeping a
   parameter gathered removes whole collectives, and planned before `prefetch` it values every
   gather at the cost of its own collective (after `prefetch` it would see a share of a fused one);
+  at world size 1 when the compute dtype is not the masters' (a gather is then a cast of the
+  local shard at every use, and a kept copy is cast once per optimizer step);
 * `prefetch` (ZeRO-3, more than one rank, gathers in the graphs): the gathers that are left
   become asynchronous and fused;
 * `bucket_reduce` (more than one rank, reduce-scatters in the graphs): bucketed, asynchronous
@@ -138,10 +140,13 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
 
     add("offload_optimizer", *offload_choice(ctx, warmup_steps))
     one = "world size 1: a gather is a view of the local shard, a reduction a cast"
-    # selective_unshard
+    # selective_unshard: at world size 1 a gather casts the shard when the compute dtype is not
+    # the masters' (param_dtype), at every use; a kept copy is cast once per optimizer step
+    casts = sum(1 for e in ctx.registry if e.zero_stage == 3 and e.compute_dtype != e.shard.dtype)
     room = budget - peak
-    if world == 1:
-        add("selective_unshard", False, one)
+    if world == 1 and not casts:
+        add("selective_unshard", False, "world size 1, compute in the masters' dtype: a gather "
+                                        "is a view of the local shard")
     elif zero_stage < 3:
         add("selective_unshard", False, f"ZeRO-{zero_stage}: parameters are replicated")
     elif not gathers:
@@ -149,6 +154,11 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
     elif room <= 0:
         add("selective_unshard", False, f"no memory left: profiled peak {_mib(peak)} >= "
                                         f"budget {_mib(budget)}")
+    elif world == 1:
+        add("selective_unshard", True,
+            ("memory budget unbounded" if room == float("inf") else f"{_mib(room)} under the "
+             "budget") + f": world size 1, {casts} parameters cast to their compute dtype at "
+            "every use; a kept copy is cast once per optimizer step")
     else:
         add("selective_unshard", True,
             ("memory budget unbounded" if room == float("inf") else f"{_mib(room)} under the "
