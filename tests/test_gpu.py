@@ -117,6 +117,20 @@ def test_bf16_profile_memory_against_the_allocator(nccl):
     assert 0 < peak <= torch.cuda.max_memory_allocated()
 
 
+def test_bf16_kept_copies_at_world_size_1(nccl):
+    """At world size 1 in bf16 `selective_unshard` keeps the cast copies (cast once per
+    optimizer step by the refresh, on the device): fx trains bitwise as without it."""
+    plain, plain_losses, _ = _train({"compiler": "fx", "passes": (), "warmup_steps": 1},
+                                    dtype=torch.bfloat16)
+    kept, kept_losses, _ = _train({"compiler": "fx", "passes": ("selective_unshard",),
+                                   "warmup_steps": 1, "measure_steps": 0}, dtype=torch.bfloat16)
+    (entry,) = [p for p in kept.report().to_dict()["passes"] if p["pass"] == "selective_unshard"]
+    assert entry["kept"] and entry["decisions"]["keep"], entry
+    assert kept_losses == plain_losses
+    a, b = plain.full_state_dict(), kept.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 CHUNK = 4096   # the tiny Llama in ~16 chunks: offloading moves whole chunks
 
 
