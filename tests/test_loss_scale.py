@@ -120,13 +120,19 @@ def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none(bad,
     assert grads[0][1].item() == 0.5
 
 
+class _PerParameterAdamW(torch.optim.AdamW):
+    """Not one of torch.optim's own classes: the engine steps it parameter by parameter."""
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-parameter"])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch, policy):
-    """With clipping and no loss scale, the flat step computes the gradients' 2-norms once:
-    the inf/NaN check reads them (a 2-norm is inf/NaN when an element is) and the clip uses
-    them — one pass over the gradients per step (on a GPU, gigabytes) where there were two.
-    Training is bitwise the engine's with the check off; an inf is still found ("raise"
-    names the rank, "skip" leaves the weights as they were)."""
+def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch, policy, flat):
+    """With clipping and no loss scale, the step computes the gradients' 2-norms once (the
+    flat step, and an optimizer stepped parameter by parameter alike): the inf/NaN check
+    reads them (a 2-norm is inf/NaN when an element is) and the clip uses them — one pass
+    over the gradients per step (on a GPU, gigabytes) where there were two. Training is
+    bitwise the engine's with the check off; an inf is still found ("raise" names the rank,
+    "skip" leaves the weights as they were)."""
     import deepcompile
     from deepcompile.runtime.guardrails import NonFiniteError
 
@@ -134,8 +140,9 @@ def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                                     torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW if flat else _PerParameterAdamW
         return deepcompile.initialize(
-            model, optimizer=functools.partial(torch.optim.AdamW, lr=0.01),
+            model, optimizer=functools.partial(opt, lr=0.01),
             config={"compiler": "fx", "passes": (), "max_grad_norm": 0.05,
                     "on_nonfinite": on_nonfinite})
 
@@ -148,6 +155,7 @@ def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch
         return {k: v.clone() for k, v in e.full_state_dict().items()}
 
     checked, plain = engine(policy), engine("off")
+    assert (checked._flat.inner is not None) == flat
     for i in range(3):
         step(checked, i)
         step(plain, i)

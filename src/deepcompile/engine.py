@@ -278,12 +278,8 @@ class Engine:
             if host_sq is not None and self._scaler is not None:
                 host_scale = self._scaler.inv_scale()
             # on every rank alike ([Note: overflow agreement] in runtime/loss_scale.py)
-            # without a loss scale one read of the gradients serves the inf/NaN check and the
-            # clip: their 2-norms (under a loss scale the check unscales first)
             clip = self.config.max_grad_norm
-            check = self.config.on_nonfinite != "off"
-            norms = (grad_norms(grads) if (clip is not None or check) and self._scaler is None
-                     and grads else None)
+            norms = self._shared_norms(grads)
             finite, bad = self._grads_finite(grads, host_sq, norms)
             if finite and clip is not None:
                 coef = self._clip_grad_norm(clip, grads, host_sq, host_scale, norms)
@@ -302,10 +298,11 @@ class Engine:
                 self.optimizer._opt_called = True
             flat.release_grads()
         else:                        # an optimizer that steps parameter by parameter
-            finite, bad = self._grads_finite()
+            grads = list(filter(_is_not_none, map(_grad_of, self._trainable)))
+            norms = self._shared_norms(grads)
+            finite, bad = self._grads_finite(norms=norms)
             if finite and self.config.max_grad_norm is not None:
-                self._clip_grad_norm(self.config.max_grad_norm,
-                                     list(filter(_is_not_none, map(_grad_of, self._trainable))))
+                self._clip_grad_norm(self.config.max_grad_norm, grads, norms=norms)
             if finite:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -332,6 +329,16 @@ class Engine:
                          f"{self._optimizer_steps}, micro-step {self._micro_steps}).")
         return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
 
+    def _shared_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """`grads`' 2-norms where one read of them serves both the inf/NaN check and the clip
+        (no loss scale: under one the check unscales first), else None ([Note: the check reads
+        2-norms] in runtime/loss_scale.py)."""
+        if not grads or self._scaler is not None:
+            return None
+        if self.config.max_grad_norm is None and self.config.on_nonfinite == "off":
+            return None
+        return grad_norms(grads)
+
     def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None,
                       host_sq: torch.Tensor | None = None,
                       norms: list[torch.Tensor] | None = None) -> tuple[bool, str | None]:
@@ -339,7 +346,7 @@ class Engine:
         step's `flat_grads`), and (Config.on_nonfinite="raise") what to say in the
         NonFiniteError; the same on every rank ([Note: overflow agreement] in
         runtime/loss_scale.py: one fused check per dtype, one all-reduce of one-hot vectors);
-        `norms`: the flat gradients' 2-norms (`grad_norms`), read instead of them."""
+        `norms`: the gradients' 2-norms (`_shared_norms`), read instead of them."""
         policy, scaler = self.config.on_nonfinite, self._scaler
         if scaler is None and policy == "off":
             return True, None

@@ -142,7 +142,9 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
     one = "world size 1: a gather is a view of the local shard, a reduction a cast"
     # selective_unshard: at world size 1 a gather casts the shard when the compute dtype is not
     # the masters' (param_dtype), at every use; a kept copy is cast once per optimizer step
-    casts = sum(1 for e in ctx.registry if e.zero_stage == 3 and e.compute_dtype != e.shard.dtype)
+    from ..passes.selective_unshard import candidate
+
+    casts = sum(candidate(e, 1) for e in ctx.registry) if world == 1 else 0
     room = budget - peak
     if world == 1 and not casts:
         add("selective_unshard", False, "world size 1, compute in the masters' dtype: a gather "

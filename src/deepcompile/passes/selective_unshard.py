@@ -227,6 +227,12 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
     return out
 
 
+def candidate(e, world_size: int) -> bool:
+    """Whether keeping `e` gathered can save anything: a ZeRO-3 parameter, and at world size 1
+    only one whose gather casts its shard (a compute dtype other than the master's)."""
+    return e.zero_stage == 3 and (world_size > 1 or e.compute_dtype != e.shard.dtype)
+
+
 def plan(ctx: PassContext) -> dict[str, Any]:
     graphs = {k: s.gm for k, s in ctx.slots.items()}
     colls = collectives_of(graphs, ctx.order)
@@ -236,8 +242,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # accumulates gradients locally; the pass is a ZeRO-3 pass and keeps nothing there.
     cands = [Candidate(e.pid, e.name, _kept.kept_bytes(e), accumulator_bytes(e),
                        e.padded_numel * e.compute_dtype.itemsize)
-             for e in ctx.registry if e.pid in used and e.zero_stage == 3
-             and (ctx.world_size > 1 or e.compute_dtype != e.shard.dtype)]
+             for e in ctx.registry if e.pid in used and candidate(e, ctx.world_size)]
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
     peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
