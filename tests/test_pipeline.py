@@ -386,6 +386,42 @@ def test_steps_before_the_steady_state_wait_for_the_device(group, monkeypatch):
     assert calls == [torch.device("cpu")] * sum(p != "steady" for p in phases)
 
 
+def test_the_reported_time_outside_the_graphs_is_the_steady_steps(group):
+    """[Note: outside the graphs]: the report's step summary takes the time outside the graphs
+    from the steady steps (their median) once there are a few, not from the one profiled step:
+    here the optimizer step becomes 30 ms slower after the profile (a pre-hook on the user's
+    optimizer, which the engine's step runs), and the report shows it."""
+    import time
+
+    import deepcompile
+    from deepcompile.compiler.pipeline import MIN_STEADY_OUTSIDE, Phase
+
+    engine = deepcompile.initialize(_small(), optimizer=_SGD,
+                                    config={"compiler": "fx", "passes": (), "warmup_steps": 1})
+    slow = []
+    engine.optimizer.register_step_pre_hook(lambda *_: time.sleep(0.03) if slow else None)
+
+    def step(i):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+    i = 0
+    while engine._pipeline.phase is not Phase.STEADY:
+        step(i)
+        i += 1
+    profiled = engine.report().step_summary
+    assert profiled["outside_graphs_s"] < 0.03, profiled
+    assert profiled["outside_graphs_from"] == "profiled step(s)"
+    slow.append(True)
+    for j in range(MIN_STEADY_OUTSIDE):
+        step(i + j)
+    summary = engine.report().step_summary
+    assert summary["outside_graphs_s"] >= 0.03, summary
+    assert summary["outside_graphs_from"] == f"median of {MIN_STEADY_OUTSIDE} steady steps"
+    assert f"ms (median of {MIN_STEADY_OUTSIDE} steady steps)" in str(engine.report())
+
+
 def test_a_fraction_budget_counts_the_memory_pytorch_can_use(monkeypatch):
     """A budget given as a fraction (and the default 0.9 on CUDA) is of the memory PyTorch's
     allocator can hold — its reserved plus the free memory — not of the device's total, which

@@ -135,8 +135,7 @@ class StepMetrics:
         flops = self.flops_per_step()
         peak = peak_flops or self.peak_flops()
         achieved = flops / step_s if flops and step_s else None
-        profiles = pipe.latest_profiles()
-        summary = pipe._summary(profiles) if profiles else None
+        summary = pipe.step_summary()
         traced = getattr(eng, "_tracer", None)
         measured_exposed = traced.result["exposed_s"] if traced is not None and traced.result \
             else None

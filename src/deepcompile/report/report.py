@@ -182,7 +182,7 @@ class Report:
             cost_model=cost,
             graphs=graphs,
             passes=passes,
-            step_summary=pipe._summary(profiles) if profiles else None,
+            step_summary=pipe.step_summary(),
             cache=dict(pipe.cache_info),
             timings={**pipe.timings, "profiling_overhead_s": pipe.profiling_overhead_s()},
             comm=engine.comm_stats(),
@@ -233,7 +233,9 @@ class Report:
                         f"in graphs, {s['collectives_after_step']} after the step); node times: "
                         f"compute {_ms(s['compute_s'])} ms, blocked on comm (exposed) "
                         f"{_ms(s['exposed_comm_s'])} ms; outside the graphs (optimizer step, "
-                        f"refreshes, Python) {_ms(s.get('outside_graphs_s'))} ms; "
+                        f"refreshes, Python) {_ms(s.get('outside_graphs_s'))} ms"
+                        + (f" ({s['outside_graphs_from']})" if s.get("outside_graphs_from") else "")
+                        + "; "
                         f"peak {_mib(s['peak_bytes'])} MiB"]
         out += self._tail_lines()
         return "\n".join(out)
