@@ -184,6 +184,32 @@ def test_gradients_go_to_the_host_when_all_the_state_is_not_enough():
     assert all(c["tier"] == R.STATE for c in easy["chunks"]) and easy["offloaded_grad_bytes"] == 0
 
 
+def test_masters_go_when_all_state_and_gradients_are_not_enough():
+    # four chunks: state 100, gradients 50 and a master that saves 30 (of 60) each
+    live = [600, 800, 1000, 1100, 1200, 1250, 1150]
+    items = _items([100, 100, 100, 100])
+    grads = _grads([50, 50, 50, 50], at=[4, 3, 2, 1])
+    masters = [O.MasterItem(c, 30, 60, f"c{c}") for c in range(4)]
+    all_grads = O.plan_step(_points(live), items, 400, _copy(0, 0), 10**6, grads)
+    floor = all_grads["lowest_peak_bytes"]   # without masters: all state and gradients off
+    plan = O.plan_step(_points(live), items, 400, _copy(0, 0), floor - 50, grads, masters)
+    assert not plan["unattainable"], plan["reason"]
+    tiers = {c["chunk"]: c["tier"] for c in plan["chunks"]}
+    assert all(t == R.GRADS for t in tiers.values() if t != R.MASTERS)
+    assert sum(t == R.MASTERS for t in tiers.values()) == 2   # 2 x 30 covers 50, chunk order
+    assert [c for c, t in sorted(tiers.items()) if t == R.MASTERS] == [0, 1]
+    assert plan["offloaded_master_bytes"] == 60 and plan["peak_after"] <= floor - 50
+    # the masters' lowest peak is what all of them give, and below it is unattainable
+    assert plan["lowest_peak_bytes"] == floor - 120
+    worse = O.plan_step(_points(live), items, 400, _copy(0, 0), floor - 121, grads, masters)
+    assert worse["unattainable"] and "masters" in worse["reason"]
+    # a master whose chunk's gradients cannot go (not a GradItem) is never taken
+    lone = O.plan_step(_points(live), items, 400, _copy(0, 0), floor - 50, grads[:1],
+                       [O.MasterItem(3, 30, 60)])
+    assert lone["lowest_peak_bytes"] == O.plan_step(_points(live), items, 400, _copy(0, 0),
+                                                    10**6, grads[:1])["lowest_peak_bytes"]
+
+
 def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not():
     # the step holds every gradient: with it over the budget even with all state streamed,
     # gradients that are made only at the end of the backward still help (at the step)
@@ -610,6 +636,18 @@ def _parity_job(rank, world):
         out[gas] = {"base": (base, r0), "half": (half, _one_scenario(rank, world, half)),
                     "plain": (plain, _one_scenario(rank, world, plain)),
                     "grads": (grads, _one_scenario(rank, world, grads))}
+    # masters on the host (tier 3): bf16 compute under fp32 masters, with prefetch (its gathers
+    # for the next graph read the copies too), under what all state and gradients reach
+    bf16 = {"param_dtype": "bfloat16", "chunk_bytes": CHUNK, "warmup_steps": 1, "steps": 4}
+    plain = scenario("llama-adamw-bf16", "llama", "adamw", 1e-2, **bf16)
+    probe = scenario("llama-adamw-bf16-unbounded", "llama", "adamw", 1e-2,
+                     passes=("offload_optimizer",), record=("report",), **bf16)
+    d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
+    masters = scenario("llama-adamw-bf16-masters", "llama", "adamw", 1e-2,
+                       passes=("offload_optimizer", "prefetch"), measure_steps=0,
+                       memory_budget=d["lowest_peak_bytes"], record=("report",), **bf16)
+    out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain)),
+                      "masters": (masters, _one_scenario(rank, world, masters))}
     budget = out[1]["half"][0]["config"]["memory_budget"]
     for passes in (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer")):
         sc = scenario("llama-adamw-" + "-".join(passes), "llama", "adamw", 1e-2, steps=STEPS,
@@ -721,6 +759,28 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
         bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
         sent = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "grad_offload"]
         assert sent
+    loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
+    param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])
+    assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)
+    check_state_consistent(runs)
+
+
+def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_meet(parity):
+    plain_sc, plain = _runs(parity, "masters", "plain")
+    sc, runs = _runs(parity, "masters", "masters")
+    budget = sc["config"]["memory_budget"]
+    for res in runs:
+        d = _offload_report(res)["decisions"]
+        tier3 = [c for c in d["chunks"] if c["tier"] == R.MASTERS]
+        print(f"\n[offload masters] budget {budget}: masters of {len(tier3)} of "
+              f"{len(d['chunks'])} chunks to the host, saving {d['offloaded_master_bytes']} "
+              f"bytes; peak {d['peak_before']} -> {d['peak_after']}")
+        assert tier3 and not d["unattainable"] and d["peak_after"] <= budget
+        rep = res["report"]
+        for g in rep["graphs"]:   # measured with the plan
+            for s in g["slots"]:
+                assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+        assert rep["offload"]["offloaded_master_bytes"] == d["offloaded_master_bytes"] > 0
     loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
     param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])
     assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)

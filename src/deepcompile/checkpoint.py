@@ -207,6 +207,9 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
     sd: dict[str, Any] = {}
     for e in engine._registry:
         local = _host(e.shard[: _valid(e, rank)])
+        if e.lowp is not None and local.untyped_storage().data_ptr() == \
+                e.shard.untyped_storage().data_ptr():   # a master about to leave (tier 3)
+            local = local.clone()
         sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
     if rank == 0:
         for name, b in _persistent_buffers(engine.module).items():
@@ -329,7 +332,8 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
     tmp = root / f"{TMP_PREFIX}{version}"
     error, sd, optim = None, None, None
     try:
-        sd, optim = _collect(engine, st.mesh)
+        with engine._offload.masters_home():   # [Note: masters on the host]: read them
+            sd, optim = _collect(engine, st.mesh)
         if comm.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             if root.exists() and not root.is_dir():
@@ -557,6 +561,7 @@ def load(engine, path: str | os.PathLike) -> Any:
     except _dcp_errors() as e:  # reported the same on every rank below
         error = f"load_checkpoint: {version} is damaged: reading it failed ({_describe(e)})"
     _agree(comm, error)
-    _apply(engine, state, targets)   # nothing was changed before every rank had read everything
+    with engine._offload.masters_home():   # written, then their device copies made anew
+        _apply(engine, state, targets)   # nothing was changed before every rank had read everything
     comm.all_gather_object(None)
     return client

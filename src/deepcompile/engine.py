@@ -459,11 +459,12 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter fqn: full tensor on CPU} in master dtype, gathered; same on every rank."""
         out: dict[str, torch.Tensor] = {}
-        for entry in self._registry:
-            full = self._comm.all_gather(entry.shard.detach())[: entry.numel]
-            full = full.view(entry.shape).to("cpu", copy=True)
-            for name in entry.names:
-                out[name] = full
+        with self._offload.masters_home():   # [Note: masters on the host] in runtime/offload.py
+            for entry in self._registry:
+                full = self._comm.all_gather(entry.shard.detach())[: entry.numel]
+                full = full.view(entry.shape).to("cpu", copy=True)
+                for name in entry.names:
+                    out[name] = full
         return out
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, *,

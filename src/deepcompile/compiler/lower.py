@@ -143,6 +143,7 @@ class _Lowering:
         self.origin = ""
         self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
         self.to_host: set[fx.Node] = set()           # gradients sent to the host: None outputs
+        self.copies: dict[int, fx.Node] = {}         # pid -> its tier-3 copy's extra input
 
     # -- building blocks ------------------------------------------------------------------------
     def op(self, target, *args, **kwargs) -> fx.Node:
@@ -167,16 +168,33 @@ class _Lowering:
         return fx.graph.map_arg(node, self.env.__getitem__)
 
     # -- gathers --------------------------------------------------------------------------------
+    def source(self, shard: fx.Node, e: ParamEntry) -> fx.Node:
+        """What a gather of `e` reads: its shard, or while its master is on the host (offload
+        tier 3) the shard's device copy in the compute dtype, a fixed extra input ([Note:
+        masters on the host] in runtime/offload.py)."""
+        if e.lowp is None:
+            return self.env[shard]
+        ph = self.copies.get(e.pid)
+        if ph is None:
+            ph = self.copies[e.pid] = self.extra_input(f"lowp_{e.pid}")
+            self.fixed.append((ph, e.lowp))
+        return ph
+
+    @staticmethod
+    def have(e: ParamEntry) -> torch.dtype:
+        """The dtype of what `source` gives for `e`."""
+        return e.shard.dtype if e.lowp is None else e.lowp.dtype
+
     def shard_full(self, shard: fx.Node, e: ParamEntry, dtype: torch.dtype) -> fx.Node:
         """W == 1: the parameter from its shard, no collective (a view when the dtypes agree)."""
-        flat = self.cast(shard, e.shard.dtype, dtype)
+        flat = self.cast(shard, self.have(e), dtype)
         if e.padded_numel != e.numel:
             flat = self.op(aten.slice.Tensor, flat, 0, 0, e.numel)
         return self.op(aten.view.default, flat, list(e.shape))
 
     def gather_launch(self, shards: list[fx.Node], entries: list[ParamEntry],
                       dtype: torch.dtype) -> fx.Node:
-        flats = [self.cast(s, e.shard.dtype, dtype) for s, e in zip(shards, entries)]
+        flats = [self.cast(s, self.have(e), dtype) for s, e in zip(shards, entries)]
         src = flats[0] if len(flats) == 1 else self.op(aten.cat.default, flats)
         total = sum(e.shard.numel() for e in entries)
         self.count("all_gather", total * self.world * dtype.itemsize)
@@ -205,7 +223,7 @@ class _Lowering:
     def gather_sync(self, node: fx.Node) -> fx.Node:
         shard, pid, _shape, dtype = node.args
         e = lookup(int(pid))
-        s = self.env[shard]
+        s = self.source(shard, e)
         if self.world == 1:
             return self.shard_full(s, e, dtype)
         return self.gather_split(self.op(_WAIT, self.gather_launch([s], [e], dtype)), [e])[0]
@@ -213,7 +231,7 @@ class _Lowering:
     def gather_start(self, node: fx.Node) -> None:
         shards, pids, dtype = node.args
         entries = [lookup(int(p)) for p in pids]
-        vals = [self.env[s] for s in shards]
+        vals = [self.source(s, e) for s, e in zip(shards, entries)]
         if self.world == 1:
             self.pending[node] = {"local": vals, "entries": entries, "dtype": dtype}
         else:
@@ -235,8 +253,12 @@ class _Lowering:
         entries = [lookup(int(p)) for p in pids]
         shards = []
         for e in entries:
-            ph = self.extra_input(f"next_{e.pid}")
-            self.fixed.append((ph, e.shard))
+            if e.lowp is None:
+                ph = self.extra_input(f"next_{e.pid}")
+                self.fixed.append((ph, e.shard))
+            else:   # a tier-3 shard's copy (runtime memory, as `source`'s)
+                ph = self.extra_input(f"lowp_next_{e.pid}")
+                self.fixed.append((ph, e.lowp))
             shards.append(ph)
         buffer = self.gather_launch(shards, entries, dtype)
         self.outputs_extra.append(buffer)
@@ -255,7 +277,7 @@ class _Lowering:
     def gather_from_prev(self, node: fx.Node) -> list[fx.Node]:
         shards, pids, dtype = node.args
         entries = [lookup(int(p)) for p in pids]
-        vals = [self.env[s] for s in shards]
+        vals = [self.source(s, e) for s, e in zip(shards, entries)]
         if self.world == 1:
             return [self.shard_full(s, e, dtype) for s, e in zip(vals, entries)]
         positions = [self.arg_index[s] for s in shards]   # the shards B is called with
@@ -267,6 +289,9 @@ class _Lowering:
     def kept(self, node: fx.Node) -> fx.Node:
         shard, pid, _shape, _dtype = node.args
         e = lookup(int(pid))
+        if e.lowp is not None:   # its refresh would read a released master
+            raise RuntimeError(f"deepcompile lower: {e.name} is kept gathered and its master is "
+                               "on the host (offload tier 3): the plans disagree")
         ph = self.extra_input(f"kept_{e.pid}")
         if shard in self.arg_index:
             self.by_kept.append((ph, self.arg_index[shard]))
@@ -513,7 +538,7 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True) -> Lowered:
         [ph for ph, _ in lw.by_acc] + [p[0] for p in lw.parked]
     accs = {id(ph) for ph in lw.acc_fixed} | {id(ph) for ph, _ in lw.by_acc}
     held = accs | {id(ph) for ph, _ in lw.by_kept} | \
-        {id(ph) for ph, t in lw.fixed if ph.name.startswith("rt_kept")}
+        {id(ph) for ph, t in lw.fixed if ph.name.startswith(("rt_kept", "rt_lowp"))}
     acc_positions = tuple(i for i, ph in enumerate(order) if id(ph) in accs)
     uncounted = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in held)
     parked_ids = {id(p[0]) for p in lw.parked}
@@ -526,8 +551,9 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True) -> Lowered:
 
 def _fallback_gather(entries: list[ParamEntry], dtype: torch.dtype):
     """A gather of `shards` (B's own) in the layout of the parked buffer, done now."""
-    def gather(shards) -> torch.Tensor:
-        flat = [s.detach().to(dtype) for s in shards]
+    def gather(shards) -> torch.Tensor:   # a tier-3 shard's own storage is released: its copy
+        flat = [(s if e.lowp is None else e.lowp).detach().to(dtype)
+                for s, e in zip(shards, entries)]
         src = flat[0] if len(flat) == 1 else torch.cat(flat)
         return entries[0].comm.all_gather(src)
     return gather

@@ -285,6 +285,10 @@ class Pipeline:
                 watch.record(args)
                 for listener in self.on_drift:
                     listener(f"graph {slot.key} called with sizes beyond its profiles")
+        if slot.epoch != rt.epoch:   # [Note: masters on the host] in runtime/offload.py
+            slot.lowered.clear()
+            slot.compiled.clear()
+            slot.epoch = rt.epoch
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step

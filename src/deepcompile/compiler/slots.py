@@ -50,6 +50,7 @@ class GraphSlot:
         self.lowered: dict[tuple[bool, int], "Lowered"] = {}
         self.compiled: dict[tuple[bool, int, bool], Callable] = {}
         self.variants: bool | None = None  # accumulates gradients locally (None: not known yet)
+        self.epoch = 0                     # the runtime's epoch its lowered code was made in
         self.calls = 0
         # wall time of recent unprofiled runs (compiles excluded), to check profiles against
         self.run_s: collections.deque[float] = collections.deque(maxlen=64)

@@ -40,7 +40,16 @@ The plan:
   longest) until the curve — less each taken gradient once its copy out ends (the copies
   queued one after another from the node that makes each: `_all_state_off`) — and the step
   fit. A `grad_to_host` op goes right after each of their gradients;
-* a budget that even all state and all gradients off the device does not meet is
+* when that is not enough either, the masters of chunks go too (tier 3, [Note: masters on the
+  host] in runtime/offload.py), of chunks whose gradients go, in chunk order, until the curve
+  and the step fit: each saves its master's bytes less the copy in the compute dtype the device
+  keeps for the gathers (only with a narrower compute dtype, at ZeRO-3, and not for a chunk with
+  a parameter kept gathered, accumulated locally, or in a reused graph); the step streams the
+  master in with the chunk's state and gradient. The issue's order was moments, then masters,
+  then gradients; per byte crossing PCIe each step gradients free more (a tier-2 gradient frees
+  4 bytes per parameter for 4 out and 4 in; a master under bf16 frees 2 for 4 out and 4 in), so
+  they go first (docs/notes/issue-16.md);
+* a budget that even all state, gradients and masters off the device does not meet is
   unattainable: the plan says so with the figures and changes nothing.
 
 Re-planning: a re-plan runs the pass again on the graphs as compiled ([Note: a re-plan starts
@@ -104,6 +113,18 @@ class GradItem:
     again: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class MasterItem:
+    """One chunk's master shards, which tier 3 keeps on the host."""
+    chunk: int
+    nbytes: int            # what the device saves: the master less its compute-dtype copy
+    master_bytes: int      # the master as the device counts it (the step streams it in)
+    label: str = ""
+    # per point, where the saving differs from point to point (the CPU model: `master_items`);
+    # None: `nbytes` at every point
+    per_point: list[int] | None = None
+
+
 def select(items: list[Item], need: int) -> list[Item] | None:
     """Items whose bytes add up to at least `need`, with little more: the largest ones that
     stay within `need`, then the smallest one left that covers the rest, then, largest first,
@@ -141,13 +162,15 @@ def staging_bytes(streamed: list[Item]) -> int:
 
 def plan_step(points: list[Point], items: list[Item], step_base: int,
               copy_s: Callable[[int], float], budget: float,
-              grads: list[GradItem] | None = None) -> dict[str, Any]:
+              grads: list[GradItem] | None = None,
+              masters: list[MasterItem] | None = None) -> dict[str, Any]:
     """The offload plan of one optimizer step; pure (unit-tested on synthetic curves).
 
     `points`: the graphs' curve with every item on the device; `step_base`: the device's bytes
     during the step with no item on it (masters, gradients, the fold's flat gradient, what is
     not this engine's); `grads`: the chunks whose gradients may go to the host if the state
-    alone is not enough (tier 2)."""
+    alone is not enough (tier 2); `masters`: the chunks whose masters may go too, if that is not
+    enough either (tier 3)."""
     n = len(points)
     live = [p.live_bytes for p in points]
     state = sum(i.nbytes for i in items)
@@ -163,19 +186,25 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         "offloaded_bytes": 0, "chunks": [], "reloads": [],
         "predicted_copy_s": 0.0, "predicted_hidden_s": 0.0, "predicted_exposed_s": 0.0,
         "predicted_streamed_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
-        "curve": live, "offloaded_grad_bytes": 0, "predicted_grad_copy_s": 0.0}
+        "curve": live, "offloaded_grad_bytes": 0, "predicted_grad_copy_s": 0.0,
+        "offloaded_master_bytes": 0}
     ends = list(itertools.accumulate(p.time_s for p in points))
     queue = (ends, copy_s)   # [Note: gradients on the host]'s copies out, one after another
-    # the lowest peaks this pass can reach: all state off; all state and all gradients off
-    for key, chosen in (("lowest_state_peak_bytes", []), ("lowest_peak_bytes", grads or [])):
-        curve, step = _all_state_off(live, items, chosen, step_base, queue)
+    # the lowest peaks this pass can reach: all state off; all state and all gradients (and
+    # the masters that may go) off
+    grads = grads or []
+    with_grads = {g.chunk for g in grads}
+    masters = [m for m in masters or [] if m.chunk in with_grads]
+    for key, chosen, gone in (("lowest_state_peak_bytes", [], []),
+                              ("lowest_peak_bytes", grads, masters)):
+        curve, step = _all_state_off(live, items, chosen, step_base, queue, gone)
         out[key] = max(curve + [step])
     if peak_before <= budget:
         return out
     # the step with nothing resident needs room for the streamed chunks
     if step_base + staging_bytes(items) > budget:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, queue, budget)
+            return _with_grads(out, live, items, grads, step_base, queue, budget, masters)
         return {**out, "unattainable": True,
                 "reason": f"the optimizer step needs {step_base} bytes with no optimizer state "
                           f"on the device, plus {staging_bytes(items)} to stream the state "
@@ -189,7 +218,7 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         chosen = select(items, sum(i.nbytes for i in chosen) + step_need)
     if chosen is None:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, queue, budget)
+            return _with_grads(out, live, items, grads, step_base, queue, budget, masters)
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) is not enough: the "
                           f"curve exceeds the budget by {need} bytes"}
@@ -267,9 +296,10 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
 
 def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: list[GradItem],
                 step_base: int, queue: tuple[list[float], Callable[[int], float]],
-                budget: float) -> dict[str, Any]:
+                budget: float, masters: list[MasterItem] = ()) -> dict[str, Any]:
     """Tier 2: every chunk's state streamed through the step, and the gradients of as many
-    chunks as the curve and the step need, earliest complete first."""
+    chunks as the curve and the step need, earliest complete first; tier 3: with all of them
+    off, the masters of as many of those chunks as still needed, in chunk order."""
     state = sum(i.nbytes for i in items)
     state_of = {i.chunk: i.nbytes for i in items}
     copy_s = queue[1]
@@ -281,28 +311,40 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
             break
         chosen.append(g)
         curve, step = _all_state_off(live, items, chosen, step_base, queue)
+    gone: list[MasterItem] = []
+    for m in sorted(masters, key=lambda m: m.chunk):
+        if max(curve + [step]) <= budget:
+            break
+        gone.append(m)
+        curve, step = _all_state_off(live, items, chosen, step_base, queue, gone)
     if max(curve + [step]) > budget:
         return {**out, "unattainable": True,
-                "reason": f"offloading all optimizer state ({state} bytes) and all gradients "
-                          f"({sum(g.nbytes for g in grads)} bytes) is not enough: the peak stays "
-                          f"at {max(curve + [step])} bytes"}
+                "reason": f"offloading all optimizer state ({state} bytes), all gradients "
+                          f"({sum(g.nbytes for g in grads)} bytes) and the masters that may go "
+                          f"(saving {sum(m.nbytes for m in masters)} bytes) is not enough: the "
+                          f"peak stays at {max(curve + [step])} bytes"}
     tier = {g.chunk: g for g in chosen}
-    chunks = [{"chunk": c, "tier": offload.GRADS if c in tier else offload.STATE,
+    master = {m.chunk: m for m in gone}
+    chunks = [{"chunk": c, "tier": offload.MASTERS if c in master else
+               offload.GRADS if c in tier else offload.STATE,
                "bytes": state_of.get(c, 0), "grad_bytes": tier[c].nbytes if c in tier else 0,
+               "master_bytes": master[c].nbytes if c in master else 0,
                "label": tier[c].label if c in tier else next(
                    (i.label for i in items if i.chunk == c), ""), "streamed": True}
               for c in sorted(set(state_of) | set(tier))]
     return {**out, "offloaded_bytes": state, "chunks": chunks, "reloads": [],
             "offloaded_grad_bytes": sum(g.nbytes for g in chosen),
+            "offloaded_master_bytes": sum(m.nbytes for m in gone),
             "predicted_streamed_s": sum(2 * copy_s(i.nbytes) for i in items)
-            + sum(copy_s(g.flat_bytes) for g in chosen),
+            + sum(copy_s(g.flat_bytes) for g in chosen)
+            + sum(2 * copy_s(m.master_bytes) for m in gone),
             "predicted_grad_copy_s": sum(copy_s(g.nbytes) for g in chosen),
             "peak_after": max(curve + [step]), "curve": curve}
 
 
 def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
-                   step_base: int, queue: tuple[list[float], Callable[[int], float]]
-                   ) -> tuple[list[int], int]:
+                   step_base: int, queue: tuple[list[float], Callable[[int], float]],
+                   masters: list[MasterItem] = ()) -> tuple[list[int], int]:
     """The curve and the step peak with every chunk's state streamed through the step and the
     gradients of `chosen` on the host. A gradient's copy out starts when the node that makes it
     ends, or when the copy before it is done (one copy stream, in the order they are made), and
@@ -310,7 +352,8 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
     times and the cost model's copy time): on a GPU the backward can make gradients faster
     than PCIe takes them away. A later gradient of the same shard (`GradItem.again`) is a round
     trip: from its node on the device holds the sum (the profile, the accumulated gradient:
-    no saving) until its copy out ends."""
+    no saving) until its copy out ends. The masters of `masters` are off the device for the
+    whole step but while the step streams them (their copies stay)."""
     n = len(live)
     ends, copy_s = queue
     drop = [0] * (n + 1)
@@ -326,15 +369,20 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
             drop[at + 1] -= nbytes
         drop[min(k + 1, n)] += nbytes
     state = sum(i.nbytes for i in items)
+    away = sum(m.nbytes for m in masters)   # at the step
+    each = [m.per_point for m in masters if m.per_point is not None]
+    flat_away = sum(m.nbytes for m in masters if m.per_point is None)
     curve, saved = [], 0
     for j in range(n):
         saved += drop[j]
-        curve.append(live[j] - state - saved)
+        curve.append(live[j] - state - saved - flat_away - sum(p[j] for p in each))
     state_of = {i.chunk: i.nbytes for i in items}
     flat = {g.chunk: g.flat_bytes for g in chosen}
-    staging = sorted((state_of.get(c, 0) + flat.get(c, 0)
+    master = {m.chunk: m.master_bytes for m in masters}
+    staging = sorted((state_of.get(c, 0) + flat.get(c, 0) + master.get(c, 0)
                       for c in set(state_of) | set(flat)), reverse=True)
-    step = step_base - sum(g.nbytes for g in chosen) + sum(staging[:offload.LOOKAHEAD + 1])
+    # the masters leave and their copies stay: the device saves `nbytes` of each
+    step = step_base - sum(g.nbytes for g in chosen) - away + sum(staging[:offload.LOOKAHEAD + 1])
     return curve, step
 
 
@@ -411,6 +459,55 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
     return points
 
 
+def master_items(ctx: PassContext, points: list[Point]) -> list[MasterItem]:
+    """Per chunk whose master may live on the host ([Note: masters on the host] in
+    runtime/offload.py): what that saves the device. Not a chunk with a parameter kept gathered
+    or accumulated locally (`selective_unshard`: their refresh and tables read the shard), or
+    whose graph Dynamo reuses (the gathers read the copy as a fixed input).
+
+    On CUDA every master is on the device all the time ([Note: the device's memory model]): the
+    saving is the same at every point. The CPU model counts a shard only in the graphs that
+    take it as an input (`compiler/profiler.py`), and the copy at every point (a runtime
+    buffer): there the saving at a point is the chunk's shards that its graph takes, less the
+    copy, and may be negative."""
+    store = ctx.runtime.offload
+    held = {e.pid for e in ctx.runtime.kept.entries}
+    reused = {pid for pair in ctx.registry.reuses for pid in pair}
+    cpu = store.device.type != "cuda"
+    inputs = {key: _shard_inputs(slot.gm.graph) for key, slot in ctx.slots.items()} if cpu else {}
+    out = []
+    for s in store.slots:
+        c = s.chunk
+        saving = store.master_saving(s)
+        if not saving or any(e.pid in held or e.pid in reused or ctx.runtime.accum.accumulates(e)
+                             for e in c.entries):
+            continue
+        per_point = None
+        if cpu:
+            copy = c.numel * c.entries[0].compute_dtype.itemsize
+            shard = {e.pid: e.shard.numel() * e.shard.element_size() for e in c.entries}
+            by_slot = {key: sum(n for pid, n in shard.items() if pid in pids)
+                       for key, pids in inputs.items()}
+            per_point = [by_slot.get(p.slot, 0) - copy for p in points]
+        out.append(MasterItem(c.index, saving, offload.device_bytes(c.nbytes, store.device),
+                              c.entries[0].name, per_point))
+    return out
+
+
+def _shard_inputs(graph: fx.Graph) -> set[int]:
+    """The parameters whose shard the graph takes as an input: what its gathers (and a
+    prefetch for the next graph) read."""
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in (ops.ALLGATHER, ops.KEPT_PARAM):
+            out.add(int(n.args[1]))
+        elif n.target in (ops.ALLGATHER_START, ops.ALLGATHER_FROM_PREV, ops.ALLGATHER_FOR_NEXT):
+            out.update(int(p) for p in n.args[1])
+    return out
+
+
 def items_of(store) -> list[Item]:
     return [Item(s.chunk.index, store.state_bytes(s), s.chunk.entries[0].name)
             for s in store.slots if store.state_bytes(s) > 0]
@@ -423,7 +520,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     offset = store.profile_offset()
     points = timeline(ctx, offset)
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
-                         ctx.memory_budget, grad_items(ctx, points))
+                         ctx.memory_budget, grad_items(ctx, points),
+                         master_items(ctx, points))
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:
@@ -503,6 +601,11 @@ def summary(d: dict[str, Any]) -> list[str]:
              f"{_mib(d['offloaded_grad_bytes'])}: each sent to the host where the backward makes "
              f"it (predicted {d['predicted_grad_copy_s'] * 1e3:.3f} ms of copies), streamed back "
              "at the step"] if with_grads else []
+    with_masters = [c for c in d["chunks"] if c.get("master_bytes")]
+    if with_masters:
+        grads.append(f"masters of {len(with_masters)} chunks on the host too, saving "
+                     f"{_mib(d['offloaded_master_bytes'])} (the gathers read copies in the "
+                     "compute dtype; the step streams each master in and out)")
     return [
         f"optimizer state of {len(d['chunks'])} chunks off the device, "
         f"{_mib(d['offloaded_bytes'])} of {_mib(d['state_bytes'])} (excess over budget "

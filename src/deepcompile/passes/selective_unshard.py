@@ -229,8 +229,11 @@ def predict_counts(colls: list[Collective], keep: set[int], accumulate: set[int]
 
 def candidate(e, world_size: int) -> bool:
     """Whether keeping `e` gathered can save anything: a ZeRO-3 parameter, and at world size 1
-    only one whose gather casts its shard (a compute dtype other than the master's)."""
-    return e.zero_stage == 3 and (world_size > 1 or e.compute_dtype != e.shard.dtype)
+    only one whose gather casts its shard (a compute dtype other than the master's). Not one
+    whose master is on the host (offload tier 3): its refresh after the step would read the
+    master after it left."""
+    return e.zero_stage == 3 and (world_size > 1 or e.compute_dtype != e.shard.dtype) \
+        and e.lowp is None
 
 
 def plan(ctx: PassContext) -> dict[str, Any]:

@@ -10,7 +10,9 @@ says what of it lives on the host between optimizer steps:
      the plan says) or, if no graph brought it back, streamed in during the step itself;
   2  its optimizer state and its gradients: each shard gradient leaves the device where the
      backward graph produces it (`grad_to_host` ops, [Note: gradients on the host]), and the
-     step streams the chunk's gradient in with its state.
+     step streams the chunk's gradient in with its state;
+  3  its optimizer state, its gradients and its master shards ([Note: masters on the host]):
+     the device keeps a copy of the shards in the compute dtype, which the gathers read.
 
 The optimizer step runs on the device, chunk by chunk where it must (`run_step`): the chunks
 whose state is on the device step in one inner-optimizer call; each remaining chunk's state is
@@ -69,6 +71,25 @@ into `shard.grad` (`_grads_back`). A re-plan profiles the graphs as compiled, wi
 as it is made, where autograd keeps it to the graph's end, and the re-plan would plan from a
 step lighter than its own.
 
+[Note: masters on the host] A tier-3 chunk's master (its flat parameter, of which the shards
+are views) lives on the host between optimizer steps, in a pinned buffer (`Slot.host_master`).
+What the device keeps is a copy of it in the compute dtype (`Slot.lowp`; each registry entry's
+`lowp` is its slice), made from the master after each step: the gathers read that copy instead
+of the shard ([Note: runtime inputs] in compiler/lower.py: a fixed extra input, which is why a
+chunk with a parameter whose graph Dynamo reuses stays below tier 3, as for tier 2), and so
+does the eager fallback (`ParamEntry.gather` reads `lowp` where the shard's storage is
+released). The device saves the master's bytes less the copy's: only where the compute dtype
+is narrower (bf16 or fp16 under fp32 masters), and only at ZeRO-3 (ZeRO-1/2 keep a full
+replica anyway). At the step the master streams in with the state and the gradient, steps,
+goes back out, and the copy is refreshed from it (`_master_out`); the master's storage is then
+released (its shards' data pointers change at every step: no table may key a tier-3 shard by
+its pointer — kept parameters and gradient accumulators stay off tier 3). Graphs lowered
+before the copies appeared (or vanished) read the wrong tensor: every change of the set of
+copies bumps `EngineRuntime.epoch`, and the pipeline drops its lowered and compiled code of an
+older epoch. Whatever reads or writes master values outside the graphs and the step (a
+checkpoint, `full_state_dict`, a load) runs inside `masters_home()`, which brings them back and,
+after it, refreshes the copies and sends them out again.
+
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
 offloaded chunk would have no storage between steps, and reading a view of a released storage
 crashes the process (a segfault on the CPU, an illegal memory access on CUDA). So while a chunk
@@ -82,6 +103,7 @@ resident state, then the planned chunks are offloaded again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Iterable
@@ -94,8 +116,9 @@ from . import ops
 from .flat import Chunk, FlatState, _grad_of, _is_not_none
 from .registry import lookup
 
-RESIDENT, STATE, GRADS = 0, 1, 2
-TIER_NAMES = {RESIDENT: "resident", STATE: "state", GRADS: "state+grads"}
+RESIDENT, STATE, GRADS, MASTERS = 0, 1, 2, 3
+TIER_NAMES = {RESIDENT: "resident", STATE: "state", GRADS: "state+grads",
+              MASTERS: "state+grads+masters"}
 LOOKAHEAD = 1      # offloaded chunks whose copy in runs while the step works on another
 
 
@@ -123,6 +146,11 @@ class Slot:
     sumsq: torch.Tensor | None = None   # device, per shard: squared norm of its window gradient
     # the facade's per-shard state dicts: on the device (views), off it (meta): `_show`
     faces: tuple[list[dict], list[dict]] | None = dataclasses.field(default=None, repr=False)
+    # tier 3 ([Note: masters on the host]): the master on the host, its copy on the device
+    host_master: torch.Tensor | None = None
+    master_saved: object = None      # event: the copy of the master to the host done
+    master_off: bool = False         # the master's device storage is released
+    lowp: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     def tensors(self, optimizer) -> dict[str, torch.Tensor]:
         return self.chunk.state_tensors(optimizer)
@@ -335,6 +363,10 @@ class Offloader:
         """The chunk's gradients go to the host (tier 2; never while provisional)."""
         return not self.provisional and self.tiers[slot.chunk.index] >= GRADS
 
+    def master_tier(self, slot: Slot) -> bool:
+        """The chunk's master lives on the host (tier 3; never while provisional)."""
+        return not self.provisional and self.tiers[slot.chunk.index] >= MASTERS
+
     def sends_grad(self, pid: int) -> bool:
         """Parameter `pid`'s gradient goes to the host (its chunk is at tier 2)."""
         where = self._where.get(pid)
@@ -346,8 +378,15 @@ class Offloader:
 
     def set_plan(self, tiers: dict[int, int], budget: float = float("inf")) -> None:
         """Chunk index -> tier (missing: resident). Brings everything back first."""
+        for i, t in tiers.items():
+            if t >= MASTERS and not self.master_saving(self.slots[i]):
+                raise ValueError(f"deepcompile offload: chunk {i} "
+                                 f"({self.slots[i].chunk.entries[0].name}, ...) cannot keep its "
+                                 "master on the host (tier 3 needs ZeRO-3 and a compute dtype "
+                                 "narrower than the master's)")
         self.reload_all(count=False)
         self._reloaded()
+        self._masters_back()
         for s in self.slots:
             if tiers.get(s.chunk.index, RESIDENT) < GRADS:
                 self._grads_back(s)
@@ -360,6 +399,7 @@ class Offloader:
         """Back to the provisional placement now (a re-plan is coming: the step changed under
         the plan): every chunk's state leaves the device, and reload ops do nothing."""
         self._reloaded()
+        self._masters_back()
         for s in self.slots:
             self._grads_back(s)
         self.provisional = True
@@ -463,7 +503,23 @@ class Offloader:
             total += c.grad.untyped_storage().nbytes()
             total += sum(g.untyped_storage().nbytes() for sh in c.shards
                          if (g := sh.grad) is not None)
+            if s.lowp is not None:   # tier 3's copy (the masters are graph inputs)
+                total += s.lowp.untyped_storage().nbytes()
         return total
+
+    def master_saving(self, slot: Slot) -> int:
+        """Device bytes the chunk's master on the host saves (its bytes less its copy's in the
+        compute dtype), 0 where it cannot go ([Note: masters on the host]): not ZeRO-3, a
+        compute dtype no narrower, or mixed compute dtypes in the chunk."""
+        c = slot.chunk
+        dtypes = {e.compute_dtype for e in c.entries}
+        if len(dtypes) != 1 or any(e.zero_stage != 3 for e in c.entries):
+            return 0
+        low = dtypes.pop().itemsize
+        if low >= c.param.element_size():
+            return 0
+        return (device_bytes(c.nbytes, self.device)
+                - device_bytes(c.numel * low, self.device))
 
     # -- moving ------------------------------------------------------------------------------
     def _offload(self, slot: Slot) -> None:
@@ -535,6 +591,83 @@ class Offloader:
             ev = self._reload(s)
             if ev is not None:
                 self._pending.append(ev)
+
+    # -- masters on the host ([Note: masters on the host]) ---------------------------------------
+    @torch.no_grad()
+    def _master_out(self, slot: Slot) -> None:
+        """The chunk's master to the host; its device copy in the compute dtype made from it;
+        its device storage released."""
+        if slot.master_off:
+            return
+        c = slot.chunk
+        master = c.param.detach()
+        if slot.lowp is None:
+            slot.lowp = torch.empty(c.numel, dtype=c.entries[0].compute_dtype,
+                                    device=self.device)
+            for e, off in zip(c.entries, c.offsets):
+                e.lowp = slot.lowp[off:off + e.shard.numel()]
+            self._copies_changed()
+        if slot.host_master is None:
+            slot.host_master = self._copier.host_buffer(master)
+        slot.lowp.copy_(master)
+        slot.master_saved = self._copier.to_host([(slot.host_master, master)])
+        master.untyped_storage().resize_(0)
+        slot.master_off = True
+        self._counts["master_d2h_bytes"] += c.nbytes
+        self._storages_moved()
+
+    def _master_in(self, slot: Slot) -> object:
+        """Start copying the chunk's master back into fresh device storage; the event."""
+        if not slot.master_off:
+            return None
+        c = slot.chunk
+        master = c.param.detach()
+        master.untyped_storage().resize_(c.nbytes)
+        event = self._copier.to_device([(master, slot.host_master)], after=slot.master_saved)
+        slot.master_off = False
+        self._counts["master_h2d_bytes"] += c.nbytes
+        self._storages_moved()
+        return event
+
+    def _masters_back(self) -> None:
+        """Every master on the device again and no copies (a new plan, a re-plan coming)."""
+        self._copier.wait([self._master_in(s) for s in self.slots])
+        dropped = False
+        for s in self.slots:
+            if s.lowp is not None:
+                s.lowp = None
+                for e in s.chunk.entries:
+                    e.lowp = None
+                dropped = True
+        if dropped:
+            self._copies_changed()
+
+    @contextlib.contextmanager
+    def masters_home(self):
+        """The masters of tier-3 chunks on the device for the duration (what reads or writes
+        the shards outside the graphs and the step: a checkpoint, a load); after it their copies
+        are made again from them (a load changed them) and they leave again."""
+        away = [s for s in self.slots if s.master_off]
+        self._copier.wait([self._master_in(s) for s in away])
+        try:
+            yield
+        finally:
+            for s in away:
+                if self.master_tier(s):
+                    self._master_out(s)
+
+    def _copies_changed(self) -> None:
+        """Graphs read a tier-3 shard's copy instead of the shard: lowered code from before a
+        copy appeared or went is stale ([Note: masters on the host])."""
+        if self.runtime is not None:
+            self.runtime.epoch += 1
+
+    def _storages_moved(self) -> None:
+        """A master's storage was released or allocated anew: the flat storages the CPU
+        memory model splits by view are the allocated ones (compiler/profiler.py)."""
+        if self.runtime is not None:
+            self.runtime.flat_storages = frozenset(
+                p for s in self.slots if (p := s.chunk.param.untyped_storage().data_ptr()))
 
     # -- gradients on the host ([Note: gradients on the host]) -----------------------------------
     @torch.no_grad()
@@ -644,6 +777,8 @@ class Offloader:
                     self._grad_ready(s)
                 flat.step([s.chunk])
                 self._offload(s)
+                if self.master_tier(s):
+                    self._master_out(s)
                 if host_grad:
                     flat.release_grads([s.chunk])
                 j = i + LOOKAHEAD + 1
@@ -656,6 +791,8 @@ class Offloader:
         events = [self._reload(slot)]
         if self.grad_tier(slot):
             events.append(self._grad_in(slot))
+        if self.master_tier(slot):
+            events.append(self._master_in(slot))
         return events
 
     def after_step(self) -> None:
@@ -676,6 +813,8 @@ class Offloader:
             for s in self.slots:
                 if self.tier(s) >= STATE:
                     self._offload(s)
+                if self.master_tier(s):   # a plan just set (a skipped step streamed nothing)
+                    self._master_out(s)
             self.stats["steps"] += 1
             for k, v in self._counts.items():
                 self.stats[k] += v
@@ -685,7 +824,8 @@ class Offloader:
     @staticmethod
     def _zero_counts() -> dict[str, int]:
         return {"d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0, "streamed_at_step": 0,
-                "deferred_by_meter": 0, "grad_d2h_bytes": 0, "grad_h2d_bytes": 0}
+                "deferred_by_meter": 0, "grad_d2h_bytes": 0, "grad_h2d_bytes": 0,
+                "master_d2h_bytes": 0, "master_h2d_bytes": 0}
 
     def summary(self) -> dict:
         """What is offloaded and what moved: for the report."""
@@ -699,14 +839,17 @@ class Offloader:
                    "params": [e.name for e in s.chunk.entries][:3] + (
                        ["..."] if len(s.chunk.entries) > 3 else []),
                    "state_bytes": self.state_bytes(s), "offloaded": s.offloaded,
-                   "grad_bytes": self.grad_bytes(s) if self.tier(s) >= GRADS else 0}
+                   "grad_bytes": self.grad_bytes(s) if self.tier(s) >= GRADS else 0,
+                   "master_bytes": self.master_saving(s) if self.master_tier(s) else 0}
                   for s in self.slots if self.tier(s) > RESIDENT]
         return {
             "chunks": chunks,
             "offloaded_bytes": sum(c["state_bytes"] for c in chunks),
             "offloaded_grad_bytes": sum(c["grad_bytes"] for c in chunks),
+            "offloaded_master_bytes": sum(c["master_bytes"] for c in chunks),
             "host_buffer_bytes": sum(t.numel() * t.element_size() for s in self.slots
-                                     for t in [*s.host.values(), s.host_grad] if t is not None),
+                                     for t in [*s.host.values(), s.host_grad, s.host_master]
+                                     if t is not None),
             "pinned": self._copier.cuda,
             "last_step": self.last_step, "totals": dict(self.stats),
             "measured_copy_s": copy_s, "measured_exposed_s": exposed,

@@ -52,6 +52,10 @@ class ParamEntry:
     # ZeRO-1/2: the replicated parameter's detached alias (same memory), which compiled graphs
     # take in its place ([Note: gradients to shards] in compiler/replicated.py)
     replica: torch.Tensor | None = None
+    # offload tier 3 ([Note: masters on the host] in runtime/offload.py): while the master
+    # shard lives on the host, the device holds this copy of it in the compute dtype, and
+    # every gather reads it instead of `shard` (whose storage is released then)
+    lowp: torch.Tensor | None = None
 
     @property
     def padded_numel(self) -> int:
@@ -65,6 +69,8 @@ class ParamEntry:
         """The full parameter in compute dtype, in new memory owned by the caller (the
         reference implementation of a gather; compiled graphs run lowered collectives)."""
         src = (self.shard if shard is None else shard).detach()
+        if self.lowp is not None and src.untyped_storage().nbytes() == 0:
+            src = self.lowp   # the master is on the host (offload tier 3): its device copy
         if src.dtype != self.compute_dtype:
             src = src.to(self.compute_dtype)
         buffer = self.comm.all_gather(src)

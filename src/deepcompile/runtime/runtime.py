@@ -103,6 +103,9 @@ class EngineRuntime:
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
         self.flat_storages: frozenset[int] = frozenset()
+        # bumped when what the lowered graphs read changes: offload tier 3's copies of the
+        # shards ([Note: masters on the host] in runtime/offload.py)
+        self.epoch = 0
         self._warned_unused = False
         registry.bind(self)
 

@@ -1,0 +1,173 @@
+"""Masters on the host (offload tier 3, [Note: masters on the host] in runtime/offload.py),
+in-process at world size 1, bf16 compute under fp32 masters (a 2-rank run is in
+tests/test_offload.py):
+
+* the runtime alone (tiers set by hand): between steps every master's storage is released and
+  the device holds its bf16 copy; the graphs read the copies (fx and Inductor) and training is
+  bitwise the same as with the masters on the device, with gradient accumulation and clipping;
+* what reads or writes the masters outside the graphs brings them back for the time it needs:
+  `full_state_dict`, a checkpoint saved and loaded (the copies are made again from the loaded
+  masters), the eager implementation of a gather;
+* planned by the pass under a budget that all state and all gradients off the device do not
+  meet: masters of chunks on the host, the measured peak within the budget, training bitwise
+  the same;
+* a chunk whose master cannot save anything (fp32 compute) is refused tier 3.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _train import chunk_bytes
+
+CHUNK = 256
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh()]
+    for _ in range(6):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+def _engine(**config):
+    import deepcompile
+
+    config = {"compiler": "fx", "passes": (), "param_dtype": "bfloat16", **config}
+    with chunk_bytes(CHUNK):
+        return deepcompile.initialize(_model(), optimizer=ADAMW, config=config)
+
+
+def _train(engine, steps, gas=1, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        for micro in range(gas):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + micro))
+            loss = engine(x.bfloat16()).float().square().mean()
+            engine.backward(loss)
+            losses.append(loss.item())
+        engine.step()
+    return losses
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+def _all_masters_to_host(engine) -> None:
+    from deepcompile.runtime import offload
+
+    engine._offload.set_plan({c.index: offload.MASTERS for c in engine._flat.chunks})
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    return [k for k in b if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("compiler, gas, clip", [("fx", 1, None), ("fx", 2, 0.05),
+                                                 pytest.param("inductor", 2, None,
+                                                              marks=pytest.mark.inductor)])
+def test_masters_on_the_host_train_as_on_the_device(group, compiler, gas, clip):
+    plain = _engine(compiler=compiler, gradient_accumulation_steps=gas, max_grad_norm=clip)
+    want = _train(plain, 4, gas)
+    engine = _engine(compiler=compiler, gradient_accumulation_steps=gas, max_grad_norm=clip)
+    _all_masters_to_host(engine)
+    got = _train(engine, 4, gas)
+    assert got == want
+    store = engine._offload
+    chunks = engine._flat.chunks
+    # between steps: no master on the device, a bf16 copy of each; the gathers read the copies
+    assert all(c.param.untyped_storage().nbytes() == 0 for c in chunks)
+    for c in chunks:
+        for e, shard in zip(c.entries, c.shards):
+            assert e.lowp is not None and e.lowp.dtype == torch.bfloat16
+            assert e.lowp.numel() == shard.numel()
+    masters = sum(c.nbytes for c in chunks)
+    assert store.last_step["master_h2d_bytes"] == store.last_step["master_d2h_bytes"] == masters
+    assert store.summary()["offloaded_master_bytes"] == masters // 2   # fp32 less bf16
+    _close(engine, plain, clip)
+    # and back on the device: the graphs read the shards again
+    store.set_plan({})
+    assert all(e.lowp is None for c in chunks for e in c.entries)
+    _train(engine, 2, gas, start=4)
+    _train(plain, 2, gas, start=4)
+    _close(engine, plain, clip)
+
+
+def _close(engine, plain, clip) -> None:
+    got, want = _weights(engine), _weights(plain)
+    for k in want:   # clipping scales host gradients as they come back: within a rounding
+        assert (torch.equal(got[k], want[k]) if clip is None
+                else torch.allclose(got[k], want[k], rtol=0, atol=1e-6)), k
+
+
+def test_the_masters_are_read_and_written_outside_the_graphs_through_their_home(group, tmp_path):
+    """A checkpoint of an engine with its masters on the host holds the masters' values; loaded
+    into it after more training, the masters are the saved ones again and the device copies
+    the gathers read are made from them (the next step's loss is the saved run's)."""
+    from deepcompile.runtime import ops
+
+    plain = _engine()
+    _train(plain, 3)
+    engine = _engine()
+    _all_masters_to_host(engine)
+    _train(engine, 3)
+    assert not _same(_weights(engine), _weights(plain))
+    assert all(c.param.untyped_storage().nbytes() == 0 for c in engine._flat.chunks)
+    # the eager gather (ops' reference implementation, the eager fallback) reads the copy
+    e = engine._flat.chunks[0].entries[0]
+    full = ops.allgather_param(e.shard, e.pid, list(e.shape), torch.bfloat16)
+    assert torch.equal(full, plain.full_state_dict()[e.name].to(torch.bfloat16))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert all(c.param.untyped_storage().nbytes() == 0 for c in engine._flat.chunks)
+    after_save = _train(engine, 2, start=3)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert not _same(_weights(engine), _weights(plain))
+    assert all(c.param.untyped_storage().nbytes() == 0 for c in engine._flat.chunks)
+    assert _train(engine, 2, start=3) == after_save == _train(plain, 2, start=3)
+
+
+def test_a_chunk_whose_master_saves_nothing_is_refused(group):
+    from deepcompile.runtime import offload
+
+    engine = _engine(param_dtype=None)   # fp32 compute: the copy would be the master's size
+    assert engine._offload.master_saving(engine._offload.slots[0]) == 0
+    with pytest.raises(ValueError, match="cannot keep its master on the host"):
+        engine._offload.set_plan({0: offload.MASTERS})
+
+
+def _decisions(engine) -> dict:
+    rep = engine.report().to_dict()
+    return next(p for p in rep["passes"] if p["pass"] == "offload_optimizer")["decisions"]
+
+
+def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
+    from deepcompile.runtime import offload
+
+    plain = _engine(gradient_accumulation_steps=2)
+    _train(plain, 5, gas=2)
+    probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
+    _train(probe, 3, gas=2)
+    d = _decisions(probe)
+    # all state, all gradients and every master that may go off the device: below what the
+    # state and gradients alone reach
+    budget = d["lowest_peak_bytes"]
+    engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
+                     warmup_steps=1, memory_budget=budget, measure_steps=0)
+    _train(engine, 5, gas=2)
+    d = _decisions(engine)
+    tier3 = [c for c in d["chunks"] if c["tier"] == offload.MASTERS]
+    assert tier3 and not d["unattainable"] and d["peak_after"] <= budget, d
+    assert d["offloaded_master_bytes"] == sum(c["master_bytes"] for c in tier3) > 0
+    rep = engine.report().to_dict()
+    for g in rep["graphs"]:   # measured with the plan: within the budget
+        for s in g["slots"]:
+            assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+    assert rep["offload"]["offloaded_master_bytes"] == d["offloaded_master_bytes"]
+    assert any("masters of" in line for line in str(engine.report()).splitlines())
+    assert not _same(_weights(engine), _weights(plain))
