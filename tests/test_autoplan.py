@@ -84,7 +84,7 @@ def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak:
     store = types.SimpleNamespace(movable=lambda: list(movable), step_bytes=lambda: step_bytes)
     return PassContext(slots={"g0.fw": slot}, profiles={"g0.fw": prof}, order=["g0.fw"],
                        registry=[types.SimpleNamespace(zero_stage=3, compute_dtype=compute_dtype,
-                                                       shard=torch.zeros(2))
+                                                       shard=torch.zeros(2), lowp=None)
                                  for _ in range(zero_stage_gathers)],
                        runtime=types.SimpleNamespace(offload=store), cost=None,
                        memory_budget=budget, world_size=world, decisions={})

@@ -128,8 +128,7 @@ class Engine:
         # steps the chunks ([Note: flat layout] in runtime/flat.py)
         self._flat = FlatState(self.optimizer, self._registry.entries, self.device)
         self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
-        self._runtime.flat_storages = frozenset(c.param.untyped_storage().data_ptr()
-                                                for c in self._flat.chunks)
+        self._runtime.flat_masters = [c.param for c in self._flat.chunks]
         self._registry.reuse_listeners.append(self._check_reuse)
         self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
         self._runtime.offload = self._offload

@@ -131,6 +131,10 @@ class Plan:
     # through the step
     grads_off: list[GradOff] = dataclasses.field(default_factory=list)
     # tier 2: chunks whose shard gradients go to the host once the backward completes them
+    masters_off: dict[int, int] = dataclasses.field(default_factory=dict)
+    # tier 3 ([Note: masters on the host] in runtime/offload.py): chunk -> master bytes; the
+    # device keeps their copies in the compute dtype, and the step streams them
+    masters_saved: int = 0                   # the masters' bytes less their copies'
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- sizes ------------------------------------------------------------------------
@@ -145,7 +149,8 @@ class Plan:
         s = self.s
         extra = sum(s.full_bytes(s.model.params[p]) for p in self.kept)
         extra += sum(s.padded(s.model.params[p]) * MASTER_BYTES for p in self.accumulated)
-        return s.persistent_bytes() + extra + s.model.base_bytes - self.offloaded
+        return s.persistent_bytes() + extra + s.model.base_bytes - self.offloaded \
+            - self.masters_saved
 
     # -- the graph's items under this plan ---------------------------------------------
     def items(self, key: str, last: bool = True, m: int | None = None,
@@ -740,6 +745,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
     s = plan.s
     plan.offloaded = 0     # the curve with all state and gradients on the device
     plan.reloads, plan.streamed, plan.grads_off = [], {}, []
+    plan.masters_off, plan.masters_saved = {}, 0
     points = []
     done: dict[int, list[int]] = {}   # parameter -> the points after which its gradient is
     # complete, first (its first micro-step) and again (a later micro-step's, added to it)
@@ -766,21 +772,31 @@ def _offload(plan: Plan) -> dict[str, Any]:
         sorted((j, _grad_bytes(s, pid)) for pid in pids for j in done.get(pid, [])[1:]))
         for c, (pids, master, label) in enumerate(chunks)]
     step_base = (MASTER_BYTES + GRAD_SHARD_BYTES) * s.shard_elems()
+    # tier 3: at ZeRO-3 under a compute dtype narrower than the masters' (the runtime's
+    # `Offloader.master_saving`); on a GPU the saving holds at every point
+    masters = [offload_optimizer.MasterItem(c, master - master * s.csize // MASTER_BYTES, master,
+                                            label)
+               for c, (_, master, label) in enumerate(chunks)] \
+        if s.stage == 3 and s.csize < MASTER_BYTES else []
     d = offload_optimizer.plan_step(points, states, step_base, s.planner_cost.copy_s, s.budget,
-                                    grads=grads)
+                                    grads=grads, masters=masters)
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]), r["bytes"], r["predicted_s"]) for r in d["reloads"]]
         plan.streamed = {c["chunk"]: c["bytes"] for c in d["chunks"] if c["streamed"]}
         for c in d["chunks"]:
             g = grads[c["chunk"]]
-            if c["tier"] == offload.GRADS:
+            if c["tier"] >= offload.GRADS:
                 plan.grads_off.append(GradOff(g.chunk, chunks[g.chunk][0], g.nbytes,
                                               g.flat_bytes, g.label))
+            if c["tier"] == offload.MASTERS:
+                plan.masters_off[c["chunk"]] = chunks[c["chunk"]][1]
+                plan.masters_saved += c["master_bytes"]
     return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
                               "predicted_streamed_s", "peak_before", "peak_after",
                               "offloaded_grad_bytes", "predicted_grad_copy_s",
+                              "offloaded_master_bytes",
                               "lowest_state_peak_bytes", "lowest_peak_bytes")}
 
 
@@ -921,10 +937,13 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
                     events.append(Event("start", f"grads to host {g.label}",
                                         s.cost.copy_s(g.nbytes), host, cid[0], "d2h",
                                         it.live + back, label="offload"))
-    # a streamed chunk brings its state, and at tier 2 its flat gradient, onto the device
+    # a streamed chunk brings its state, at tier 2 its flat gradient, at tier 3 its master,
+    # onto the device
     staged = dict(pl.streamed)
     for g in pl.grads_off:
         staged[g.chunk] = staged.get(g.chunk, 0) + g.flat_bytes
+    for c, nb in pl.masters_off.items():
+        staged[c] = staged.get(c, 0) + nb
     staging = offload_optimizer.staging_bytes(
         [offload_optimizer.Item(c, b) for c, b in staged.items()])
     live = pl.persistent() - _grads_absent(pl, s.gas, life) + back + staging

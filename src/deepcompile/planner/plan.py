@@ -159,8 +159,8 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
               csize: int) -> dict[str, Any]:
     """Whether ZeRO-3 can run at all: its insertion-only peak (state shards + activations +
     the largest parameters gathered at once) within device memory, with all optimizer state on
-    the device, or with offload_optimizer's most off it: Adam's moments and the gradient shards
-    (tiers 1 and 2; the fp32 master shards stay)."""
+    the device, or with offload_optimizer's most off it: Adam's moments, the gradient shards
+    and, under a narrower compute dtype, the fp32 masters less their copies (tiers 1 to 3)."""
     world = args.world
     numel = model.numel
     act = max(n.live for n in model.fw.nodes + model.bw.nodes) + model.base_bytes
@@ -169,6 +169,8 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
     state = MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES
     need = state * math.ceil(numel / world) + fixed
     kept = state - ADAM_BYTES - GRAD_SHARD_BYTES   # per parameter with the most offloaded
+    if csize < MASTER_BYTES:
+        kept = csize                               # the masters' copies (tier 3)
     need_off = kept * math.ceil(numel / world) + fixed
     out = {"device_bytes": device_memory, "state_bytes_per_gpu": state * math.ceil(numel / world),
            "activation_peak_bytes": act, "largest_param_bytes": biggest,

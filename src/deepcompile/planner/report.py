@@ -106,6 +106,9 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
         grads = (f"; gradients on the host {gb(d['offloaded_grad_bytes'])} (copied out "
                  f"{d['predicted_grad_copy_s'] * 1e3:.1f} ms)"
                  if d.get("offloaded_grad_bytes") else "")
+        if d.get("offloaded_master_bytes"):
+            grads += (f"; masters on the host, saving {gb(d['offloaded_master_bytes'])} (copies "
+                      "in the compute dtype stay)")
         return (f"offloaded {gb(d['offloaded_bytes'])} of {gb(d['state_bytes'])}; copied back "
                 f"in the backward {d['predicted_copy_s'] * 1e3:.1f} ms (exposed "
                 f"{d['predicted_exposed_s'] * 1e3:.1f} ms), streamed through the step "

@@ -331,6 +331,12 @@ class Report:
                            f"{sum(1 for c in o['chunks'] if c.get('grad_bytes'))} chunks; last "
                            f"step sent {_mib(last.get('grad_d2h_bytes', 0))} MiB, brought "
                            f"{_mib(last.get('grad_h2d_bytes', 0))} MiB back")
+            if o.get("offloaded_master_bytes"):
+                out.append(f"masters on the host: {sum(1 for c in o['chunks'] if c.get('master_bytes'))} "
+                           f"chunks, saving {_mib(o['offloaded_master_bytes'])} MiB (the gathers "
+                           "read copies in the compute dtype); last step moved "
+                           f"{_mib(last.get('master_d2h_bytes', 0))} MiB to host and "
+                           f"{_mib(last.get('master_h2d_bytes', 0))} MiB back")
         if self.graph_reuse:
             out.append(f"graph reuse: {len(self.graph_reuse)} parameter pairs share compiled graphs")
         t = self.timings

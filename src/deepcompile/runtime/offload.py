@@ -614,7 +614,6 @@ class Offloader:
         master.untyped_storage().resize_(0)
         slot.master_off = True
         self._counts["master_d2h_bytes"] += c.nbytes
-        self._storages_moved()
 
     def _master_in(self, slot: Slot) -> object:
         """Start copying the chunk's master back into fresh device storage; the event."""
@@ -626,7 +625,6 @@ class Offloader:
         event = self._copier.to_device([(master, slot.host_master)], after=slot.master_saved)
         slot.master_off = False
         self._counts["master_h2d_bytes"] += c.nbytes
-        self._storages_moved()
         return event
 
     def _masters_back(self) -> None:
@@ -661,13 +659,6 @@ class Offloader:
         copy appeared or went is stale ([Note: masters on the host])."""
         if self.runtime is not None:
             self.runtime.epoch += 1
-
-    def _storages_moved(self) -> None:
-        """A master's storage was released or allocated anew: the flat storages the CPU
-        memory model splits by view are the allocated ones (compiler/profiler.py)."""
-        if self.runtime is not None:
-            self.runtime.flat_storages = frozenset(
-                p for s in self.slots if (p := s.chunk.param.untyped_storage().data_ptr()))
 
     # -- gradients on the host ([Note: gradients on the host]) -----------------------------------
     @torch.no_grad()

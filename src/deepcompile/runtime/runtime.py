@@ -102,7 +102,7 @@ class EngineRuntime:
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
-        self.flat_storages: frozenset[int] = frozenset()
+        self.flat_masters: list[torch.Tensor] = []   # the chunks' flat masters (runtime/flat.py)
         # bumped when what the lowered graphs read changes: offload tier 3's copies of the
         # shards ([Note: masters on the host] in runtime/offload.py)
         self.epoch = 0
@@ -115,6 +115,13 @@ class EngineRuntime:
         than one micro-step and more than one rank)."""
         return (self.registry.zero_stage == 1 and self.step.gradient_accumulation_steps > 1
                 and self.comm.world > 1)
+
+    @property
+    def flat_storages(self) -> frozenset[int]:
+        """The data pointers of the flat masters' allocated storages, which the CPU memory model
+        splits by view (compiler/profiler.py); read when a graph is profiled (a tier-3 master's
+        storage moves at every step: [Note: masters on the host] in runtime/offload.py)."""
+        return frozenset(p for t in self.flat_masters if (p := t.untyped_storage().data_ptr()))
 
     def held_bytes(self) -> int:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
