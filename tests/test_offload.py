@@ -210,6 +210,20 @@ def test_masters_go_when_all_state_and_gradients_are_not_enough():
                                                     10**6, grads[:1])["lowest_peak_bytes"]
 
 
+def test_a_master_that_costs_the_step_more_than_it_saves_stays():
+    # two chunks, the step is the peak: a master streamed through it adds its 60 bytes to the
+    # staging and saves only 30, so taking it would raise the peak
+    items = _items([100, 100])
+    grads = _grads([50, 50], at=[2, 2])
+    masters = [O.MasterItem(c, 30, 60) for c in range(2)]
+    plan = O.plan_step(_points([300] * 3), items, 600, _copy(0, 0), 10**6, grads, masters)
+    assert plan["lowest_peak_bytes"] == plan["lowest_grads_peak_bytes"]
+    tight = O.plan_step(_points([300] * 3), items, 600, _copy(0, 0),
+                        plan["lowest_grads_peak_bytes"], grads, masters)
+    assert not tight["unattainable"]
+    assert all(c["tier"] == R.GRADS for c in tight["chunks"]), tight["chunks"]
+
+
 def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not():
     # the step holds every gradient: with it over the budget even with all state streamed,
     # gradients that are made only at the end of the backward still help (at the step)

@@ -393,8 +393,10 @@ def test_gradients_go_to_the_host_when_all_state_off_is_not_enough(gas, world, l
     probe, _ = run(setting(m, world=world, gas=gas, budget=1), passes)
     d0 = probe.decisions["offload_optimizer"]
     assert d0["unattainable"]      # 1 byte: not even all of it is enough
-    lo, hi = d0["lowest_peak_bytes"], d0["lowest_state_peak_bytes"]
-    assert lo < hi
+    # tier 2 alone: between all state off and all state and gradients off (below that, the
+    # masters would go too)
+    lo, hi = d0["lowest_grads_peak_bytes"], d0["lowest_state_peak_bytes"]
+    assert d0["lowest_peak_bytes"] <= lo < hi
     budget = (lo + hi) // 2
     sch, r = run(setting(m, world=world, gas=gas, budget=budget), passes)
     d = sch.decisions["offload_optimizer"]
@@ -417,8 +419,9 @@ def test_gradients_go_to_the_host_when_all_state_off_is_not_enough(gas, world, l
     assert stream.dur == pytest.approx(cost.copy_s(d["state_bytes"] + grads))
     # the step waits for every copy out and the stream in (the simulated step is no shorter)
     assert r.step_s >= max(sum(e.dur for e in out), stream.dur)
-    # below all state and all gradients off: unattainable, and it says why
-    sch, _ = run(setting(m, world=world, gas=gas, budget=lo - 1), passes)
+    # below all state, all gradients and the masters that help off: unattainable, and it says
+    # why
+    sch, _ = run(setting(m, world=world, gas=gas, budget=d0["lowest_peak_bytes"] - 1), passes)
     assert "all gradients" in sch.decisions["offload_optimizer"]["reason"]
 
 
@@ -435,7 +438,7 @@ def test_tier2_gradients_stay_on_the_device_until_their_copies_end(gas):
             s = setting(m, gas=gas, world=1, budget=budget)
             return dataclasses.replace(s, cost=dataclasses.replace(s.cost, pcie_bw=pcie))
         d0 = run(at(1), ("offload_optimizer",))[0].decisions["offload_optimizer"]
-        budget = (d0["lowest_peak_bytes"] + d0["lowest_state_peak_bytes"]) // 2
+        budget = (d0["lowest_grads_peak_bytes"] + d0["lowest_state_peak_bytes"]) // 2
         sch, _ = run(at(budget), ("offload_optimizer",))
         d = sch.decisions["offload_optimizer"]
         assert not d["unattainable"] and d["offloaded_grad_bytes"] > 0, d

@@ -190,15 +190,16 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         "offloaded_master_bytes": 0}
     ends = list(itertools.accumulate(p.time_s for p in points))
     queue = (ends, copy_s)   # [Note: gradients on the host]'s copies out, one after another
-    # the lowest peaks this pass can reach: all state off; all state and all gradients (and
-    # the masters that may go) off
+    # the lowest peaks this pass can reach: all state off; all state and all gradients off;
+    # and the masters that may go too (the lowest of all)
     grads = grads or []
     with_grads = {g.chunk for g in grads}
     masters = [m for m in masters or [] if m.chunk in with_grads]
-    for key, chosen, gone in (("lowest_state_peak_bytes", [], []),
-                              ("lowest_peak_bytes", grads, masters)):
-        curve, step = _all_state_off(live, items, chosen, step_base, queue, gone)
+    for key, chosen in (("lowest_state_peak_bytes", []), ("lowest_grads_peak_bytes", grads)):
+        curve, step = _all_state_off(live, items, chosen, step_base, queue)
         out[key] = max(curve + [step])
+    out["lowest_peak_bytes"] = max(_take_masters(live, items, grads, step_base, queue, masters,
+                                                 float("-inf"))[1])
     if peak_before <= budget:
         return out
     # the step with nothing resident needs room for the streamed chunks
@@ -312,11 +313,9 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
         chosen.append(g)
         curve, step = _all_state_off(live, items, chosen, step_base, queue)
     gone: list[MasterItem] = []
-    for m in sorted(masters, key=lambda m: m.chunk):
-        if max(curve + [step]) <= budget:
-            break
-        gone.append(m)
-        curve, step = _all_state_off(live, items, chosen, step_base, queue, gone)
+    if max(curve + [step]) > budget:
+        gone, peaks = _take_masters(live, items, chosen, step_base, queue, masters, budget)
+        curve, step = peaks[:-1], peaks[-1]
     if max(curve + [step]) > budget:
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes), all gradients "
@@ -340,6 +339,25 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
             + sum(2 * copy_s(m.master_bytes) for m in gone),
             "predicted_grad_copy_s": sum(copy_s(g.nbytes) for g in chosen),
             "peak_after": max(curve + [step]), "curve": curve}
+
+
+def _take_masters(live: list[int], items: list[Item], chosen: list[GradItem], step_base: int,
+                  queue: tuple[list[float], Callable[[int], float]], masters: list[MasterItem],
+                  budget: float) -> tuple[list[MasterItem], list[int]]:
+    """Tier 3 on top of `chosen`'s gradients: masters in chunk order, each taken only if it
+    lowers the peak (a master streamed through the step adds its bytes to the step's staging,
+    which can cost the step more than it saves), until the peak is within `budget`. Returns
+    the masters taken and the curve with the step's peak last."""
+    gone: list[MasterItem] = []
+    curve, step = _all_state_off(live, items, chosen, step_base, queue)
+    for m in sorted(masters, key=lambda m: m.chunk):
+        if max(curve + [step]) <= budget:
+            break
+        c2, s2 = _all_state_off(live, items, chosen, step_base, queue, gone + [m])
+        if max(c2 + [s2]) < max(curve + [step]):
+            gone.append(m)
+            curve, step = c2, s2
+    return gone, curve + [step]
 
 
 def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],

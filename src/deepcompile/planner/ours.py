@@ -796,8 +796,8 @@ def _offload(plan: Plan) -> dict[str, Any]:
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
                               "predicted_streamed_s", "peak_before", "peak_after",
                               "offloaded_grad_bytes", "predicted_grad_copy_s",
-                              "offloaded_master_bytes",
-                              "lowest_state_peak_bytes", "lowest_peak_bytes")}
+                              "offloaded_master_bytes", "lowest_state_peak_bytes",
+                              "lowest_grads_peak_bytes", "lowest_peak_bytes")}
 
 
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,

@@ -177,7 +177,8 @@ def fit_check(model: compose.Model, args: PlanArgs, device_memory: float,
            "estimate_bytes": need, "fits": need <= device_memory,
            "fits_with_offload": need_off <= device_memory,
            "min_gpus": minimum_gpus(numel, fixed, device_memory, state),
-           "min_gpus_with_offload": minimum_gpus(numel, fixed, device_memory, kept)}
+           "min_gpus_with_offload": minimum_gpus(numel, fixed, device_memory, kept),
+           "masters_off": csize < MASTER_BYTES}
     return out
 
 
@@ -375,7 +376,9 @@ def _does_not_fit(shape, args: PlanArgs, memory: dict[str, Any]) -> str:
             f"{gb(memory['state_bytes_per_gpu'])}, activations "
             f"{gb(memory['activation_peak_bytes'])}) of {gb(memory['device_bytes'])}; it needs at "
             f"least {memory['min_gpus']} GPUs, or {memory['min_gpus_with_offload']} with "
-            f"optimizer state and gradients on the host (offload_optimizer)")
+            f"optimizer state and gradients on the host"
+            + (" and the masters' compute-dtype copies on the device" if memory["masters_off"]
+               else "") + " (offload_optimizer)")
 
 
 def _host_copy_bw() -> float:
