@@ -41,7 +41,8 @@ The plan:
   queued one after another from the node that makes each: `_all_state_off`) — and the step
   fit. A `grad_to_host` op goes right after each of their gradients;
 * when that is not enough either, the masters of chunks go too (tier 3, [Note: masters on the
-  host] in runtime/offload.py), of chunks whose gradients go, in chunk order, until the curve
+  host] in runtime/offload.py), of chunks whose gradients go, in chunk order, each only where it
+  lowers the peak (streamed through the step, a master adds to its staging), until the curve
   and the step fit: each saves its master's bytes less the copy in the compute dtype the device
   keeps for the gathers (only with a narrower compute dtype, at ZeRO-3, and not for a chunk with
   a parameter kept gathered, accumulated locally, or in a reused graph); the step streams the
