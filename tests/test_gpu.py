@@ -139,7 +139,7 @@ def _offload_decisions(engine, last=False):
     return plans[-1 if last else 0]["decisions"]
 
 
-def _offload_under(compiler, own_budget):
+def _offload_under(compiler, own_budget, dtype=None):
     """Train without the pass, unbounded with it, then under the budget `own_budget(decisions of
     the unbounded run)` (in that run's terms) read in this process's terms: `memory_allocated`
     counts everything the process holds (the first GPU run derived a budget from an earlier
@@ -150,17 +150,17 @@ def _offload_under(compiler, own_budget):
     base = {"compiler": compiler, "warmup_steps": 1, "passes": ("offload_optimizer",),
             "measure_steps": 0}
     plain, plain_losses, _ = _train({"compiler": compiler, "warmup_steps": 1, "passes": ()},
-                                    chunk=CHUNK)
+                                    chunk=CHUNK, dtype=dtype)
     ref = plain.full_state_dict()
     del plain
-    unbounded, _, held0 = _train(base, chunk=CHUNK)
+    unbounded, _, held0 = _train(base, chunk=CHUNK, dtype=dtype)
     d = _offload_decisions(unbounded)
     assert d["chunks"] == []
     own = own_budget(d) - held0
     del unbounded
     gc.collect()
     budget = int(torch.cuda.memory_allocated() + own)
-    engine, losses, _ = _train({**base, "memory_budget": budget}, chunk=CHUNK)
+    engine, losses, _ = _train({**base, "memory_budget": budget}, chunk=CHUNK, dtype=dtype)
     rep = engine.report().to_dict()
     d = _offload_decisions(engine)
     print(f"offloaded {d['offloaded_bytes']} of {d['state_bytes']} bytes of state, "
@@ -200,10 +200,24 @@ def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
     from deepcompile.runtime import offload
 
     d, off = _offload_under(compiler, lambda d: (d["lowest_state_peak_bytes"]
-                                                 + d["lowest_peak_bytes"]) // 2)
+                                                 + d["lowest_grads_peak_bytes"]) // 2)
     assert any(c["tier"] == offload.GRADS for c in d["chunks"])
     # bytes copied, against the device's count of them (rounded up to 512 per block)
     assert 0 < off["last_step"]["grad_d2h_bytes"] <= d["offloaded_grad_bytes"]
+
+
+@pytest.mark.parametrize("compiler", ["fx", "inductor"])
+def test_masters_on_the_host_parity_and_budget(nccl, compiler):
+    """Offload tier 3 on CUDA ([Note: masters on the host] in runtime/offload.py), bf16 compute:
+    at the lowest peak the pass can reach, masters go to the host (pinned, on the copy streams),
+    the gathers read their bf16 copies, and training is bitwise the same within the budget."""
+    from deepcompile.runtime import offload
+
+    d, off = _offload_under(compiler, lambda d: d["lowest_peak_bytes"], dtype=torch.bfloat16)
+    assert any(c["tier"] == offload.MASTERS for c in d["chunks"])
+    assert off["offloaded_master_bytes"] == d["offloaded_master_bytes"] > 0
+    last = off["last_step"]
+    assert last["master_d2h_bytes"] == last["master_h2d_bytes"] > 0
 
 
 def test_a_released_engine_gives_its_device_memory_back(nccl):
