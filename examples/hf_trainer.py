@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     if trainer.is_world_process_zero():
         print(f"done at step {trainer.state.global_step}; model in "
               f"{os.path.join(args.output_dir, 'final')}", flush=True)
+    if torch.distributed.is_initialized():   # the Trainer started it: end it here, not in the
+        torch.distributed.destroy_process_group()   # interpreter's teardown
     return 0
 
 

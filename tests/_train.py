@@ -68,6 +68,16 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
     return out
 
 
+def tanh_stack() -> torch.nn.Module:
+    """The offload tests' small model: 8 Linear layers (16 chunks of 256 bytes of masters with
+    `chunk_bytes(256)`), seeded."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh()]
+    for _ in range(6):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
 @contextlib.contextmanager
 def chunk_bytes(n: int | None):
     """The flat layout's chunk size for engines built inside (runtime/flat.py)."""

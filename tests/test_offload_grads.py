@@ -22,18 +22,13 @@ import functools
 import pytest
 import torch
 
-from _train import chunk_bytes
+from _train import chunk_bytes, tanh_stack
 
 CHUNK = 256
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh()]
-    for _ in range(6):
-        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+_model = tanh_stack
 
 
 def _engine(optimizer=ADAMW, **config):
