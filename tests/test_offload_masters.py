@@ -167,3 +167,71 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
     text = str(engine.report())
     assert "masters of" in text and "masters on the host:" in text, text
     assert not _same(_weights(engine), _weights(plain))
+
+
+@pytest.mark.parametrize("name", ["disabled", "disabled_forward", "graph_break"])
+def test_code_outside_the_graphs_gathers_from_the_copies(group, name):
+    """Submodules that run eagerly (`torch.compiler.disable`) gather their parameters outside
+    the compiled graphs (runtime/eager.py): with the masters on the host they read the bf16
+    copies, and training is bitwise the same; a graph break splits the graphs that read them."""
+    import deepcompile
+    from deepcompile.runtime import offload
+
+    import _models
+
+    def engine_of():
+        with chunk_bytes(CHUNK):
+            return deepcompile.initialize(
+                _models.build_model(name), optimizer=ADAMW,
+                config={"compiler": "fx", "passes": (), "param_dtype": torch.bfloat16})
+
+    def train(engine):
+        losses = []
+        for step in range(4):
+            batch = {k: v.bfloat16() if v.is_floating_point() else v
+                     for k, v in _models.local_batch(name, step, 0, 1).items()}
+            loss = _models.loss_of(engine(**batch))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    plain = engine_of()
+    want = train(plain)
+    engine = engine_of()
+    engine._offload.set_plan({c.index: offload.MASTERS for c in engine._flat.chunks})
+    assert train(engine) == want
+    assert engine._offload.last_step["master_h2d_bytes"] > 0
+    if name != "graph_break":
+        assert engine._fallback.materializations > 0
+    assert not _same(_weights(engine), _weights(plain))
+
+
+def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
+    """A re-plan in the steady state (the step drifted: Engine._replan_offload, here by hand)
+    brings every master back to the device, profiles the graphs reading the shards, and plans
+    the masters onto the host again; training stays bitwise the same."""
+    from deepcompile.runtime import offload
+
+    plain = _engine()
+    _train(plain, 8)
+    probe = _engine(passes=("offload_optimizer",), warmup_steps=1)
+    _train(probe, 3)
+    budget = _decisions(probe)["lowest_peak_bytes"]
+    engine = _engine(passes=("offload_optimizer",), warmup_steps=1, memory_budget=budget,
+                     measure_steps=0)
+    pipe = engine._pipeline
+    _train(engine, 4)
+    assert pipe.phase.value == "steady"
+    assert any(engine._offload.master_tier(s) for s in engine._offload.slots)
+    engine._replan_offload("a test")
+    chunks = engine._flat.chunks
+    assert all(c.param.untyped_storage().nbytes() > 0 for c in chunks)
+    assert all(e.lowp is None for c in chunks for e in c.entries)
+    _train(engine, 4, start=4)
+    entries = [e for e in pipe.pass_log if e["pass"] == "offload_optimizer"]
+    assert len(entries) == 2 and all(e["kept"] for e in entries)
+    assert any(c["tier"] == offload.MASTERS for c in entries[-1]["decisions"]["chunks"])
+    assert all(c.param.untyped_storage().nbytes() == 0 for c in chunks
+               if engine._offload.master_tier(engine._offload.slots[c.index]))
+    assert not _same(_weights(engine), _weights(plain))
