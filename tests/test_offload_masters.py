@@ -235,3 +235,51 @@ def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     assert all(c.param.untyped_storage().nbytes() == 0 for c in chunks
                if engine._offload.master_tier(engine._offload.slots[c.index]))
     assert not _same(_weights(engine), _weights(plain))
+
+
+def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group):
+    """An inf gradient with on_nonfinite="skip": no step, so no master moves; the weights and
+    the copies the gathers read are the step's before, and the next step trains from them
+    (against an engine that never saw the bad micro-step: the same losses)."""
+    plain = _engine(on_nonfinite="skip")
+    _all_masters_to_host(plain)
+    _train(plain, 2)
+    engine = _engine(on_nonfinite="skip")
+    _all_masters_to_host(engine)
+    _train(engine, 2)
+    before = _weights(engine)
+    copies = [s.lowp.clone() for s in engine._offload.slots]
+    shard = engine._flat.chunks[-1].shards[0]
+    hook = shard.register_hook(lambda g: g * float("inf"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    engine.backward(engine(x.bfloat16()).float().square().mean())
+    hook.remove()
+    assert engine.step() and engine.nonfinite_skipped == 1
+    assert not _same(_weights(engine), before)
+    assert all(torch.equal(s.lowp, c) for s, c in zip(engine._offload.slots, copies))
+    assert _train(engine, 2, start=2) == _train(plain, 2, start=2)
+
+
+def test_fp16_compute_with_a_dynamic_loss_scale(group):
+    """fp16 copies under fp32 masters, the loss scale dynamic (param_dtype float16's default):
+    the host gradients are unscaled as the device's are, and training is bitwise the same as
+    with the masters on the device."""
+    plain = _engine(param_dtype="float16")
+    assert plain._scaler is not None
+    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def train(engine):
+        out = []
+        for xs in x:
+            loss = engine(xs.half()).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    want = train(plain)
+    engine = _engine(param_dtype="float16")
+    _all_masters_to_host(engine)
+    assert train(engine) == want
+    assert all(s.lowp.dtype == torch.float16 for s in engine._offload.slots)
+    assert not _same(_weights(engine), _weights(plain))
