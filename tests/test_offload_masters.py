@@ -54,24 +54,25 @@ def _weights(engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.full_state_dict().items()}
 
 
-def _all_masters_to_host(engine) -> None:
-    from deepcompile.runtime import offload
-
-    engine._offload.set_plan({c.index: offload.MASTERS for c in engine._flat.chunks})
+def _all_masters_to_host(engine, tier: int = 3) -> None:
+    engine._offload.set_plan({c.index: tier for c in engine._flat.chunks})
 
 
 def _same(a: dict, b: dict) -> list[str]:
     return [k for k in b if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
 @pytest.mark.parametrize("compiler, gas, clip", [("fx", 1, None), ("fx", 2, 0.05),
                                                  pytest.param("inductor", 2, None,
                                                               marks=pytest.mark.inductor)])
-def test_masters_on_the_host_train_as_on_the_device(group, compiler, gas, clip):
+def test_masters_on_the_host_train_as_on_the_device(group, compiler, gas, clip, tier):
+    """Tier 3 streams each master through the device's step; tier 4 steps it on the host
+    ([Note: the host step]): on the CPU both run the same kernels, bitwise."""
     plain = _engine(compiler=compiler, gradient_accumulation_steps=gas, max_grad_norm=clip)
     want = _train(plain, 4, gas)
     engine = _engine(compiler=compiler, gradient_accumulation_steps=gas, max_grad_norm=clip)
-    _all_masters_to_host(engine)
+    _all_masters_to_host(engine, tier)
     got = _train(engine, 4, gas)
     assert got == want
     store = engine._offload
@@ -83,8 +84,20 @@ def test_masters_on_the_host_train_as_on_the_device(group, compiler, gas, clip):
             assert e.lowp is not None and e.lowp.dtype == torch.bfloat16
             assert e.lowp.numel() == shard.numel()
     masters = sum(c.nbytes for c in chunks)
-    assert store.last_step["master_h2d_bytes"] == store.last_step["master_d2h_bytes"] == masters
+    last = store.last_step
+    if tier == 3:
+        assert last["master_h2d_bytes"] == last["master_d2h_bytes"] == masters
+        assert last["stepped_on_host"] == last["lowp_h2d_bytes"] == 0
+    else:   # only the bf16 copies go up; nothing else crosses at the step
+        assert last["master_h2d_bytes"] == last["master_d2h_bytes"] == 0
+        assert last["h2d_bytes"] == last["d2h_bytes"] == last["grad_h2d_bytes"] == 0
+        assert last["streamed_at_step"] == 0 and last["stepped_on_host"] == len(chunks)
+        assert last["lowp_h2d_bytes"] == masters // 2
+        assert store.summary()["measured_host_step_s"] > 0
     assert store.summary()["offloaded_master_bytes"] == masters // 2   # fp32 less bf16
+    # the facade's per-parameter state counts the host's steps
+    steps = {int(st["step"]) for st in engine.optimizer.state_dict()["state"].values()}
+    assert steps == {4}
     _close(engine, plain, clip)
     # and back on the device: the graphs read the shards again
     store.set_plan({})
@@ -101,7 +114,9 @@ def _close(engine, plain, clip) -> None:
                 else torch.allclose(got[k], want[k], rtol=0, atol=1e-6)), k
 
 
-def test_the_masters_are_read_and_written_outside_the_graphs_through_their_home(group, tmp_path):
+@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+def test_the_masters_are_read_and_written_outside_the_graphs_through_their_home(group, tmp_path,
+                                                                              tier):
     """A checkpoint of an engine with its masters on the host holds the masters' values; loaded
     into it after more training, the masters are the saved ones again and the device copies
     the gathers read are made from them (the next step's loss is the saved run's)."""
@@ -110,7 +125,7 @@ def test_the_masters_are_read_and_written_outside_the_graphs_through_their_home(
     plain = _engine()
     _train(plain, 3)
     engine = _engine()
-    _all_masters_to_host(engine)
+    _all_masters_to_host(engine, tier)
     _train(engine, 3)
     assert not _same(_weights(engine), _weights(plain))
     assert all(c.param.untyped_storage().nbytes() == 0 for c in engine._flat.chunks)
@@ -169,8 +184,9 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
     assert not _same(_weights(engine), _weights(plain))
 
 
+@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
 @pytest.mark.parametrize("name", ["disabled", "disabled_forward", "graph_break"])
-def test_code_outside_the_graphs_gathers_from_the_copies(group, name):
+def test_code_outside_the_graphs_gathers_from_the_copies(group, name, tier):
     """Submodules that run eagerly (`torch.compiler.disable`) gather their parameters outside
     the compiled graphs (runtime/eager.py): with the masters on the host they read the bf16
     copies, and training is bitwise the same; a graph break splits the graphs that read them."""
@@ -199,9 +215,10 @@ def test_code_outside_the_graphs_gathers_from_the_copies(group, name):
     plain = engine_of()
     want = train(plain)
     engine = engine_of()
-    engine._offload.set_plan({c.index: offload.MASTERS for c in engine._flat.chunks})
+    _all_masters_to_host(engine, tier)
     assert train(engine) == want
-    assert engine._offload.last_step["master_h2d_bytes"] > 0
+    moved = "master_h2d_bytes" if tier == offload.MASTERS else "lowp_h2d_bytes"
+    assert engine._offload.last_step[moved] > 0
     if name != "graph_break":
         assert engine._fallback.materializations > 0
     assert not _same(_weights(engine), _weights(plain))
@@ -237,15 +254,16 @@ def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     assert not _same(_weights(engine), _weights(plain))
 
 
-def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group):
+@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group, tier):
     """An inf gradient with on_nonfinite="skip": no step, so no master moves; the weights and
     the copies the gathers read are the step's before, and the next step trains from them
     (against an engine that never saw the bad micro-step: the same losses)."""
     plain = _engine(on_nonfinite="skip")
-    _all_masters_to_host(plain)
+    _all_masters_to_host(plain, tier)
     _train(plain, 2)
     engine = _engine(on_nonfinite="skip")
-    _all_masters_to_host(engine)
+    _all_masters_to_host(engine, tier)
     _train(engine, 2)
     before = _weights(engine)
     copies = [s.lowp.clone() for s in engine._offload.slots]
@@ -260,7 +278,8 @@ def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group):
     assert _train(engine, 2, start=2) == _train(plain, 2, start=2)
 
 
-def test_fp16_compute_with_a_dynamic_loss_scale(group):
+@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+def test_fp16_compute_with_a_dynamic_loss_scale(group, tier):
     """fp16 copies under fp32 masters, the loss scale dynamic (param_dtype float16's default):
     the host gradients are unscaled as the device's are, and training is bitwise the same as
     with the masters on the device."""
@@ -279,7 +298,56 @@ def test_fp16_compute_with_a_dynamic_loss_scale(group):
 
     want = train(plain)
     engine = _engine(param_dtype="float16")
-    _all_masters_to_host(engine)
+    _all_masters_to_host(engine, tier)
     assert train(engine) == want
     assert all(s.lowp.dtype == torch.float16 for s in engine._offload.slots)
     assert not _same(_weights(engine), _weights(plain))
+
+
+def _decay_groups(params):
+    params = list(params)
+    return [{"params": params[0::2], "weight_decay": 0.1},
+            {"params": params[1::2], "weight_decay": 0.0}]
+
+
+HOST_OPTIMIZERS = {
+    "adamw-groups": lambda ps: torch.optim.AdamW(_decay_groups(ps), lr=0.01),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_OPTIMIZERS))
+def test_the_host_step_keeps_the_optimizer_its_groups_and_its_schedule(group, name):
+    """[Note: the host step] steps each chunk with a host instance of the user's optimizer
+    class, its group's hyperparameters as the LR scheduler sets them each step: losses, weights
+    and the per-parameter optimizer state (Adam's step count included) are bitwise those of the
+    step on the device."""
+    import deepcompile
+
+    def run(tier):
+        with chunk_bytes(CHUNK):
+            engine = deepcompile.initialize(
+                _model(), optimizer=HOST_OPTIMIZERS[name],
+                config={"compiler": "fx", "passes": (), "param_dtype": "bfloat16"})
+        if tier:
+            _all_masters_to_host(engine, tier)
+        sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
+        losses = []
+        for step in range(5):
+            losses += _train(engine, 1, start=step)
+            sched.step()
+        return engine, losses
+
+    plain, want = run(0)
+    engine, got = run(4)
+    assert got == want
+    assert engine._offload.last_step["stepped_on_host"] == len(engine._flat.chunks) > 1
+    assert not _same(_weights(engine), _weights(plain))
+    a, b = engine.optimizer.state_dict(), plain.optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, st in b["state"].items():
+        assert st.keys() == a["state"][i].keys()
+        for k, v in st.items():
+            assert torch.equal(a["state"][i][k], v), (i, k)

@@ -12,12 +12,15 @@ says what of it lives on the host between optimizer steps:
      backward graph produces it (`grad_to_host` ops, [Note: gradients on the host]), and the
      step streams the chunk's gradient in with its state;
   3  its optimizer state, its gradients and its master shards ([Note: masters on the host]):
-     the device keeps a copy of the shards in the compute dtype, which the gathers read.
+     the device keeps a copy of the shards in the compute dtype, which the gathers read;
+  4  as 3, and the chunk steps on the host ([Note: the host step]): nothing of it crosses
+     PCIe at the step but its copy in the compute dtype, going up.
 
 The optimizer step runs on the device, chunk by chunk where it must (`run_step`): the chunks
 whose state is on the device step in one inner-optimizer call; each remaining chunk's state is
 copied in (the next one's copy already running), stepped, and copied out again, so the step
-needs room for at most two offloaded chunks, not for all the state.
+needs room for at most two offloaded chunks, not for all the state. Tier-4 chunks step on the
+host instead, and need no room at all.
 
 [Note: provisional offload] Until the pass has planned, an engine configured with it keeps
 every chunk at tier 1 (`provisional`): the warm-up and profiled steps fit whatever the budget is
@@ -90,6 +93,36 @@ older epoch. Whatever reads or writes master values outside the graphs and the s
 checkpoint, `full_state_dict`, a load) runs inside `masters_home()`, which brings them back and,
 after it, refreshes the copies and sends them out again.
 
+[Note: the host step] A tier-4 chunk has everything the optimizer reads and writes on the host
+(its master, its Adam moments, its window's gradient: tier 3), so it steps there, as DeepSpeed's
+ZeRO-Offload does with its CPU Adam: per step its gradient goes down (during the backward, as
+at tier 2) and its copy in the compute dtype goes up (2 bytes per parameter under bf16),
+where streaming it through the device moves master, state and gradient in and master and state
+out (28 bytes per parameter for fp32 AdamW). Whether that is faster depends on the host's cores
+against PCIe: the pass measures the host step here (`host_step_seconds`) and plans it where the
+prediction says so (passes/offload_optimizer.py). The step itself (`_host_step`):
+  * waits on the host for the chunk's copies out (its gradient's last one, its state's, its
+    master's): on CUDA the events are synchronized, so the host reads complete buffers;
+  * makes the gradient what the device's fold would have made (gaps and unwritten shards zero,
+    times the engine's factor: `grad_scale`, brought to the host once per step);
+  * steps it with a host instance of the inner optimizer's class (`Slot.host_opt`: one
+    parameter, the pinned master; its state *is* the chunk's host buffers; torch's fused CPU
+    kernel where the inner optimizer is fused), with the inner group's hyperparameters of now
+    (the LR scheduler's); the inner optimizer's scalars (Adam's `step`) are read once when the
+    host instance is made and written back after each host step, so the facade's state, a
+    checkpoint and a later device step see the same count. A load, or a step of the chunk on the
+    device, drops the host instance (it is made again from the inner's scalars);
+  * casts the master into a pinned buffer in the compute dtype (`Slot.host_lowp`) and copies
+    that up into the device copy (`Slot.lowp`) on the copy stream, after the compute stream's
+    queued work (the last backward read the old copy); the compute stream waits for every such
+    copy before the step returns (the next forward's gathers read them). The next chunk's host
+    step runs while it goes up. Before the host writes `host_lowp` again, it waits for the last
+    copy up from it.
+A tier-4 chunk whose state or master is still on the device (the step right after the plan was
+set) is streamed as tier 3 this once. On the CPU the two ways run the same kernels on the same
+memory: bitwise the same (tests/test_offload_masters.py); on CUDA the host's kernel is torch's CPU
+one, the device's the CUDA one: equal within rounding, not bitwise.
+
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an
 offloaded chunk would have no storage between steps, and reading a view of a released storage
 crashes the process (a segfault on the CPU, an illegal memory access on CUDA). So while a chunk
@@ -116,9 +149,9 @@ from . import ops
 from .flat import Chunk, FlatState, _grad_of, _is_not_none
 from .registry import lookup
 
-RESIDENT, STATE, GRADS, MASTERS = 0, 1, 2, 3
+RESIDENT, STATE, GRADS, MASTERS, HOST = 0, 1, 2, 3, 4
 TIER_NAMES = {RESIDENT: "resident", STATE: "state", GRADS: "state+grads",
-              MASTERS: "state+grads+masters"}
+              MASTERS: "state+grads+masters", HOST: "state+grads+masters, stepped on the host"}
 LOOKAHEAD = 1      # offloaded chunks whose copy in runs while the step works on another
 
 
@@ -151,6 +184,10 @@ class Slot:
     master_saved: object = None      # event: the copy of the master to the host done
     master_off: bool = False         # the master's device storage is released
     lowp: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    # tier 4 ([Note: the host step]): the host optimizer, the copy's host buffer, its copy up
+    host_opt: torch.optim.Optimizer | None = dataclasses.field(default=None, repr=False)
+    host_lowp: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    lowp_loaded: object = None       # event: the copy up from `host_lowp` done
 
     def tensors(self, optimizer) -> dict[str, torch.Tensor]:
         return self.chunk.state_tensors(optimizer)
@@ -199,6 +236,10 @@ class _SimCopier:
 
     def host_sync(self) -> None:
         self.run_d2h()
+
+    def host_wait(self, events: Iterable) -> None:
+        """The host waits for `events` (it is about to read or write their host buffers)."""
+        self.wait(events)
 
     def collect(self, block: bool = False) -> None:
         pass
@@ -298,6 +339,12 @@ class _CudaCopier:
     def host_sync(self) -> None:
         self.d2h.synchronize()
 
+    def host_wait(self, events: Iterable) -> None:
+        """The host waits for `events` (it is about to read or write their host buffers)."""
+        for ev in events:
+            if ev is not None:
+                ev.synchronize()
+
     def collect(self, block: bool = False) -> None:
         left = []
         for what, start, end in self._timed:
@@ -342,6 +389,7 @@ class Offloader:
         self.last_step: dict[str, int] = {}
         self._counts = self._zero_counts()
         self.step_starts: list[int] = []   # CUDA: device bytes at profiled steps' start, no state
+        self.host_seconds = 0.0            # wall time of the host steps (tier 4), all steps
         # tier 2: where each parameter's gradient goes, and the factor the engine decided for
         # the host gradients (loss scale, clipping; None: 1)
         self._where = {e.pid: (s, i) for s in self.slots for i, e in enumerate(s.chunk.entries)}
@@ -366,6 +414,10 @@ class Offloader:
     def master_tier(self, slot: Slot) -> bool:
         """The chunk's master lives on the host (tier 3; never while provisional)."""
         return not self.provisional and self.tiers[slot.chunk.index] >= MASTERS
+
+    def host_tier(self, slot: Slot) -> bool:
+        """The chunk steps on the host (tier 4; never while provisional)."""
+        return not self.provisional and self.tiers[slot.chunk.index] >= HOST
 
     def sends_grad(self, pid: int) -> bool:
         """Parameter `pid`'s gradient goes to the host (its chunk is at tier 2)."""
@@ -551,7 +603,37 @@ class Offloader:
         return slot.loaded
 
     def _show(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
-        """[Note: optimizer state access] The facade's state of the chunk's shards: views of
+        """[Note: the host step] A tier-4 chunk has everything the optimizer reads and writes on the host
+(its master, its Adam moments, its window's gradient: tier 3), so it steps there, as DeepSpeed's
+ZeRO-Offload does with its CPU Adam: per step its gradient goes down (during the backward, as
+at tier 2) and its copy in the compute dtype goes up (2 bytes per parameter under bf16),
+where streaming it through the device moves master, state and gradient in and master and state
+out (28 bytes per parameter for fp32 AdamW). Whether that is faster depends on the host's cores
+against PCIe: the pass measures the host step here (`host_step_seconds`) and plans it where the
+prediction says so (passes/offload_optimizer.py). The step itself (`_host_step`):
+  * waits on the host for the chunk's copies out (its gradient's last one, its state's, its
+    master's): on CUDA the events are synchronized, so the host reads complete buffers;
+  * makes the gradient what the device's fold would have made (gaps and unwritten shards zero,
+    times the engine's factor: `grad_scale`, brought to the host once per step);
+  * steps it with a host instance of the inner optimizer's class (`Slot.host_opt`: one
+    parameter, the pinned master; its state *is* the chunk's host buffers; torch's fused CPU
+    kernel where the inner optimizer is fused), with the inner group's hyperparameters of now
+    (the LR scheduler's); the inner optimizer's scalars (Adam's `step`) are read once when the
+    host instance is made and written back after each host step, so the facade's state, a
+    checkpoint and a later device step see the same count. A load, or a step of the chunk on the
+    device, drops the host instance (it is made again from the inner's scalars);
+  * casts the master into a pinned buffer in the compute dtype (`Slot.host_lowp`) and copies
+    that up into the device copy (`Slot.lowp`) on the copy stream, after the compute stream's
+    queued work (the last backward read the old copy); the compute stream waits for every such
+    copy before the step returns (the next forward's gathers read them). The next chunk's host
+    step runs while it goes up. Before the host writes `host_lowp` again, it waits for the last
+    copy up from it.
+A tier-4 chunk whose state or master is still on the device (the step right after the plan was
+set) is streamed as tier 3 this once. On the CPU the two ways run the same kernels on the same
+memory: bitwise the same (tests/test_offload_masters.py); on CUDA the host's kernel is torch's CPU
+one, the device's the CUDA one: equal within rounding, not bitwise.
+
+[Note: optimizer state access] The facade's state of the chunk's shards: views of
         the flat state where it is on the device, meta tensors where it is not."""
         state = self.flat.facade.state
         c = slot.chunk
@@ -750,32 +832,118 @@ class Offloader:
 
     def run_step(self) -> None:
         """The inner optimizer's step over every chunk (gradients folded, hyperparameters
-        synced): resident chunks in one call, offloaded ones streamed through the device."""
+        synced): resident chunks in one call, offloaded ones streamed through the device,
+        tier-4 ones stepped on the host ([Note: the host step]) while the device works."""
         flat = self.flat
         self._reloaded()
         ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
         with record_function("deepcompile.optimizer_step"):
             flat.step(ready)
-        streamed = [s for s in self.slots if s.offloaded or self.grad_tier(s)]
-        if not streamed:
-            return
-        with record_function("deepcompile.optimizer_step_streamed"):
-            events = [self._bring(s) for s in streamed[:LOOKAHEAD + 1]]
-            for i, s in enumerate(streamed):
-                self._copier.wait(events[i])
-                host_grad = self.grad_tier(s)
-                if host_grad:
-                    self._grad_ready(s)
-                flat.step([s.chunk])
-                self._offload(s)
-                if self.master_tier(s):
-                    self._master_out(s)
-                if host_grad:
-                    flat.release_grads([s.chunk])
-                j = i + LOOKAHEAD + 1
-                if j < len(streamed):
-                    events.append(self._bring(streamed[j]))
-        self._counts["streamed_at_step"] += len(streamed)
+        hosted = [s for s in self.slots if self.host_tier(s) and s.offloaded and s.master_off]
+        streamed = [s for s in self.slots if (s.offloaded or self.grad_tier(s))
+                    and s not in hosted]
+        if streamed:
+            with record_function("deepcompile.optimizer_step_streamed"):
+                events = [self._bring(s) for s in streamed[:LOOKAHEAD + 1]]
+                for i, s in enumerate(streamed):
+                    self._copier.wait(events[i])
+                    host_grad = self.grad_tier(s)
+                    if host_grad:
+                        self._grad_ready(s)
+                    flat.step([s.chunk])
+                    s.host_opt = None   # its scalars moved on the device ([Note: the host step])
+                    self._offload(s)
+                    if self.master_tier(s):
+                        self._master_out(s)
+                    if host_grad:
+                        flat.release_grads([s.chunk])
+                    j = i + LOOKAHEAD + 1
+                    if j < len(streamed):
+                        events.append(self._bring(streamed[j]))
+            self._counts["streamed_at_step"] += len(streamed)
+        if hosted:
+            with record_function("deepcompile.optimizer_step_host"):
+                t0 = time.perf_counter()
+                scale = None if self.grad_scale is None else self.grad_scale.to("cpu")
+                groups = {id(p): g for g in flat.inner.param_groups for p in g["params"]}
+                ups = [self._host_step(s, groups[id(s.chunk.param)], scale) for s in hosted]
+                self._copier.wait(ups)   # the next forward's gathers read the copies
+                self.host_seconds += time.perf_counter() - t0
+            self._counts["stepped_on_host"] += len(hosted)
+
+    @torch.no_grad()
+    def _host_step(self, slot: Slot, group: dict, scale: torch.Tensor | None) -> object:
+        """Step a tier-4 chunk on the host and start copying its new copy in the compute dtype
+        up to the device; the copy's event ([Note: the host step])."""
+        c = slot.chunk
+        self._copier.host_wait([slot.saved, slot.master_saved, slot.grad_saved])
+        if slot.host_grad is None:
+            slot.host_grad = self._copier.host_buffer(c.grad)
+        g = slot.host_grad
+        for i, (off, sh) in enumerate(zip(c.offsets, c.shards)):   # as `_grad_ready` does
+            if i not in slot.written:
+                g[off:off + sh.numel()].zero_()
+        for start, end in _gaps(c):
+            g[start:end].zero_()
+        if scale is not None:
+            g.mul_(scale)
+        opt = slot.host_opt or self._host_optimizer(slot)
+        param = opt.param_groups[0]["params"][0]
+        opt.param_groups[0].update({k: v for k, v in group.items()
+                                    if k != "params" and k not in _HOST_IMPL})
+        param.grad = g
+        opt.step()
+        param.grad = None
+        inner = self.flat.inner.state[c.param]
+        for k, v in opt.state[param].items():   # the scalars back (Adam's step)
+            if k not in slot.host:
+                if isinstance(v, torch.Tensor):
+                    inner[k].copy_(v)
+                else:
+                    inner[k] = v
+        if slot.host_lowp is None:
+            slot.host_lowp = self._copier.host_buffer(slot.lowp)
+        self._copier.host_wait([slot.lowp_loaded])
+        slot.host_lowp.copy_(slot.host_master)
+        slot.lowp_loaded = self._copier.to_device([(slot.lowp, slot.host_lowp)])
+        self._counts["lowp_h2d_bytes"] += slot.lowp.numel() * slot.lowp.element_size()
+        return slot.lowp_loaded
+
+    def _host_optimizer(self, slot: Slot) -> torch.optim.Optimizer:
+        """The host instance of the inner optimizer for a tier-4 chunk: its parameter the
+        pinned master, its state the chunk's host buffers and a host copy of the inner's
+        scalars."""
+        c = slot.chunk
+        param = torch.nn.Parameter(slot.host_master, requires_grad=True)   # shares the buffer
+        opt = host_optimizer(self.flat.inner, [param])
+        opt.state[param] = {k: slot.host[k] if k in slot.host
+                            else v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                            for k, v in self.flat.inner.state[c.param].items()}
+        slot.host_opt = opt
+        return opt
+
+    def host_step_seconds(self, numel: int, repeats: int = 3) -> float:
+        """Seconds the host takes to step `numel` elements of this engine's optimizer (its
+        class, its first group's hyperparameters, its implementation as the host step would
+        use it), measured here on scratch tensors: the fastest of `repeats` steps of at most
+        4 M elements, scaled linearly. `inf` where there is no flat step."""
+        inner = self.flat.inner
+        if inner is None or numel <= 0:
+            return float("inf")
+        n = min(numel, 1 << 22)
+        dtype = self.flat.chunks[0].dtype
+        param = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        param.grad = torch.full((n,), 1e-3, dtype=dtype)
+        opt = host_optimizer(inner, [param])
+        opt.param_groups[0].update({k: v for k, v in inner.param_groups[0].items()
+                                    if k != "params" and k not in _HOST_IMPL})
+        opt.step()   # the state is made
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            opt.step()
+            runs.append(time.perf_counter() - t0)
+        return min(runs) * numel / n
 
     def _bring(self, slot: Slot) -> list:
         """Start copying what the step needs of a streamed chunk: its state, its gradient."""
@@ -816,7 +984,8 @@ class Offloader:
     def _zero_counts() -> dict[str, int]:
         return {"d2h_bytes": 0, "h2d_bytes": 0, "reloaded_in_graph": 0, "streamed_at_step": 0,
                 "deferred_by_meter": 0, "grad_d2h_bytes": 0, "grad_h2d_bytes": 0,
-                "master_d2h_bytes": 0, "master_h2d_bytes": 0}
+                "master_d2h_bytes": 0, "master_h2d_bytes": 0, "stepped_on_host": 0,
+                "lowp_h2d_bytes": 0}
 
     def summary(self) -> dict:
         """What is offloaded and what moved: for the report."""
@@ -845,6 +1014,7 @@ class Offloader:
             "last_step": self.last_step, "totals": dict(self.stats),
             "measured_copy_s": copy_s, "measured_exposed_s": exposed,
             "measured_hidden_s": max(copy_s - exposed, 0.0),
+            "measured_host_step_s": self.host_seconds,
         }
 
     # -- optimizer state dict ------------------------------------------------------------------
@@ -878,10 +1048,42 @@ class Offloader:
         self._pending = []
         for s in self.slots:
             s.offloaded, s.loaded, s.saved, s.faces = False, None, None, None
+            s.host_opt = None   # the loaded scalars are the inner's ([Note: the host step])
         if self.active:
             for s in self.slots:
                 if self.tier(s) >= STATE:
                     self._offload(s)
+
+
+_HOST_IMPL = ("foreach", "fused", "capturable", "differentiable")   # the host instance's own
+
+
+def host_optimizer(inner: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
+    """An instance of `inner`'s class over host `params`, with its first group's settings: the
+    fused CPU kernel where `inner` is fused and the class has one on the CPU, else torch's
+    default implementation ([Note: the host step])."""
+    import inspect
+
+    cls = type(inner)
+    accepted = inspect.signature(cls.__init__).parameters
+    group = inner.param_groups[0]
+    kwargs = {k: v for k, v in group.items() if k in accepted and k != "params"
+              and k not in _HOST_IMPL}
+    if group.get("foreach") is not None and "foreach" in accepted:
+        kwargs["foreach"] = group["foreach"]
+    if group.get("fused"):
+        try:
+            return cls(params, **kwargs, fused=True)
+        except (RuntimeError, ValueError, TypeError):
+            pass
+    return cls(params, **kwargs)
+
+
+def _gaps(c: Chunk) -> list[tuple[int, int]]:
+    """The chunk's alignment gaps, as (start, end) element offsets (the flat gradient's
+    `Chunk.gaps`, for a host buffer)."""
+    ends = [off + sh.numel() for off, sh in zip(c.offsets, c.shards)]
+    return [(end, nxt) for end, nxt in zip(ends, c.offsets[1:] + [c.numel]) if nxt > end]
 
 
 def _accumulate(shard: torch.Tensor, grad: torch.Tensor) -> None:
