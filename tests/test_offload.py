@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -222,6 +223,54 @@ def test_a_master_that_costs_the_step_more_than_it_saves_stays():
                         plan["lowest_grads_peak_bytes"], grads, masters)
     assert not tight["unattainable"]
     assert all(c["tier"] == R.GRADS for c in tight["chunks"]), tight["chunks"]
+
+
+def test_a_master_streaming_cannot_afford_steps_on_the_host():
+    """The chunks above, stepped on the host (tier 4): the step streams nothing of them, so
+    their masters lower the peak after all; the plan takes the host step where only it fits
+    the budget, and says so; never (the mode) keeps them on the device."""
+    items = _items([100, 100])
+    grads = _grads([50, 50], at=[2, 2])
+    masters = [O.MasterItem(c, 30, 60, numel=15, copy_bytes=30) for c in range(2)]
+    fast = O.HostStep(1e-3)
+    plan = O.plan_step(_points([300] * 3), items, 600, _copy(0, 1e-3), 10**6, grads, masters,
+                       fast)
+    # all gradients off, both chunks on the host: 600 - 100 - 2 x 30, nothing staged
+    assert plan["lowest_grads_peak_bytes"] == 800 and plan["lowest_peak_bytes"] == 440
+    tight = O.plan_step(_points([300] * 3), items, 600, _copy(0, 1e-3), 500, grads, masters,
+                        fast)
+    assert not tight["unattainable"], tight["reason"]
+    assert [c["tier"] for c in tight["chunks"]] == [R.HOST, R.HOST]
+    assert not any(c["streamed"] for c in tight["chunks"])
+    assert tight["peak_after"] == 440 and tight["predicted_streamed_s"] == 0
+    assert tight["host_step"]["chosen"] and tight["host_step"]["why"] == "only the host step fits"
+    never = O.plan_step(_points([300] * 3), items, 600, _copy(0, 1e-3), 500, grads, masters,
+                        O.HostStep(1e-3, mode="never"))
+    assert never["unattainable"] and never["lowest_peak_bytes"] == 800
+
+
+@pytest.mark.parametrize("rate, chosen", [(1e-3, True), (1.0, False)])
+def test_the_host_step_is_taken_where_it_is_predicted_faster(rate, chosen):
+    """Where streaming the masters fits too, the plan compares the two: per chunk, its copies
+    in and out (at once) against the host's step (`rate` seconds per element) and its copy's
+    way up."""
+    live = [600, 800, 1000, 1100, 1200, 1250, 1150]
+    items = _items([100, 100, 100, 100])
+    grads = _grads([50, 50, 50, 50], at=[4, 3, 2, 1])
+    masters = [O.MasterItem(c, 30, 60, f"c{c}", numel=15, copy_bytes=30) for c in range(4)]
+    floor = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), 10**6, grads)[
+        "lowest_peak_bytes"]
+    plan = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), floor - 50, grads, masters,
+                       O.HostStep(rate))
+    assert not plan["unattainable"], plan["reason"]
+    host = plan["host_step"]
+    assert host["chosen"] == chosen and host["why"] == ("faster" if chosen else "slower"), host
+    # each chunk streamed: max(copy in 100 + 50 + 60, copy out 100 + 60) = 0.21 s
+    assert host["predicted_streamed_s"] == pytest.approx(0.21 * host["chunks"])
+    assert host["predicted_host_s"] == pytest.approx(15 * rate * host["chunks"] + 0.03)
+    tiers = [c["tier"] for c in plan["chunks"] if c["master_bytes"]]
+    assert tiers and set(tiers) == {R.HOST if chosen else R.MASTERS}
+    assert plan["peak_after"] <= floor - 50
 
 
 def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not():
@@ -656,12 +705,19 @@ def _parity_job(rank, world):
     plain = scenario("llama-adamw-bf16", "llama", "adamw", 1e-2, **bf16)
     probe = scenario("llama-adamw-bf16-unbounded", "llama", "adamw", 1e-2,
                      passes=("offload_optimizer",), record=("report",), **bf16)
-    d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
-    masters = scenario("llama-adamw-bf16-masters", "llama", "adamw", 1e-2,
-                       passes=("offload_optimizer", "prefetch"), measure_steps=0,
-                       memory_budget=d["lowest_peak_bytes"], record=("report",), **bf16)
-    out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain)),
-                      "masters": (masters, _one_scenario(rank, world, masters))}
+    out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain))}
+    # streamed through the device's step (tier 3), and stepped on the host (tier 4: on the
+    # CPU the host step is the device's without the copies, so "auto" takes it)
+    for which, mode in (("masters", "never"), ("host", "auto")):
+        os.environ["DEEPCOMPILE_HOST_STEP"] = mode
+        try:
+            d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
+            sc = scenario(f"llama-adamw-bf16-{which}", "llama", "adamw", 1e-2,
+                          passes=("offload_optimizer", "prefetch"), measure_steps=0,
+                          memory_budget=d["lowest_peak_bytes"], record=("report",), **bf16)
+            out["masters"][which] = (sc, _one_scenario(rank, world, sc))
+        finally:
+            del os.environ["DEEPCOMPILE_HOST_STEP"]
     budget = out[1]["half"][0]["config"]["memory_budget"]
     for passes in (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer")):
         sc = scenario("llama-adamw-" + "-".join(passes), "llama", "adamw", 1e-2, steps=STEPS,
@@ -779,17 +835,23 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
     check_state_consistent(runs)
 
 
-def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_meet(parity):
+@pytest.mark.parametrize("which", ["masters", "host"])
+def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_meet(parity,
+                                                                                 which):
     plain_sc, plain = _runs(parity, "masters", "plain")
-    sc, runs = _runs(parity, "masters", "masters")
+    sc, runs = _runs(parity, "masters", which)
     budget = sc["config"]["memory_budget"]
+    tier = R.MASTERS if which == "masters" else R.HOST
     for res in runs:
         d = _offload_report(res)["decisions"]
-        tier3 = [c for c in d["chunks"] if c["tier"] == R.MASTERS]
-        print(f"\n[offload masters] budget {budget}: masters of {len(tier3)} of "
+        tier3 = [c for c in d["chunks"] if c["tier"] >= R.MASTERS]
+        print(f"\n[offload {which}] budget {budget}: masters of {len(tier3)} of "
               f"{len(d['chunks'])} chunks to the host, saving {d['offloaded_master_bytes']} "
-              f"bytes; peak {d['peak_before']} -> {d['peak_after']}")
+              f"bytes; peak {d['peak_before']} -> {d['peak_after']}; {d['host_step']}")
         assert tier3 and not d["unattainable"] and d["peak_after"] <= budget
+        assert all(c["tier"] == tier for c in tier3), d["chunks"]
+        last = res["report"]["offload"]["last_step"]
+        assert last["stepped_on_host"] == (len(tier3) if tier == R.HOST else 0)
         rep = res["report"]
         for g in rep["graphs"]:   # measured with the plan
             for s in g["slots"]:

@@ -156,9 +156,14 @@ def _decisions(engine) -> dict:
     return next(p for p in rep["passes"] if p["pass"] == "offload_optimizer")["decisions"]
 
 
-def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
+@pytest.mark.parametrize("mode", ["never", "auto", "always"])
+def test_the_pass_keeps_masters_on_the_host_within_the_budget(group, monkeypatch, mode):
+    """Planned under the lowest peak the pass can reach: masters on the host, streamed through
+    the step (DEEPCOMPILE_HOST_STEP=never) or stepped on the host (auto: on the CPU a host
+    step is the device's step without the copies, so it is never slower; always)."""
     from deepcompile.runtime import offload
 
+    monkeypatch.setenv("DEEPCOMPILE_HOST_STEP", mode)
     plain = _engine(gradient_accumulation_steps=2)
     _train(plain, 5, gas=2)
     probe = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",), warmup_steps=1)
@@ -167,13 +172,21 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
     # all state, all gradients and every master that may go off the device: below what the
     # state and gradients alone reach
     budget = d["lowest_peak_bytes"]
+    assert budget < d["lowest_grads_peak_bytes"]
     engine = _engine(gradient_accumulation_steps=2, passes=("offload_optimizer",),
                      warmup_steps=1, memory_budget=budget, measure_steps=0)
     _train(engine, 5, gas=2)
     d = _decisions(engine)
-    tier3 = [c for c in d["chunks"] if c["tier"] == offload.MASTERS]
-    assert tier3 and not d["unattainable"] and d["peak_after"] <= budget, d
-    assert d["offloaded_master_bytes"] == sum(c["master_bytes"] for c in tier3) > 0
+    want = offload.MASTERS if mode == "never" else offload.HOST
+    taken = [c for c in d["chunks"] if c["tier"] >= offload.MASTERS]
+    assert taken and all(c["tier"] == want for c in taken), d["chunks"]
+    assert not d["unattainable"] and d["peak_after"] <= budget, d
+    assert d["offloaded_master_bytes"] == sum(c["master_bytes"] for c in taken) > 0
+    host = d["host_step"]
+    assert host["mode"] == mode and host["chosen"] == (mode != "never"), host
+    if mode != "never":
+        assert host["predicted_host_s"] <= host["predicted_streamed_s"], host
+        assert engine._offload.last_step["stepped_on_host"] == len(taken)
     rep = engine.report().to_dict()
     for g in rep["graphs"]:   # measured with the plan: within the budget
         for s in g["slots"]:
@@ -181,7 +194,15 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group):
     assert rep["offload"]["offloaded_master_bytes"] == d["offloaded_master_bytes"]
     text = str(engine.report())
     assert "masters of" in text and "masters on the host:" in text, text
+    assert ("they step on the host" in text) == (mode != "never"), text
+    assert ("stepped on the host:" in text) == (mode != "never"), text
     assert not _same(_weights(engine), _weights(plain))
+
+
+def test_an_unknown_host_step_mode_is_refused(group, monkeypatch):
+    monkeypatch.setenv("DEEPCOMPILE_HOST_STEP", "sometimes")
+    with pytest.raises(ValueError, match="DEEPCOMPILE_HOST_STEP='sometimes': allowed are auto"):
+        _train(_engine(passes=("offload_optimizer",), warmup_steps=1, memory_budget=1), 3)
 
 
 @pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
@@ -248,7 +269,9 @@ def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     _train(engine, 4, start=4)
     entries = [e for e in pipe.pass_log if e["pass"] == "offload_optimizer"]
     assert len(entries) == 2 and all(e["kept"] for e in entries)
-    assert any(c["tier"] == offload.MASTERS for c in entries[-1]["decisions"]["chunks"])
+    # on the CPU the host step is never slower (DEEPCOMPILE_HOST_STEP=auto): tier 4
+    assert any(c["tier"] == offload.HOST for c in entries[-1]["decisions"]["chunks"])
+    assert engine._offload.last_step["stepped_on_host"] > 0
     assert all(c.param.untyped_storage().nbytes() == 0 for c in chunks
                if engine._offload.master_tier(engine._offload.slots[c.index]))
     assert not _same(_weights(engine), _weights(plain))

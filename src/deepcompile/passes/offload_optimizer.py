@@ -50,6 +50,13 @@ The plan:
   then gradients; per byte crossing PCIe each step gradients free more (a tier-2 gradient frees
   4 bytes per parameter for 4 out and 4 in; a master under bf16 frees 2 for 4 out and 4 in), so
   they go first (docs/notes/issue-16.md);
+* chunks whose masters go may step on the host instead (tier 4, [Note: the host step] in
+  runtime/offload.py): then the step streams nothing of them (no staging), and only their copy
+  in the compute dtype goes up. The plan takes it where it is predicted faster — per chunk, its
+  copies in and out (the two directions at once) plus the device's step, against the host's
+  step at the rate the runtime measured (`Offloader.host_step_rate`, agreed over the ranks) plus
+  the copy's way up — or where only it fits the budget; `DEEPCOMPILE_HOST_STEP` (auto, always,
+  never) overrides the comparison. The decision's `host_step` says what was compared;
 * a budget that even all state, gradients and masters off the device does not meet is
   unattainable: the plan says so with the figures and changes nothing.
 
@@ -68,6 +75,7 @@ import dataclasses
 import itertools
 import logging
 import operator
+import os
 from typing import Any, Callable
 
 import torch
@@ -124,6 +132,8 @@ class MasterItem:
     # per point, where the saving differs from point to point (the CPU model: `master_items`);
     # None: `nbytes` at every point
     per_point: list[int] | None = None
+    numel: int = 0         # the chunk's elements (the host step's work)
+    copy_bytes: int = 0    # its copy in the compute dtype (what a host step sends up)
 
 
 def select(items: list[Item], need: int) -> list[Item] | None:
@@ -164,14 +174,16 @@ def staging_bytes(streamed: list[Item]) -> int:
 def plan_step(points: list[Point], items: list[Item], step_base: int,
               copy_s: Callable[[int], float], budget: float,
               grads: list[GradItem] | None = None,
-              masters: list[MasterItem] | None = None) -> dict[str, Any]:
+              masters: list[MasterItem] | None = None,
+              host: "HostStep | None" = None) -> dict[str, Any]:
     """The offload plan of one optimizer step; pure (unit-tested on synthetic curves).
 
     `points`: the graphs' curve with every item on the device; `step_base`: the device's bytes
     during the step with no item on it (masters, gradients, the fold's flat gradient, what is
     not this engine's); `grads`: the chunks whose gradients may go to the host if the state
     alone is not enough (tier 2); `masters`: the chunks whose masters may go too, if that is not
-    enough either (tier 3)."""
+    enough either (tier 3); `host`: whether and how fast such chunks may step on the host
+    instead of streaming through the device (tier 4; None: never)."""
     n = len(points)
     live = [p.live_bytes for p in points]
     state = sum(i.nbytes for i in items)
@@ -199,14 +211,16 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
     for key, chosen in (("lowest_state_peak_bytes", []), ("lowest_grads_peak_bytes", grads)):
         curve, step = _all_state_off(live, items, chosen, step_base, queue)
         out[key] = max(curve + [step])
-    out["lowest_peak_bytes"] = max(_take_masters(live, items, grads, step_base, queue, masters,
-                                                 float("-inf"))[1])
+    out["lowest_peak_bytes"] = min(
+        max(_take_masters(live, items, grads, step_base, queue, masters, float("-inf"),
+                          hosted)[1])
+        for hosted in ([False, True] if host is not None and host.mode != "never" else [False]))
     if peak_before <= budget:
         return out
     # the step with nothing resident needs room for the streamed chunks
     if step_base + staging_bytes(items) > budget:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, queue, budget, masters)
+            return _with_grads(out, live, items, grads, step_base, queue, budget, masters, host)
         return {**out, "unattainable": True,
                 "reason": f"the optimizer step needs {step_base} bytes with no optimizer state "
                           f"on the device, plus {staging_bytes(items)} to stream the state "
@@ -220,7 +234,7 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
         chosen = select(items, sum(i.nbytes for i in chosen) + step_need)
     if chosen is None:
         if grads:
-            return _with_grads(out, live, items, grads, step_base, queue, budget, masters)
+            return _with_grads(out, live, items, grads, step_base, queue, budget, masters, host)
         return {**out, "unattainable": True,
                 "reason": f"offloading all optimizer state ({state} bytes) is not enough: the "
                           f"curve exceeds the budget by {need} bytes"}
@@ -296,12 +310,24 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
             "peak_after": max(max(curve, default=0), step_peak), "curve": curve}
 
 
+@dataclasses.dataclass
+class HostStep:
+    """What the plan knows of the host step ([Note: the host step] in runtime/offload.py)."""
+    seconds_per_element: float   # the host's step, measured (`Offloader.host_step_rate`)
+    # the device's own step, per element: the same as the host's on the CPU (the same memory
+    # and kernels); 0 on a GPU, whose step reads HBM at ~100x PCIe's bandwidth
+    device_seconds_per_element: float = 0.0
+    mode: str = "auto"           # "auto" (the faster, or the one that fits), "always", "never"
+
+
 def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: list[GradItem],
                 step_base: int, queue: tuple[list[float], Callable[[int], float]],
-                budget: float, masters: list[MasterItem] = ()) -> dict[str, Any]:
+                budget: float, masters: list[MasterItem] = (),
+                host: HostStep | None = None) -> dict[str, Any]:
     """Tier 2: every chunk's state streamed through the step, and the gradients of as many
     chunks as the curve and the step need, earliest complete first; tier 3: with all of them
-    off, the masters of as many of those chunks as still needed, in chunk order."""
+    off, the masters of as many of those chunks as still needed, in chunk order; tier 4: those
+    chunks step on the host, where that is faster or where only that fits (`_host_or_stream`)."""
     state = sum(i.nbytes for i in items)
     state_of = {i.chunk: i.nbytes for i in items}
     copy_s = queue[1]
@@ -314,47 +340,97 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
         chosen.append(g)
         curve, step = _all_state_off(live, items, chosen, step_base, queue)
     gone: list[MasterItem] = []
+    hosted, host_out = False, None
     if max(curve + [step]) > budget:
-        gone, peaks = _take_masters(live, items, chosen, step_base, queue, masters, budget)
+        gone, peaks, hosted, host_out = _host_or_stream(live, items, chosen, step_base, queue,
+                                                        masters, budget, host)
         curve, step = peaks[:-1], peaks[-1]
     if max(curve + [step]) > budget:
-        return {**out, "unattainable": True,
+        return {**out, "unattainable": True, "host_step": host_out,
                 "reason": f"offloading all optimizer state ({state} bytes), all gradients "
                           f"({sum(g.nbytes for g in grads)} bytes) and the masters that may go "
                           f"(saving {sum(m.nbytes for m in masters)} bytes) is not enough: the "
                           f"peak stays at {max(curve + [step])} bytes"}
     tier = {g.chunk: g for g in chosen}
     master = {m.chunk: m for m in gone}
-    chunks = [{"chunk": c, "tier": offload.MASTERS if c in master else
+    top = offload.HOST if hosted else offload.MASTERS
+    chunks = [{"chunk": c, "tier": top if c in master else
                offload.GRADS if c in tier else offload.STATE,
                "bytes": state_of.get(c, 0), "grad_bytes": tier[c].nbytes if c in tier else 0,
                "master_bytes": master[c].nbytes if c in master else 0,
                "label": tier[c].label if c in tier else next(
-                   (i.label for i in items if i.chunk == c), ""), "streamed": True}
+                   (i.label for i in items if i.chunk == c), ""),
+               "streamed": not (hosted and c in master)}
               for c in sorted(set(state_of) | set(tier))]
+    on_host = set(master) if hosted else set()
     return {**out, "offloaded_bytes": state, "chunks": chunks, "reloads": [],
             "offloaded_grad_bytes": sum(g.nbytes for g in chosen),
             "offloaded_master_bytes": sum(m.nbytes for m in gone),
-            "predicted_streamed_s": sum(2 * copy_s(i.nbytes) for i in items)
-            + sum(copy_s(g.flat_bytes) for g in chosen)
-            + sum(2 * copy_s(m.master_bytes) for m in gone),
+            "predicted_streamed_s": sum(2 * copy_s(i.nbytes) for i in items
+                                        if i.chunk not in on_host)
+            + sum(copy_s(g.flat_bytes) for g in chosen if g.chunk not in on_host)
+            + sum(2 * copy_s(m.master_bytes) for m in gone if m.chunk not in on_host),
             "predicted_grad_copy_s": sum(copy_s(g.nbytes) for g in chosen),
+            "host_step": host_out,
             "peak_after": max(curve + [step]), "curve": curve}
+
+
+def _host_or_stream(live: list[int], items: list[Item], chosen: list[GradItem], step_base: int,
+                    queue: tuple[list[float], Callable[[int], float]],
+                    masters: list[MasterItem], budget: float, host: HostStep | None
+                    ) -> tuple[list[MasterItem], list[int], bool, dict | None]:
+    """The masters that go (`_take_masters`), streamed through the device's step or stepped on
+    the host: on the host where that is predicted faster (mode "auto") or always ("always"),
+    and either way where only it fits the budget. A chunk streamed costs the step its copies in
+    (state, flat gradient, master) and out (state, master), the two directions at once, plus
+    the device's step; stepped on the host, the host's step plus its copy's way up (which
+    overlaps the next chunk's host step but the last). Returns the masters, the curve with the
+    step last, whether they step on the host, and the comparison for the report."""
+    streamed = _take_masters(live, items, chosen, step_base, queue, masters, budget)
+    if host is None or host.mode == "never" or not masters:
+        return (*streamed, False, None if host is None else {"mode": host.mode, "chosen": False,
+                                                             "why": "never (mode)"})
+    on_host = _take_masters(live, items, chosen, step_base, queue, masters, budget, hosted=True)
+    copy_s = queue[1]
+    state_of = {i.chunk: i.nbytes for i in items}
+    flat = {g.chunk: g.flat_bytes for g in chosen}
+    gone = on_host[0]
+    stream_s = sum(max(copy_s(state_of.get(m.chunk, 0) + flat.get(m.chunk, 0) + m.master_bytes),
+                       copy_s(state_of.get(m.chunk, 0) + m.master_bytes))
+                   + m.numel * host.device_seconds_per_element for m in gone)
+    host_s = (sum(m.numel for m in gone) * host.seconds_per_element
+              + max((copy_s(m.copy_bytes) for m in gone), default=0.0))
+    fits_s = max(streamed[1]) <= budget
+    fits_h = max(on_host[1]) <= budget
+    if host.mode == "always":
+        use, why = fits_h or not fits_s, "always (mode)"
+    elif fits_s and fits_h:
+        use = host_s <= stream_s
+        why = "faster" if use else "slower"
+    else:
+        use = fits_h
+        why = "only the host step fits" if fits_h else "only streaming fits" if fits_s else \
+            "neither fits"
+    report = {"mode": host.mode, "chosen": use, "why": why, "chunks": len(gone),
+              "predicted_host_s": host_s, "predicted_streamed_s": stream_s,
+              "host_seconds_per_element": host.seconds_per_element}
+    return (*(on_host if use else streamed), use, report)
 
 
 def _take_masters(live: list[int], items: list[Item], chosen: list[GradItem], step_base: int,
                   queue: tuple[list[float], Callable[[int], float]], masters: list[MasterItem],
-                  budget: float) -> tuple[list[MasterItem], list[int]]:
+                  budget: float, hosted: bool = False) -> tuple[list[MasterItem], list[int]]:
     """Tier 3 on top of `chosen`'s gradients: masters in chunk order, each taken only if it
     lowers the peak (a master streamed through the step adds its bytes to the step's staging,
-    which can cost the step more than it saves), until the peak is within `budget`. Returns
-    the masters taken and the curve with the step's peak last."""
+    which can cost the step more than it saves; `hosted`: the chunk steps on the host and
+    needs no staging), until the peak is within `budget`. Returns the masters taken and the
+    curve with the step's peak last."""
     gone: list[MasterItem] = []
     curve, step = _all_state_off(live, items, chosen, step_base, queue)
     for m in sorted(masters, key=lambda m: m.chunk):
         if max(curve + [step]) <= budget:
             break
-        c2, s2 = _all_state_off(live, items, chosen, step_base, queue, gone + [m])
+        c2, s2 = _all_state_off(live, items, chosen, step_base, queue, gone + [m], hosted)
         if max(c2 + [s2]) < max(curve + [step]):
             gone.append(m)
             curve, step = c2, s2
@@ -363,7 +439,8 @@ def _take_masters(live: list[int], items: list[Item], chosen: list[GradItem], st
 
 def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
                    step_base: int, queue: tuple[list[float], Callable[[int], float]],
-                   masters: list[MasterItem] = ()) -> tuple[list[int], int]:
+                   masters: list[MasterItem] = (), hosted: bool = False
+                   ) -> tuple[list[int], int]:
     """The curve and the step peak with every chunk's state streamed through the step and the
     gradients of `chosen` on the host. A gradient's copy out starts when the node that makes it
     ends, or when the copy before it is done (one copy stream, in the order they are made), and
@@ -372,7 +449,8 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
     than PCIe takes them away. A later gradient of the same shard (`GradItem.again`) is a round
     trip: from its node on the device holds the sum (the profile, the accumulated gradient:
     no saving) until its copy out ends. The masters of `masters` are off the device for the
-    whole step but while the step streams them (their copies stay)."""
+    whole step but while the step streams them (their copies stay); `hosted`: those chunks
+    step on the host, and the step streams nothing of them."""
     n = len(live)
     ends, copy_s = queue
     drop = [0] * (n + 1)
@@ -399,7 +477,8 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
     flat = {g.chunk: g.flat_bytes for g in chosen}
     master = {m.chunk: m.master_bytes for m in masters}
     staging = sorted((state_of.get(c, 0) + flat.get(c, 0) + master.get(c, 0)
-                      for c in set(state_of) | set(flat)), reverse=True)
+                      for c in set(state_of) | set(flat)
+                      if not (hosted and c in master)), reverse=True)
     # the masters leave and their copies stay: the device saves `nbytes` of each
     step = step_base - sum(g.nbytes for g in chosen) - away + sum(staging[:offload.LOOKAHEAD + 1])
     return curve, step
@@ -509,7 +588,8 @@ def master_items(ctx: PassContext, points: list[Point]) -> list[MasterItem]:
                        for key, pids in inputs.items()}
             per_point = [by_slot.get(p.slot, 0) - copy for p in points]
         out.append(MasterItem(c.index, saving, offload.device_bytes(c.nbytes, store.device),
-                              c.entries[0].name, per_point))
+                              c.entries[0].name, per_point, c.numel,
+                              c.numel * c.entries[0].compute_dtype.itemsize))
     return out
 
 
@@ -527,6 +607,20 @@ def _shard_inputs(graph: fx.Graph) -> set[int]:
     return out
 
 
+HOST_STEP_MODES = ("auto", "always", "never")
+
+
+def host_step(store) -> HostStep:
+    """The host step as the plan sees it: the host's rate measured (and agreed over the ranks)
+    by the runtime; the mode from `DEEPCOMPILE_HOST_STEP` (auto, always, never; default auto)."""
+    mode = os.environ.get("DEEPCOMPILE_HOST_STEP", "auto")
+    if mode not in HOST_STEP_MODES:
+        raise ValueError(f"DEEPCOMPILE_HOST_STEP={mode!r}: allowed are "
+                         f"{', '.join(HOST_STEP_MODES)}")
+    rate = store.host_step_rate()
+    return HostStep(rate, rate if store.device.type != "cuda" else 0.0, mode)
+
+
 def items_of(store) -> list[Item]:
     return [Item(s.chunk.index, store.state_bytes(s), s.chunk.entries[0].name)
             for s in store.slots if store.state_bytes(s) > 0]
@@ -538,9 +632,10 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # offload] in runtime/offload.py): add it back
     offset = store.profile_offset()
     points = timeline(ctx, offset)
+    masters = master_items(ctx, points)
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
-                         ctx.memory_budget, grad_items(ctx, points),
-                         master_items(ctx, points))
+                         ctx.memory_budget, grad_items(ctx, points), masters,
+                         host_step(store) if masters else None)
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:
@@ -622,9 +717,15 @@ def summary(d: dict[str, Any]) -> list[str]:
              "at the step"] if with_grads else []
     with_masters = [c for c in d["chunks"] if c.get("master_bytes")]
     if with_masters:
+        h = d.get("host_step") or {}
+        how = ("they step on the host" if h.get("chosen")
+               else "the step streams each master in and out")
+        if "predicted_host_s" in h:
+            how += (f"; host step {h['predicted_host_s'] * 1e3:.3f} ms against "
+                    f"{h['predicted_streamed_s'] * 1e3:.3f} ms streamed, {h['why']}")
         grads.append(f"masters of {len(with_masters)} chunks on the host too, saving "
                      f"{_mib(d['offloaded_master_bytes'])} (the gathers read copies in the "
-                     "compute dtype; the step streams each master in and out)")
+                     f"compute dtype; {how})")
     return [
         f"optimizer state of {len(d['chunks'])} chunks off the device, "
         f"{_mib(d['offloaded_bytes'])} of {_mib(d['state_bytes'])} (excess over budget "

@@ -337,6 +337,11 @@ class Report:
                            "read copies in the compute dtype); last step moved "
                            f"{_mib(last.get('master_d2h_bytes', 0))} MiB to host and "
                            f"{_mib(last.get('master_h2d_bytes', 0))} MiB back")
+            if last.get("stepped_on_host"):
+                out.append(f"stepped on the host: {last['stepped_on_host']} chunks last step, "
+                           f"their copies {_mib(last.get('lowp_h2d_bytes', 0))} MiB up; host "
+                           f"steps {o.get('measured_host_step_s', 0) * 1e3:.2f} ms over "
+                           f"{o['totals'].get('steps', 0)} steps")
         if self.graph_reuse:
             out.append(f"graph reuse: {len(self.graph_reuse)} parameter pairs share compiled graphs")
         t = self.timings

@@ -390,6 +390,7 @@ class Offloader:
         self._counts = self._zero_counts()
         self.step_starts: list[int] = []   # CUDA: device bytes at profiled steps' start, no state
         self.host_seconds = 0.0            # wall time of the host steps (tier 4), all steps
+        self._host_rate: float | None = None   # `host_step_rate`, once measured
         # tier 2: where each parameter's gradient goes, and the factor the engine decided for
         # the host gradients (loss scale, clipping; None: 1)
         self._where = {e.pid: (s, i) for s in self.slots for i, e in enumerate(s.chunk.entries)}
@@ -921,6 +922,21 @@ one, the device's the CUDA one: equal within rounding, not bitwise.
                             for k, v in self.flat.inner.state[c.param].items()}
         slot.host_opt = opt
         return opt
+
+    def host_step_rate(self) -> float:
+        """Seconds per element of the host step ([Note: the host step]), measured once per
+        engine on the largest chunk's size (at most 4 M elements) and agreed over the ranks
+        (the slowest rank's: every rank plans the same)."""
+        if self._host_rate is None:
+            numel = max((c.numel for c in self.flat.chunks), default=0)
+            rate = self.host_step_seconds(numel) / numel if numel else float("inf")
+            comm = getattr(self.runtime, "comm", None)
+            if comm is not None and comm.world > 1:
+                vec = torch.tensor([rate], dtype=torch.float64, device=self.device)
+                comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
+                rate = vec.item()
+            self._host_rate = rate
+        return self._host_rate
 
     def host_step_seconds(self, numel: int, repeats: int = 3) -> float:
         """Seconds the host takes to step `numel` elements of this engine's optimizer (its
