@@ -179,6 +179,45 @@ def test_streamed_state_is_not_on_the_device_at_once():
     assert r.step_s == pytest.approx(r0.step_s + streamed[0].dur, rel=0.05)
 
 
+def test_chunks_step_on_the_host_where_that_is_faster_or_only_it_fits():
+    """Offload tier 4 ([Note: the host step] in runtime/offload.py) as the planner plans it with
+    the pass's `plan_step`: at the host's assumed rate (`net.host_step_ns`) against streaming;
+    a hosted chunk stages nothing on the device, the device's optimizer step covers the rest,
+    and the host's step is host time before its copies' way up."""
+    m = synthetic(layers=6, act=16 << 20)
+
+    def at(ns, budget=float("inf")):
+        s = setting(m, world=1, budget=budget)
+        s.cost.host_step_ns = ns
+        sch, r = run(s, ("offload_optimizer",))
+        return s, sch, r, sch.decisions["offload_optimizer"]
+
+    _, _, _, streamed_only = at(0.0)            # no host step: tiers 1-3
+    _, _, _, fast = at(0.01)
+    assert fast["lowest_peak_bytes"] < streamed_only["lowest_peak_bytes"]
+    # below what streaming reaches, only the host step fits
+    s, sch, r, d = at(0.01, fast["lowest_peak_bytes"])
+    assert not d["unattainable"] and d["host_step"]["why"] == "only the host step fits"
+    assert d["stepped_on_host"] > 0 and r.peak_bytes <= fast["lowest_peak_bytes"]
+    [host] = [e for e in sch.events if e.name == "host step"]
+    elems = sum(s.shard_numel(p) for p in m.params)
+    hosted = sum(n for n, _ in ours.plan(s, ("offload_optimizer",)).hosted.values())
+    assert hosted == elems   # every chunk here
+    assert host.host_s == pytest.approx(elems * 0.01e-9)
+    [opt] = [e for e in sch.events if e.name == "optimizer step"]
+    assert opt.dur == pytest.approx(0.0)
+    assert not [e for e in sch.events if e.name == "stream state"]
+    # where streaming fits too, the faster one
+    budget = streamed_only["lowest_peak_bytes"]
+    _, _, r_fast, d_fast = at(0.01, budget)
+    _, sch_slow, r_slow, d_slow = at(100.0, budget)
+    _, _, r_stream, _ = at(0.0, budget)
+    assert d_fast["host_step"]["chosen"] and d_fast["host_step"]["why"] == "faster"
+    assert not d_slow["host_step"]["chosen"] and d_slow["host_step"]["why"] == "slower"
+    assert d_slow["stepped_on_host"] == 0 and r_slow.step_s == pytest.approx(r_stream.step_s)
+    assert r_fast.step_s < r_stream.step_s
+
+
 def test_fsdp2_gathers_a_unit_one_ahead_and_reduces_per_layer():
     m = synthetic()
     s = setting(m)

@@ -57,6 +57,10 @@ class Fabric:
     launch_host_s: float = 20e-6   # host seconds to launch one collective (see plan.py)
     tree_bw_factor: float = 0.9    # a tree's bus bandwidth relative to a ring's
     algorithm: str = "auto"        # all-reduce: "ring", "tree" or "auto"
+    # the host's optimizer step per parameter (offload tier 4, [Note: the host step] in
+    # runtime/offload.py): plan.py measures this machine's (torch's fused CPU AdamW, fp32);
+    # 0: no host step
+    host_step_ns: float = 0.0
 
     @property
     def world(self) -> int:
@@ -113,7 +117,8 @@ class Fabric:
                 f"/ {self.net_hop_s * 1e6:.1f} us, base {self.base_s * 1e6:.1f} us -> ring latency "
                 f"{(self.base_s + self.ring_latency()) * 1e6:.1f} us; all-reduce {self.algorithm}; "
                 f"host {self.launch_host_s * 1e6:.0f} us per launch; PCIe {self.pcie_bw / 1e9:.0f} "
-                f"GB/s x {self.pcie_eff:.2f}")
+                f"GB/s x {self.pcie_eff:.2f}; host optimizer step {self.host_step_ns:.2f} ns per "
+                "parameter")
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "world": self.world, "busbw": self.busbw()}

@@ -135,6 +135,9 @@ class Plan:
     # tier 3 ([Note: masters on the host] in runtime/offload.py): chunk -> master bytes; the
     # device keeps their copies in the compute dtype, and the step streams them
     masters_saved: int = 0                   # the masters' bytes less their copies'
+    # tier 4 ([Note: the host step]): chunk -> (elements, copy bytes) of chunks stepping on the
+    # host; their masters are in `masters_saved`, not in `masters_off` (nothing is streamed)
+    hosted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- sizes ------------------------------------------------------------------------
@@ -745,7 +748,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
     s = plan.s
     plan.offloaded = 0     # the curve with all state and gradients on the device
     plan.reloads, plan.streamed, plan.grads_off = [], {}, []
-    plan.masters_off, plan.masters_saved = {}, 0
+    plan.masters_off, plan.masters_saved, plan.hosted = {}, 0, {}
     points = []
     done: dict[int, list[int]] = {}   # parameter -> the points after which its gradient is
     # complete, first (its first micro-step) and again (a later micro-step's, added to it)
@@ -775,11 +778,16 @@ def _offload(plan: Plan) -> dict[str, Any]:
     # tier 3: at ZeRO-3 under a compute dtype narrower than the masters' (the runtime's
     # `Offloader.master_saving`); on a GPU the saving holds at every point
     masters = [offload_optimizer.MasterItem(c, master - master * s.csize // MASTER_BYTES, master,
-                                            label)
+                                            label, numel=master // MASTER_BYTES,
+                                            copy_bytes=master // MASTER_BYTES * s.csize)
                for c, (_, master, label) in enumerate(chunks)] \
         if s.stage == 3 and s.csize < MASTER_BYTES else []
+    # tier 4: the host's step at the assumed rate; a GPU's own step is not counted against it
+    # (HBM is ~100x PCIe); no host step on a CPU network (one memory: nothing to plan)
+    ns = getattr(s.cost, "host_step_ns", 0.0)
+    host = offload_optimizer.HostStep(ns * 1e-9) if ns > 0 and masters else None
     d = offload_optimizer.plan_step(points, states, step_base, s.planner_cost.copy_s, s.budget,
-                                    grads=grads, masters=masters)
+                                    grads=grads, masters=masters, host=host)
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]), r["bytes"], r["predicted_s"]) for r in d["reloads"]]
@@ -791,13 +799,18 @@ def _offload(plan: Plan) -> dict[str, Any]:
                                               g.flat_bytes, g.label))
             if c["tier"] == offload.MASTERS:
                 plan.masters_off[c["chunk"]] = chunks[c["chunk"]][1]
+            if c["tier"] == offload.HOST:
+                m = masters[c["chunk"]]
+                plan.hosted[c["chunk"]] = (m.numel, m.copy_bytes)
+            if c["tier"] >= offload.MASTERS:
                 plan.masters_saved += c["master_bytes"]
     return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
                               "predicted_streamed_s", "peak_before", "peak_after",
                               "offloaded_grad_bytes", "predicted_grad_copy_s",
                               "offloaded_master_bytes", "lowest_state_peak_bytes",
-                              "lowest_grads_peak_bytes", "lowest_peak_bytes")}
+                              "lowest_grads_peak_bytes", "lowest_peak_bytes")} | {
+        "host_step": d.get("host_step"), "stepped_on_host": len(plan.hosted)}
 
 
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
@@ -941,7 +954,8 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     # onto the device
     staged = dict(pl.streamed)
     for g in pl.grads_off:
-        staged[g.chunk] = staged.get(g.chunk, 0) + g.flat_bytes
+        if g.chunk not in pl.hosted:   # tier 4 streams nothing
+            staged[g.chunk] = staged.get(g.chunk, 0) + g.flat_bytes
     for c, nb in pl.masters_off.items():
         staged[c] = staged.get(c, 0) + nb
     staging = offload_optimizer.staging_bytes(
@@ -954,7 +968,17 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
                             cid[0], "h2d", live, label="offload"))
     for c in reload_ids:
         events.append(Event("wait", "reload wait", cid=c, lane="h2d", live=live))
-    events += optimizer_events(s, live)
+    hosted = sum(n for n, _ in pl.hosted.values())
+    events += optimizer_events(s, live, share=1.0 - hosted / max(s.shard_elems(), 1))
+    if pl.hosted:
+        # [Note: the host step]: the host steps the tier-4 chunks one by one after queuing the
+        # device's step, each chunk's copy going up while the next steps: the last one's copy
+        # is what the next forward waits for beyond the host's time
+        cid[0] += 1
+        events.append(Event("start", "host step", s.cost.copy_s(max(
+            b for _, b in pl.hosted.values())), hosted * s.cost.host_step_ns * 1e-9, cid[0],
+            "h2d", live, label="offload"))
+        events.append(Event("wait", "host step.wait", cid=cid[0], lane="h2d", live=live))
     for nb in pl.decisions.get("refresh", []):
         if s.world == 1:   # the shards cast and copied into the replicas: no collective
             events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,

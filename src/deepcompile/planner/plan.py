@@ -8,6 +8,11 @@
 Assumed figures, all printed with a plan and overridable with `--assume key=value`:
 
 * `gpu.*` (roofline.py): datasheet peaks of the target GPU and what kernels reach of them.
+* `net.host_step_ns`: the host's optimizer step per parameter (offload tier 4, chunks whose
+  masters are on the host stepping there): measured on this machine (torch's fused CPU AdamW
+  over 16 M fp32 parameters, past the caches; its intra-op threads), which is not the target's
+  host; set the
+  target's with `--assume net.host_step_ns=...`.
 * `net.*` (network.py): NVLink and NIC bandwidths, hop latencies, and `net.launch_host_s`,
   deepcompile's host time per collective launch. Default 20 us: the runtime's graphs launch
   torch's functional collectives (C++ ops called from Inductor's code: compiler/lower.py), whose
@@ -255,7 +260,8 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
             return unfused[piece, phase]
 
         net = _override(network.Fabric(args.nodes, args.gpus_per_node, gpu.nvlink_bw, gpu.nic_bw,
-                                       gpu.pcie_bw), "net", args.assume)
+                                       gpu.pcie_bw, host_step_ns=_host_step_ns()),
+                        "net", args.assume)
         device_memory = gpu.memory
         mem_bw = gpu.hbm_bw * gpu.mem_eff
         setting_info = {"gpu": gpu.to_dict(), "roofline": roofline.roofline_summary(gpu),
@@ -379,6 +385,24 @@ def _does_not_fit(shape, args: PlanArgs, memory: dict[str, Any]) -> str:
             f"optimizer state and gradients on the host"
             + (" and the masters' compute-dtype copies on the device" if memory["masters_off"]
                else "") + " (offload_optimizer)")
+
+
+def _host_step_ns(numel: int = 1 << 24, repeats: int = 3) -> float:
+    """This machine's AdamW step on the CPU (torch's fused kernel, fp32, its intra-op threads),
+    nanoseconds per parameter: the fastest of `repeats` (`--assume net.host_step_ns` sets the
+    target host's instead)."""
+    import time
+
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.full((numel,), 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    return min(ts) / numel * 1e9
 
 
 def _host_copy_bw() -> float:

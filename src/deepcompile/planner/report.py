@@ -109,6 +109,11 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
         if d.get("offloaded_master_bytes"):
             grads += (f"; masters on the host, saving {gb(d['offloaded_master_bytes'])} (copies "
                       "in the compute dtype stay)")
+        h = d.get("host_step") or {}
+        if "predicted_host_s" in h:
+            grads += (f"; {'stepped on the host' if h['chosen'] else 'streamed'}: "
+                      f"{h['chunks']} chunks, host step {h['predicted_host_s'] * 1e3:.0f} ms "
+                      f"against {h['predicted_streamed_s'] * 1e3:.0f} ms streamed ({h['why']})")
         return (f"offloaded {gb(d['offloaded_bytes'])} of {gb(d['state_bytes'])}; copied back "
                 f"in the backward {d['predicted_copy_s'] * 1e3:.1f} ms (exposed "
                 f"{d['predicted_exposed_s'] * 1e3:.1f} ms), streamed through the step "

@@ -129,11 +129,14 @@ def framework_event(setting: Setting, live: int) -> Event:
     return Event("compute", "framework", 0.0, setting.framework_s, live=live, label="host")
 
 
-def optimizer_events(setting: Setting, live: int, label: str = "optimizer") -> list[Event]:
+def optimizer_events(setting: Setting, live: int, label: str = "optimizer",
+                     share: float = 1.0) -> list[Event]:
+    """The device's optimizer step; `share`: the fraction of the parameters it steps (the rest
+    step on the host: offload tier 4)."""
     n = len(setting.model.params)
     host = 0.0 if setting.host_is_compute else n * setting.eager_op_host_s
-    return [Event("compute", "optimizer step", setting.optimizer_step_s(), host, live=live,
-                  label=label)]
+    return [Event("compute", "optimizer step", setting.optimizer_step_s() * share, host,
+                  live=live, label=label)]
 
 
 @dataclasses.dataclass

@@ -44,12 +44,14 @@ direction (PCIe is full duplex), ordered by events, never by luck:
     synchronized (`host_sync`).
 On the CPU `_SimCopier` imitates this: a copy to the device is *deferred* until someone waits
 for its event (so a step that forgot to wait reads garbage and the parity tests fail). A copy
-to the host is immediate where its source is released right after (the state: on CUDA,
-`record_stream` keeps the block intact until the copy read it), and deferred where the source
-lives on in the caller's hands (a gradient, `late=True`): one in-order queue, as the d2h stream,
-run when an event in it (or one after it) is waited for, or at `host_sync` — so a source that
-the caller overwrites before the copy ran shows up on the CPU too. Everything else — which
-chunks, which events, which storage is released — is the same code on both.
+to the host is deferred too: one in-order queue, as the d2h stream, run when an event in it (or
+one after it) is waited for, or at `host_sync`. Where the source is released right after (the
+state, a master: on CUDA, `record_stream` keeps the block intact until the copy read it) the
+queued copy reads a snapshot taken now; where the source lives on in the caller's hands (a
+gradient, `late=True`) it reads the source itself — so a source that the caller overwrites before
+the copy ran shows up on the CPU too, and so does a host reader that did not wait (the host
+step, a state dict). Everything else — which chunks, which events, which storage is
+released — is the same code on both.
 
 [Note: gradients on the host] A tier-2 chunk's shard gradients never reach `shard.grad`: the
 pass puts a `grad_to_host(grad, pid)` op right after the node that produces each of them in
@@ -200,23 +202,20 @@ class _SimCopier:
 
     def __init__(self) -> None:
         self.seconds = {"d2h": 0.0, "h2d": 0.0, "stall": 0.0}
-        self.deferred = 0          # copies to the device that ran only when waited for
+        self.deferred = 0          # copies that ran only when waited for (both ways)
         self._d2h: list[_Pending] = []   # deferred copies to the host, in order (one stream)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype)
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], late: bool = False):
-        if late:   # the caller keeps the source: it runs when waited for (module doc)
-            copy = _Pending(self, pairs, d2h=True)
-            self._d2h.append(copy)
-            return copy
-        self.run_d2h()   # in order after the deferred ones
-        t0 = time.perf_counter()
-        for host, dev in pairs:
-            host.copy_(dev)
-        self.seconds["d2h"] += time.perf_counter() - t0
-        return None
+        """Queued: it runs when waited for (module doc). Not `late`: the source is released
+        right after, so the copy reads a snapshot of it (CUDA's `record_stream`)."""
+        if not late:
+            pairs = [(host, dev.clone()) for host, dev in pairs]
+        copy = _Pending(self, pairs, d2h=True)
+        self._d2h.append(copy)
+        return copy
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
         return _Pending(self, pairs, after=after)
@@ -925,8 +924,9 @@ one, the device's the CUDA one: equal within rounding, not bitwise.
 
     def host_step_rate(self) -> float:
         """Seconds per element of the host step ([Note: the host step]), measured once per
-        engine on the largest chunk's size (at most 4 M elements) and agreed over the ranks
-        (the slowest rank's: every rank plans the same)."""
+        engine on the largest chunk's size (at most 16 M elements: past the host's caches, as
+        the step's chunks are) and agreed over the ranks (the slowest rank's: every rank plans
+        the same)."""
         if self._host_rate is None:
             numel = max((c.numel for c in self.flat.chunks), default=0)
             rate = self.host_step_seconds(numel) / numel if numel else float("inf")
@@ -942,11 +942,11 @@ one, the device's the CUDA one: equal within rounding, not bitwise.
         """Seconds the host takes to step `numel` elements of this engine's optimizer (its
         class, its first group's hyperparameters, its implementation as the host step would
         use it), measured here on scratch tensors: the fastest of `repeats` steps of at most
-        4 M elements, scaled linearly. `inf` where there is no flat step."""
+        16 M elements, scaled linearly. `inf` where there is no flat step."""
         inner = self.flat.inner
         if inner is None or numel <= 0:
             return float("inf")
-        n = min(numel, 1 << 22)
+        n = min(numel, 1 << 24)
         dtype = self.flat.chunks[0].dtype
         param = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
         param.grad = torch.full((n,), 1e-3, dtype=dtype)
