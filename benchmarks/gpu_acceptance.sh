@@ -22,12 +22,14 @@
 #   auto        12     6         llama-1b: compile-1proc, ours-z3-auto (the default passes)
 #   big         16     9         7 B Llama on one GPU, ours-offload (tier 1 planned)
 #   big-peers   16     10        the same 7 B with DeepSpeed ZeRO-Offload and FSDP2 CPUOffload
+#   tier4       16     9         a 2.7 B Llama at batch 1 under an 18 GiB limit (masters must go):
+#                                the host step (tier 4) against streaming (tier 3), and auto
 #   validate    15     9         deepcompile plan's prediction vs measured, llama-1b, world 1
 #   profile     12     4         torch.profiler over 3 steady steps, ours and plain compile
 #   attention   12,15  3         llama-1b's SDPA eager and compiled: mask, is_causal, the kernel
 #                                (compiled Llama gets an explicit mask before torch 2.14)
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|validate|profile|attention|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -89,6 +91,11 @@ one() {
     big-peers)
       run 590 "$log" $py benchmarks/offload_gpu.py "${BIG[@]}" \
         --systems deepspeed-offload fsdp2-cpuoffload --timeout 290 --out "$out" ;;
+    tier4)
+      run 590 "$log" $py benchmarks/offload_gpu.py --layers 32 --hidden 2560 --ffn 6912 \
+        --heads 20 --seq 1024 --batch 1 --steps 6 --timed 2 --limit-gib 18 \
+        --systems ours-offload-host ours-offload-streamed ours-offload --timeout 190 \
+        --out "$out" ;;
     validate)
       run 570 "$log" $py benchmarks/plan_validate.py --device cuda --gpu h100 \
         --workloads llama-1b --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 2 \
@@ -108,7 +115,7 @@ one() {
 
 setup
 if [[ $part == all ]]; then
-  for p in tests bench offload host-step auto big big-peers validate profile attention; do
+  for p in tests bench offload host-step auto big big-peers tier4 validate profile attention; do
     one "$p"
   done
 else

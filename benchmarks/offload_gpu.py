@@ -2,6 +2,9 @@
 training does not fit under an explicit memory limit, trained by
 
   ours-offload       deepcompile, passes=("offload_optimizer",), budget under the limit
+  ours-offload-host  the same, chunks whose masters go to the host stepping there
+                     (DEEPCOMPILE_HOST_STEP=always: offload tier 4)
+  ours-offload-streamed  the same, those chunks streamed through the device's step (=never)
   ours-no-offload    deepcompile without offloading, under the same limit (expected: OOM)
   ours-fits          deepcompile without offloading, with the whole GPU (where it still fits)
   fsdp2-cpuoffload   FSDP2 fully_shard with CPUOffloadPolicy (optimizer step on the CPU)
@@ -39,7 +42,9 @@ import traceback
 
 from _results import write_json  # benchmarks/_results.py (this script's folder)
 
-SYSTEMS = ("ours-fits", "ours-offload", "ours-no-offload", "fsdp2-cpuoffload", "deepspeed-offload")
+SYSTEMS = ("ours-fits", "ours-offload", "ours-offload-host", "ours-offload-streamed",
+           "ours-no-offload", "fsdp2-cpuoffload", "deepspeed-offload")
+HOST_STEP = {"ours-offload-host": "always", "ours-offload-streamed": "never"}   # offload tier 4
 
 
 def _model(args):
@@ -186,7 +191,9 @@ def child(args) -> None:
     try:
         if args.child == "ours-fits":
             out = run_ours(args, offload=False)
-        elif args.child == "ours-offload":
+        elif args.child in ("ours-offload", *HOST_STEP):
+            if args.child in HOST_STEP:   # read by the pass when it plans
+                os.environ["DEEPCOMPILE_HOST_STEP"] = HOST_STEP[args.child]
             out = run_ours(args, offload=True)
         elif args.child == "ours-no-offload":
             out = run_ours(args, offload=False)
