@@ -632,10 +632,12 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # offload] in runtime/offload.py): add it back
     offset = store.profile_offset()
     points = timeline(ctx, offset)
-    masters = master_items(ctx, points)
+    # the host's rate is measured with a collective: asked for on every rank or on none (the
+    # chunks' dtypes and stages, the same everywhere), never on what a profile says
+    host = host_step(store) if any(map(store.master_saving, store.slots)) else None
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
-                         ctx.memory_budget, grad_items(ctx, points), masters,
-                         host_step(store) if masters else None)
+                         ctx.memory_budget, grad_items(ctx, points), master_items(ctx, points),
+                         host)
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:

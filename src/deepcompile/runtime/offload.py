@@ -140,6 +140,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from typing import Callable, Iterable
 
@@ -603,37 +604,7 @@ class Offloader:
         return slot.loaded
 
     def _show(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
-        """[Note: the host step] A tier-4 chunk has everything the optimizer reads and writes on the host
-(its master, its Adam moments, its window's gradient: tier 3), so it steps there, as DeepSpeed's
-ZeRO-Offload does with its CPU Adam: per step its gradient goes down (during the backward, as
-at tier 2) and its copy in the compute dtype goes up (2 bytes per parameter under bf16),
-where streaming it through the device moves master, state and gradient in and master and state
-out (28 bytes per parameter for fp32 AdamW). Whether that is faster depends on the host's cores
-against PCIe: the pass measures the host step here (`host_step_seconds`) and plans it where the
-prediction says so (passes/offload_optimizer.py). The step itself (`_host_step`):
-  * waits on the host for the chunk's copies out (its gradient's last one, its state's, its
-    master's): on CUDA the events are synchronized, so the host reads complete buffers;
-  * makes the gradient what the device's fold would have made (gaps and unwritten shards zero,
-    times the engine's factor: `grad_scale`, brought to the host once per step);
-  * steps it with a host instance of the inner optimizer's class (`Slot.host_opt`: one
-    parameter, the pinned master; its state *is* the chunk's host buffers; torch's fused CPU
-    kernel where the inner optimizer is fused), with the inner group's hyperparameters of now
-    (the LR scheduler's); the inner optimizer's scalars (Adam's `step`) are read once when the
-    host instance is made and written back after each host step, so the facade's state, a
-    checkpoint and a later device step see the same count. A load, or a step of the chunk on the
-    device, drops the host instance (it is made again from the inner's scalars);
-  * casts the master into a pinned buffer in the compute dtype (`Slot.host_lowp`) and copies
-    that up into the device copy (`Slot.lowp`) on the copy stream, after the compute stream's
-    queued work (the last backward read the old copy); the compute stream waits for every such
-    copy before the step returns (the next forward's gathers read them). The next chunk's host
-    step runs while it goes up. Before the host writes `host_lowp` again, it waits for the last
-    copy up from it.
-A tier-4 chunk whose state or master is still on the device (the step right after the plan was
-set) is streamed as tier 3 this once. On the CPU the two ways run the same kernels on the same
-memory: bitwise the same (tests/test_offload_masters.py); on CUDA the host's kernel is torch's CPU
-one, the device's the CUDA one: equal within rounding, not bitwise.
-
-[Note: optimizer state access] The facade's state of the chunk's shards: views of
+        """[Note: optimizer state access] The facade's state of the chunk's shards: views of
         the flat state where it is on the device, meta tensors where it is not."""
         state = self.flat.facade.state
         c = slot.chunk
@@ -951,8 +922,6 @@ one, the device's the CUDA one: equal within rounding, not bitwise.
         param = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
         param.grad = torch.full((n,), 1e-3, dtype=dtype)
         opt = host_optimizer(inner, [param])
-        opt.param_groups[0].update({k: v for k, v in inner.param_groups[0].items()
-                                    if k != "params" and k not in _HOST_IMPL})
         opt.step()   # the state is made
         runs = []
         for _ in range(repeats):
@@ -1078,8 +1047,6 @@ def host_optimizer(inner: torch.optim.Optimizer, params: list) -> torch.optim.Op
     """An instance of `inner`'s class over host `params`, with its first group's settings: the
     fused CPU kernel where `inner` is fused and the class has one on the CPU, else torch's
     default implementation ([Note: the host step])."""
-    import inspect
-
     cls = type(inner)
     accepted = inspect.signature(cls.__init__).parameters
     group = inner.param_groups[0]
@@ -1096,10 +1063,9 @@ def host_optimizer(inner: torch.optim.Optimizer, params: list) -> torch.optim.Op
 
 
 def _gaps(c: Chunk) -> list[tuple[int, int]]:
-    """The chunk's alignment gaps, as (start, end) element offsets (the flat gradient's
-    `Chunk.gaps`, for a host buffer)."""
-    ends = [off + sh.numel() for off, sh in zip(c.offsets, c.shards)]
-    return [(end, nxt) for end, nxt in zip(ends, c.offsets[1:] + [c.numel]) if nxt > end]
+    """The chunk's alignment gaps as (start, end) element offsets: where `Chunk.gaps` (views of
+    the flat gradient) lie, for a host buffer."""
+    return [(v.storage_offset(), v.storage_offset() + v.numel()) for v in c.gaps]
 
 
 def _accumulate(shard: torch.Tensor, grad: torch.Tensor) -> None:
