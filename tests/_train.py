@@ -404,6 +404,19 @@ DEVIATIONS: list[dict] = []   # filled by compare_to_reference; printed by conft
 _DEVIATION_FILE = Path(__file__).resolve().parents[1] / "build" / "test-deviations.jsonl"
 
 
+def last_profiles(report: dict) -> list[tuple[str, dict]]:
+    """(slot key, its latest profile) of every graph slot of `engine.report().to_dict()`."""
+    return [(s["slot"], s["profiles"][-1]) for g in report["graphs"] for s in g["slots"]]
+
+
+def assert_peaks_within(report: dict, budget: float) -> None:
+    """Every graph slot's latest measured profile peaks within `budget` (measured with the
+    plan in force)."""
+    over = [(key, prof["peak_bytes"]) for key, prof in last_profiles(report)
+            if prof["peak_bytes"] > budget]
+    assert not over, (budget, over)
+
+
 def mean_losses(results: list[dict]) -> list[float]:
     """The distributed loss of each micro-step: the mean of the ranks' local losses."""
     per_rank = [r["losses"] for r in results]

@@ -27,8 +27,9 @@ import torch
 
 import _models
 from _dist import run_distributed
-from _train import (_one_scenario, check_state_consistent, chunk_bytes, compare_to_reference,
-                    max_param_deviation, mean_losses, scenario)
+from _train import (_one_scenario, assert_peaks_within, check_state_consistent, chunk_bytes,
+                    compare_to_reference, last_profiles, max_param_deviation, mean_losses,
+                    scenario)
 from deepcompile.passes import offload_optimizer as O
 from deepcompile.runtime import offload as R
 
@@ -271,6 +272,33 @@ def test_the_host_step_is_taken_where_it_is_predicted_faster(rate, chosen):
     tiers = [c["tier"] for c in plan["chunks"] if c["master_bytes"]]
     assert tiers and set(tiers) == {R.HOST if chosen else R.MASTERS}
     assert plan["peak_after"] <= floor - 50
+
+
+def test_a_plan_that_needs_more_host_memory_than_there_is_is_unattainable():
+    """The host buffers a plan keeps (`host_bytes`: each offloaded chunk's state, at tier 2 its
+    flat gradient, at tier 3 its master, at tier 4 its copy's staging) must fit what the host
+    has for this rank: pinned memory past it takes the host down, not the device."""
+    live = [600, 800, 1000, 1100, 1200, 1250, 1150]
+    items = _items([100, 100, 100, 100])
+    grads = _grads([50, 50, 50, 50], at=[4, 3, 2, 1], flat=[60, 60, 60, 60])
+    budget = 1250 - 400 - 60
+    plan = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), budget, grads)
+    assert not plan["unattainable"]
+    tier2 = [c for c in plan["chunks"] if c["tier"] == R.GRADS]
+    assert plan["host_bytes"] == 400 + 60 * len(tier2) and plan["host_capacity_bytes"] is None
+    fits = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), budget, grads,
+                       host_capacity=plan["host_bytes"])
+    assert fits["chunks"] == plan["chunks"] and fits["host_capacity_bytes"] == plan["host_bytes"]
+    short = O.plan_step(_points(live), items, 400, _copy(0, 1e-3), budget, grads,
+                        host_capacity=plan["host_bytes"] - 1)
+    assert short["unattainable"] and short["chunks"] == [] and short["offloaded_bytes"] == 0
+    assert f"keeps {plan['host_bytes']} bytes on the host" in short["reason"], short["reason"]
+    # masters and the host step's staging count too
+    masters = [O.MasterItem(c, 30, 60, numel=15, copy_bytes=30) for c in range(2)]
+    hosted = O.plan_step(_points([300] * 3), _items([100, 100]), 600, _copy(0, 1e-3), 500,
+                         _grads([50, 50], at=[2, 2]), masters, O.HostStep(1e-3))
+    assert [c["tier"] for c in hosted["chunks"]] == [R.HOST, R.HOST]
+    assert hosted["host_bytes"] == 2 * (100 + 50 + 60 + 30)
 
 
 def test_gradients_on_the_host_make_a_step_fit_that_streaming_the_state_does_not():
@@ -782,10 +810,8 @@ def test_half_budget_offloads_about_half_within_budget(parity, gas):
     assert d["state_bytes"] // 2 <= d["offloaded_bytes"] <= d["state_bytes"] // 2 + 2 * largest
     assert max(d["curve"]) <= budget and d["peak_after"] <= budget
     # measured: every graph re-profiled with the state offloaded stays within the budget
-    for g in rep["graphs"]:
-        for s in g["slots"]:
-            label, peak = s["profiles"][-1]["label"], s["profiles"][-1]["peak_bytes"]
-            assert label == "after offload_optimizer" and peak <= budget, (s["slot"], peak)
+    assert_peaks_within(rep, budget)
+    assert {p["label"] for _, p in last_profiles(rep)} == {"after offload_optimizer"}
     # with all state on the device the step would be over the budget: offloading is what
     # brings it under; the profiled steps ran with all state off the device
     assert d["peak_before"] > budget
@@ -820,9 +846,7 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
         assert tier2 and not d["unattainable"] and d["peak_after"] <= budget
         assert d["offloaded_bytes"] == d["state_bytes"]
         rep = res["report"]
-        for g in rep["graphs"]:   # measured with the plan
-            for s in g["slots"]:
-                assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+        assert_peaks_within(rep, budget)   # measured with the plan
         # every micro-step sends them; the step brings each chunk's flat gradient back once
         last = rep["offload"]["last_step"]
         assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"]
@@ -853,9 +877,7 @@ def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_me
         last = res["report"]["offload"]["last_step"]
         assert last["stepped_on_host"] == (len(tier3) if tier == R.HOST else 0)
         rep = res["report"]
-        for g in rep["graphs"]:   # measured with the plan
-            for s in g["slots"]:
-                assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+        assert_peaks_within(rep, budget)   # measured with the plan
         assert rep["offload"]["offloaded_master_bytes"] == d["offloaded_master_bytes"] > 0
     loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
     param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])

@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 
-from _train import chunk_bytes, tanh_stack
+from _train import assert_peaks_within, chunk_bytes, tanh_stack
 
 CHUNK = 256
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
@@ -188,9 +188,7 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group, monkeypatch
         assert host["predicted_host_s"] <= host["predicted_streamed_s"], host
         assert engine._offload.last_step["stepped_on_host"] == len(taken)
     rep = engine.report().to_dict()
-    for g in rep["graphs"]:   # measured with the plan: within the budget
-        for s in g["slots"]:
-            assert s["profiles"][-1]["peak_bytes"] <= budget, (s["slot"], budget)
+    assert_peaks_within(rep, budget)   # measured with the plan
     assert rep["offload"]["offloaded_master_bytes"] == d["offloaded_master_bytes"]
     text = str(engine.report())
     assert "masters of" in text and "masters on the host:" in text, text
@@ -374,3 +372,37 @@ def test_the_host_step_keeps_the_optimizer_its_groups_and_its_schedule(group, na
         assert st.keys() == a["state"][i].keys()
         for k, v in st.items():
             assert torch.equal(a["state"][i][k], v), (i, k)
+
+
+def test_the_pass_refuses_a_plan_the_host_cannot_hold(group, monkeypatch, caplog):
+    """`Offloader.host_capacity` (the node's available memory shared by its local ranks, plus
+    the engine's host buffers) bounds what a plan keeps on the host: below the plan's
+    `host_bytes` the pass plans nothing (the state stays where it was before the plan) and
+    says why; the figure halves with two local ranks."""
+    import logging
+
+    from deepcompile.runtime import offload
+
+    probe = _engine(passes=("offload_optimizer",), warmup_steps=1)
+    _train(probe, 3)
+    d = _decisions(probe)
+    store = probe._offload
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = store.host_capacity()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    two = store.host_capacity()
+    held = sum(t.numel() * t.element_size() for s in store.slots for t in s.host.values())
+    assert 0 < one < float("inf")   # unbounded: nothing offloaded, held 0
+    assert two - held == pytest.approx((one - held) / 2, rel=0.05)   # MemAvailable moves a bit
+    budget = d["lowest_peak_bytes"]
+    monkeypatch.setattr(offload.Offloader, "host_capacity", lambda self: 1000.0)
+    with caplog.at_level(logging.WARNING, logger="deepcompile"):
+        engine = _engine(passes=("offload_optimizer",), warmup_steps=1, memory_budget=budget,
+                         measure_steps=0)
+        _train(engine, 3)
+    d = _decisions(engine)
+    assert d["unattainable"] and d["chunks"] == [] and d["host_capacity_bytes"] == 1000.0
+    assert d["host_bytes"] > 1000 and "on the host" in d["reason"], d["reason"]
+    assert any("bytes on the host" in r.getMessage() for r in caplog.records)
+    # nothing more went to the host than the state it held before the plan (provisional)
+    assert all(s.host_grad is None and s.host_master is None for s in engine._offload.slots)

@@ -203,6 +203,8 @@ def test_chunks_step_on_the_host_where_that_is_faster_or_only_it_fits():
     elems = sum(s.shard_numel(p) for p in m.params)
     hosted = sum(n for n, _ in ours.plan(s, ("offload_optimizer",)).hosted.values())
     assert hosted == elems   # every chunk here
+    # on the host: Adam's moments, the fp32 gradient and master, the bf16 copy's staging
+    assert d["host_bytes"] == elems * (8 + 4 + 4 + 2)
     assert host.host_s == pytest.approx(elems * 0.01e-9)
     [opt] = [e for e in sch.events if e.name == "optimizer step"]
     assert opt.dur == pytest.approx(0.0)

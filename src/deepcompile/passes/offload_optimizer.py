@@ -58,7 +58,10 @@ The plan:
   the copy's way up — or where only it fits the budget; `DEEPCOMPILE_HOST_STEP` (auto, always,
   never) overrides the comparison. The decision's `host_step` says what was compared;
 * a budget that even all state, gradients and masters off the device does not meet is
-  unattainable: the plan says so with the figures and changes nothing.
+  unattainable: the plan says so with the figures and changes nothing. So is a plan that
+  would keep more on the host than the host has for this rank (`host_bytes` against
+  `Offloader.host_capacity`: what the node has available, shared by its local ranks): pinned
+  buffers past it would take the host down, not the device.
 
 Re-planning: a re-plan runs the pass again on the graphs as compiled ([Note: a re-plan starts
 over] in compiler/planner.py), so `apply` never meets a previous plan's ops.
@@ -175,7 +178,8 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
               copy_s: Callable[[int], float], budget: float,
               grads: list[GradItem] | None = None,
               masters: list[MasterItem] | None = None,
-              host: "HostStep | None" = None) -> dict[str, Any]:
+              host: "HostStep | None" = None,
+              host_capacity: float = float("inf")) -> dict[str, Any]:
     """The offload plan of one optimizer step; pure (unit-tested on synthetic curves).
 
     `points`: the graphs' curve with every item on the device; `step_base`: the device's bytes
@@ -183,7 +187,43 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
     not this engine's); `grads`: the chunks whose gradients may go to the host if the state
     alone is not enough (tier 2); `masters`: the chunks whose masters may go too, if that is not
     enough either (tier 3); `host`: whether and how fast such chunks may step on the host
-    instead of streaming through the device (tier 4; None: never)."""
+    instead of streaming through the device (tier 4; None: never); `host_capacity`: the host
+    bytes the plan may keep (`host_bytes`: a plan that needs more is unattainable)."""
+    d = _plan_step(points, items, step_base, copy_s, budget, grads, masters, host)
+    d["host_bytes"] = host_bytes(d["chunks"], grads or [], masters or [])
+    d["host_capacity_bytes"] = None if host_capacity == float("inf") else host_capacity
+    if d["unattainable"] or d["host_bytes"] <= host_capacity:
+        return d
+    return {**d, "unattainable": True, "chunks": [], "reloads": [], "offloaded_bytes": 0,
+            "offloaded_grad_bytes": 0, "offloaded_master_bytes": 0,
+            "peak_after": d["peak_before"], "curve": [p.live_bytes for p in points],
+            "reason": f"the plan keeps {d['host_bytes']} bytes on the host (optimizer state, "
+                      f"gradients, masters: pinned) and the host has {int(host_capacity)} for "
+                      "this rank"}
+
+
+def host_bytes(chunks: list[dict], grads: list[GradItem],
+               masters: list[MasterItem]) -> int:
+    """Host bytes a plan keeps (runtime/offload.py's host buffers): each offloaded chunk's
+    state; at tier 2 its flat gradient; at tier 3 its master; at tier 4 its copy's staging."""
+    flat = {g.chunk: g.flat_bytes for g in grads}
+    master = {m.chunk: m for m in masters}
+    total = 0
+    for c in chunks:
+        total += c["bytes"]
+        if c["tier"] >= offload.GRADS:
+            total += flat.get(c["chunk"], 0)
+        if c["tier"] >= offload.MASTERS:
+            total += master[c["chunk"]].master_bytes
+        if c["tier"] >= offload.HOST:
+            total += master[c["chunk"]].copy_bytes
+    return total
+
+
+def _plan_step(points: list[Point], items: list[Item], step_base: int,
+               copy_s: Callable[[int], float], budget: float,
+               grads: list[GradItem] | None, masters: list[MasterItem] | None,
+               host: "HostStep | None") -> dict[str, Any]:
     n = len(points)
     live = [p.live_bytes for p in points]
     state = sum(i.nbytes for i in items)
@@ -637,7 +677,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     host = host_step(store) if any(map(store.master_saving, store.slots)) else None
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
                          ctx.memory_budget, grad_items(ctx, points), master_items(ctx, points),
-                         host)
+                         host, store.host_capacity())
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:

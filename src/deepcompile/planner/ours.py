@@ -809,7 +809,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
                               "predicted_streamed_s", "peak_before", "peak_after",
                               "offloaded_grad_bytes", "predicted_grad_copy_s",
                               "offloaded_master_bytes", "lowest_state_peak_bytes",
-                              "lowest_grads_peak_bytes", "lowest_peak_bytes")} | {
+                              "lowest_grads_peak_bytes", "lowest_peak_bytes", "host_bytes")} | {
         "host_step": d.get("host_step"), "stepped_on_host": len(plan.hosted)}
 
 

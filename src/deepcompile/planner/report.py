@@ -114,6 +114,8 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
             grads += (f"; {'stepped on the host' if h['chosen'] else 'streamed'}: "
                       f"{h['chunks']} chunks, host step {h['predicted_host_s'] * 1e3:.0f} ms "
                       f"against {h['predicted_streamed_s'] * 1e3:.0f} ms streamed ({h['why']})")
+        if d.get("host_bytes"):
+            grads += f"; host memory {gb(d['host_bytes'])} per GPU (pinned)"
         return (f"offloaded {gb(d['offloaded_bytes'])} of {gb(d['state_bytes'])}; copied back "
                 f"in the backward {d['predicted_copy_s'] * 1e3:.1f} ms (exposed "
                 f"{d['predicted_exposed_s'] * 1e3:.1f} ms), streamed through the step "

@@ -141,6 +141,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import time
 from typing import Callable, Iterable
 
@@ -909,6 +910,24 @@ class Offloader:
             self._host_rate = rate
         return self._host_rate
 
+    def host_capacity(self) -> float:
+        """Host bytes this rank's plan may keep: what the node has available now
+        (`/proc/meminfo`'s MemAvailable; inf where there is none), shared by its local ranks
+        (`LOCAL_WORLD_SIZE`), plus this engine's host buffers already made (a plan reuses
+        them); the smallest over the ranks (every rank plans the same)."""
+        available = _mem_available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        held = sum(t.numel() * t.element_size() for s in self.slots
+                   for t in [*s.host.values(), s.host_grad, s.host_master, s.host_lowp]
+                   if t is not None)
+        cap = available / max(local, 1) + held
+        comm = getattr(self.runtime, "comm", None)
+        if comm is not None and comm.world > 1:
+            vec = torch.tensor([-cap], dtype=torch.float64, device=self.device)
+            comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
+            cap = -vec.item()
+        return cap
+
     def host_step_seconds(self, numel: int, repeats: int = 3) -> float:
         """Seconds the host takes to step `numel` elements of this engine's optimizer (its
         class, its first group's hyperparameters, its implementation as the host step would
@@ -1060,6 +1079,18 @@ def host_optimizer(inner: torch.optim.Optimizer, params: list) -> torch.optim.Op
         except (RuntimeError, ValueError, TypeError):
             pass
     return cls(params, **kwargs)
+
+
+def _mem_available() -> float:
+    """The host's available memory in bytes (Linux's MemAvailable), inf where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 def _gaps(c: Chunk) -> list[tuple[int, int]]:
