@@ -89,3 +89,38 @@ def test_fit_recovers_a_linear_model_and_stays_non_negative():
         pytest.approx(1e-4 + 1e-6)
     assert m.collective_s("reduce_scatter", 1000) == pytest.approx(1e-4 + 1e-6)
     assert m.launch_s("all_gather") == 3e-6 and m.launch_s("reduce_scatter") == 0.0
+
+
+def test_the_wait_of_a_done_collective_is_timed_once_it_is_done(group, monkeypatch):
+    """`measure.sweep_ops` times the host cost of waiting for a collective that has finished.
+    With more ranks than cores, gloo's thread may still be running it when every rank has
+    launched (the barrier): a fake collective that takes 20 ms on a thread of its own stands in
+    for that. The wait then measured the rest of the collective (the plan charged it on top
+    of the collective: 4 ranks on 2 cores predicted 33% slow); now it measures the wait."""
+    import threading
+    import time
+
+    from deepcompile.planner import measure
+
+    took = 0.02
+
+    def launch(t):
+        th = threading.Thread(target=time.sleep, args=(took,))
+        th.start()
+        return th, t
+
+    def wait(token):
+        th, t = token
+        th.join()
+        return t
+
+    monkeypatch.setattr(measure, "_funcol", lambda comm: (launch, launch, wait))
+    monkeypatch.setattr(measure, "SWEEP", (1 << 10,))
+
+    class Comm:
+        world = 1
+
+    out = measure.sweep_ops(Comm(), repeats=2)
+    assert out["all_gather"][0] >= took * 0.9          # the collective itself: 20 ms
+    assert out["wait_all_gather"][0] < took / 4, out   # waiting for it once done: ~0
+    assert out["wait_reduce_scatter"][0] < took / 4, out

@@ -236,8 +236,13 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
             wait_(token)
         return run
 
-    def launch(start, wait_):
-        """Host time of the launch, and of the wait once the collective is done."""
+    def launch(start, wait_, settle: float):
+        """Host time of the launch, and of the wait once the collective is done: every rank
+        has launched it (a barrier), and then the rank sleeps `settle` seconds, so that gloo's
+        threads get the cores. (Without the sleep, with more ranks than cores the collective
+        was still running at the barrier, and the wait measured the rest of it: at 4 ranks on
+        2 cores 1.2 ms for an all-gather and 5.2 ms for a reduce-scatter, which the plan
+        charged on top of the collective itself.)"""
         ts, tw = [], []
         for _ in range(repeats):
             work()
@@ -246,7 +251,8 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
             ts.append(time.perf_counter() - t0)
             for _ in range(4):
                 work()
-            torch.distributed.barrier()   # every rank has launched: the collective is done
+            torch.distributed.barrier()   # every rank has launched
+            time.sleep(settle)            # ... and it has run
             t0 = time.perf_counter()
             wait_(token)
             tw.append(time.perf_counter() - t0)
@@ -264,7 +270,7 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
             out["all_gather_async"].append(timed(cycle(*ag), works=2))
             out["reduce_scatter_async"].append(timed(cycle(*rs), works=2))
             for kind, pair in (("all_gather", ag), ("reduce_scatter", rs)):
-                t_start, t_wait = launch(*pair)
+                t_start, t_wait = launch(*pair, settle=2 * out[kind][-1] + 1e-3)
                 out[f"launch_{kind}"].append(t_start)
                 out[f"wait_{kind}"].append(t_wait)
     return out
