@@ -197,10 +197,16 @@ def test_the_pass_keeps_masters_on_the_host_within_the_budget(group, monkeypatch
     assert not _same(_weights(engine), _weights(plain))
 
 
-def test_an_unknown_host_step_mode_is_refused(group, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])   # None: no master may go, refused too
+def test_an_unknown_host_step_mode_is_refused(group, monkeypatch, dtype):
     monkeypatch.setenv("DEEPCOMPILE_HOST_STEP", "sometimes")
+    engine = _engine(passes=("offload_optimizer",), warmup_steps=1, memory_budget=1,
+                     param_dtype=dtype)
     with pytest.raises(ValueError, match="DEEPCOMPILE_HOST_STEP='sometimes': allowed are auto"):
-        _train(_engine(passes=("offload_optimizer",), warmup_steps=1, memory_budget=1), 3)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x.to(dtype or torch.float32)).float().square().mean())
+            engine.step()
 
 
 @pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])

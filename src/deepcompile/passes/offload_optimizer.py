@@ -428,8 +428,9 @@ def _host_or_stream(live: list[int], items: list[Item], chosen: list[GradItem], 
     step last, whether they step on the host, and the comparison for the report."""
     streamed = _take_masters(live, items, chosen, step_base, queue, masters, budget)
     if host is None or host.mode == "never" or not masters:
+        why = "never (mode)" if host is not None and host.mode == "never" else "no master may go"
         return (*streamed, False, None if host is None else {"mode": host.mode, "chosen": False,
-                                                             "why": "never (mode)"})
+                                                             "why": why})
     on_host = _take_masters(live, items, chosen, step_base, queue, masters, budget, hosted=True)
     copy_s = queue[1]
     state_of = {i.chunk: i.nbytes for i in items}
@@ -650,13 +651,18 @@ def _shard_inputs(graph: fx.Graph) -> set[int]:
 HOST_STEP_MODES = ("auto", "always", "never")
 
 
-def host_step(store) -> HostStep:
-    """The host step as the plan sees it: the host's rate measured (and agreed over the ranks)
-    by the runtime; the mode from `DEEPCOMPILE_HOST_STEP` (auto, always, never; default auto)."""
+def host_step_mode() -> str:
+    """`DEEPCOMPILE_HOST_STEP`: auto (the default), always, never; anything else is an error."""
     mode = os.environ.get("DEEPCOMPILE_HOST_STEP", "auto")
     if mode not in HOST_STEP_MODES:
         raise ValueError(f"DEEPCOMPILE_HOST_STEP={mode!r}: allowed are "
                          f"{', '.join(HOST_STEP_MODES)}")
+    return mode
+
+
+def host_step(store, mode: str) -> HostStep:
+    """The host step as the plan sees it: the host's rate measured (and agreed over the ranks)
+    by the runtime."""
     rate = store.host_step_rate()
     return HostStep(rate, rate if store.device.type != "cuda" else 0.0, mode)
 
@@ -674,7 +680,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     points = timeline(ctx, offset)
     # the host's rate is measured with a collective: asked for on every rank or on none (the
     # chunks' dtypes and stages, the same everywhere), never on what a profile says
-    host = host_step(store) if any(map(store.master_saving, store.slots)) else None
+    mode = host_step_mode()
+    host = host_step(store, mode) if any(map(store.master_saving, store.slots)) else None
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
                          ctx.memory_budget, grad_items(ctx, points), master_items(ctx, points),
                          host, store.host_capacity())
