@@ -54,7 +54,8 @@ The plan:
   runtime/offload.py): then the step streams nothing of them (no staging), and only their copy
   in the compute dtype goes up. The plan takes it where it is predicted faster — per chunk, its
   copies in and out (the two directions at once) plus the device's step, against the host's
-  step at the rate the runtime measured (`Offloader.host_step_rate`, agreed over the ranks) plus
+  step at the rate the runtime measured (`Offloader.host_step_rate`, agreed over the ranks:
+  `host_figures`) plus
   the copy's way up — or where only it fits the budget; `DEEPCOMPILE_HOST_STEP` (auto, always,
   never) overrides the comparison. The decision's `host_step` says what was compared;
 * a budget that even all state, gradients and masters off the device does not meet is
@@ -84,6 +85,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from ..compiler.agree import agree_max
 from ..runtime import offload, ops
 from . import PassContext, register_pass
 
@@ -660,11 +662,15 @@ def host_step_mode() -> str:
     return mode
 
 
-def host_step(store, mode: str) -> HostStep:
-    """The host step as the plan sees it: the host's rate measured (and agreed over the ranks)
-    by the runtime."""
-    rate = store.host_step_rate()
-    return HostStep(rate, rate if store.device.type != "cuda" else 0.0, mode)
+def host_figures(ctx: PassContext, masters_may_go: bool) -> tuple[float | None, float]:
+    """The host step's rate (None where no master may go: then it is not measured) and the
+    host's capacity, as the runtime measures them on this rank, agreed over the ranks in one
+    collective (the slowest rate, the smallest capacity: every rank plans the same). Whether
+    a master may go is the chunks' dtypes and stages, the same on every rank."""
+    store = ctx.runtime.offload
+    rate = store.host_step_rate() if masters_may_go else 0.0
+    rate, neg_cap = agree_max(ctx.runtime.comm, [rate, -store.host_capacity()], store.device)
+    return (rate if masters_may_go else None), -neg_cap
 
 
 def items_of(store) -> list[Item]:
@@ -678,13 +684,13 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # offload] in runtime/offload.py): add it back
     offset = store.profile_offset()
     points = timeline(ctx, offset)
-    # the host's rate is measured with a collective: asked for on every rank or on none (the
-    # chunks' dtypes and stages, the same everywhere), never on what a profile says
     mode = host_step_mode()
-    host = host_step(store, mode) if any(map(store.master_saving, store.slots)) else None
+    rate, capacity = host_figures(ctx, any(map(store.master_saving, store.slots)))
+    host = None if rate is None else HostStep(
+        rate, rate if store.device.type != "cuda" else 0.0, mode)
     decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
                          ctx.memory_budget, grad_items(ctx, points), master_items(ctx, points),
-                         host, store.host_capacity())
+                         host, capacity)
     decision["profiled_offloaded_bytes"] = offset
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:

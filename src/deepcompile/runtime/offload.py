@@ -811,9 +811,10 @@ class Offloader:
         ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
         with record_function("deepcompile.optimizer_step"):
             flat.step(ready)
-        hosted = [s for s in self.slots if self.host_tier(s) and s.offloaded and s.master_off]
-        streamed = [s for s in self.slots if (s.offloaded or self.grad_tier(s))
-                    and s not in hosted]
+        on_host = [self.host_tier(s) and s.offloaded and s.master_off for s in self.slots]
+        hosted = [s for s, h in zip(self.slots, on_host) if h]
+        streamed = [s for s, h in zip(self.slots, on_host)
+                    if not h and (s.offloaded or self.grad_tier(s))]
         if streamed:
             with record_function("deepcompile.optimizer_step_streamed"):
                 events = [self._bring(s) for s in streamed[:LOOKAHEAD + 1]]
@@ -852,9 +853,10 @@ class Offloader:
         if slot.host_grad is None:
             slot.host_grad = self._copier.host_buffer(c.grad)
         g = slot.host_grad
-        for i, (off, sh) in enumerate(zip(c.offsets, c.shards)):   # as `_grad_ready` does
-            if i not in slot.written:
-                g[off:off + sh.numel()].zero_()
+        if len(slot.written) < len(c.shards):   # as `_grad_ready`: per shard only if some are
+            for i, (off, sh) in enumerate(zip(c.offsets, c.shards)):
+                if i not in slot.written:
+                    g[off:off + sh.numel()].zero_()
         for start, end in _gaps(c):
             g[start:end].zero_()
         if scale is not None:
@@ -895,38 +897,27 @@ class Offloader:
         return opt
 
     def host_step_rate(self) -> float:
-        """Seconds per element of the host step ([Note: the host step]), measured once per
-        engine on the largest chunk's size (at most 16 M elements: past the host's caches, as
-        the step's chunks are) and agreed over the ranks (the slowest rank's: every rank plans
-        the same)."""
+        """Seconds per element of the host step on this rank ([Note: the host step]), measured
+        once per engine on the largest chunk's size (at most 16 M elements: past the host's
+        caches, as the step's chunks are). Local: the pass agrees it over the ranks."""
         if self._host_rate is None:
             numel = max((c.numel for c in self.flat.chunks), default=0)
-            rate = self.host_step_seconds(numel) / numel if numel else float("inf")
-            comm = getattr(self.runtime, "comm", None)
-            if comm is not None and comm.world > 1:
-                vec = torch.tensor([rate], dtype=torch.float64, device=self.device)
-                comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
-                rate = vec.item()
-            self._host_rate = rate
+            self._host_rate = self.host_step_seconds(numel) / numel if numel else float("inf")
         return self._host_rate
 
     def host_capacity(self) -> float:
         """Host bytes this rank's plan may keep: what the node has available now
         (`/proc/meminfo`'s MemAvailable; inf where there is none), shared by its local ranks
         (`LOCAL_WORLD_SIZE`), plus this engine's host buffers already made (a plan reuses
-        them); the smallest over the ranks (every rank plans the same)."""
-        available = _mem_available()
+        them). Local: the pass agrees it over the ranks."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        held = sum(t.numel() * t.element_size() for s in self.slots
+        return _mem_available() / max(local, 1) + self.host_buffer_bytes()
+
+    def host_buffer_bytes(self) -> int:
+        """Bytes of this engine's host buffers (state, gradients, masters, the copies' staging)."""
+        return sum(t.numel() * t.element_size() for s in self.slots
                    for t in [*s.host.values(), s.host_grad, s.host_master, s.host_lowp]
                    if t is not None)
-        cap = available / max(local, 1) + held
-        comm = getattr(self.runtime, "comm", None)
-        if comm is not None and comm.world > 1:
-            vec = torch.tensor([-cap], dtype=torch.float64, device=self.device)
-            comm.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, count=False)
-            cap = -vec.item()
-        return cap
 
     def host_step_seconds(self, numel: int, repeats: int = 3) -> float:
         """Seconds the host takes to step `numel` elements of this engine's optimizer (its
@@ -1011,9 +1002,7 @@ class Offloader:
             "offloaded_bytes": sum(c["state_bytes"] for c in chunks),
             "offloaded_grad_bytes": sum(c["grad_bytes"] for c in chunks),
             "offloaded_master_bytes": sum(c["master_bytes"] for c in chunks),
-            "host_buffer_bytes": sum(t.numel() * t.element_size() for s in self.slots
-                                     for t in [*s.host.values(), s.host_grad, s.host_master]
-                                     if t is not None),
+            "host_buffer_bytes": self.host_buffer_bytes(),
             "pinned": self._copier.cuda,
             "last_step": self.last_step, "totals": dict(self.stats),
             "measured_copy_s": copy_s, "measured_exposed_s": exposed,
