@@ -412,3 +412,37 @@ def test_the_pass_refuses_a_plan_the_host_cannot_hold(group, monkeypatch, caplog
     assert any("bytes on the host" in r.getMessage() for r in caplog.records)
     # nothing more went to the host than the state it held before the plan (provisional)
     assert all(s.host_grad is None and s.host_master is None for s in engine._offload.slots)
+
+
+def test_a_shard_without_a_gradient_steps_on_a_zero_gradient_on_the_host(group):
+    """A parameter the forward never uses has no gradient in the window: the host step steps
+    it on zeros, as the device's fold does (its slice of the host buffer was never written:
+    without the zeroing it holds whatever the buffer held). Bitwise against the device."""
+    import deepcompile
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = tanh_stack()
+            self.unused = torch.nn.Parameter(torch.ones(24))
+
+        def forward(self, x):
+            return self.body(x)
+
+    def run(tier):
+        torch.manual_seed(0)
+        with chunk_bytes(CHUNK):
+            engine = deepcompile.initialize(WithUnused(), optimizer=ADAMW, config={
+                "compiler": "fx", "passes": (), "param_dtype": "bfloat16"})
+        if tier:
+            _all_masters_to_host(engine, tier)
+        losses = _train(engine, 1)
+        for s in engine._offload.slots:   # what a reused buffer may hold where none wrote
+            if s.host_grad is not None:
+                s.host_grad.fill_(7.0)
+        return engine, losses + _train(engine, 3, start=1)
+
+    plain, want = run(0)
+    engine, got = run(4)
+    assert got == want and engine._offload.last_step["stepped_on_host"] > 0
+    assert not _same(_weights(engine), _weights(plain))
