@@ -289,7 +289,8 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
                        host_is_compute=cpu, optimizer_s=opt_s,
                        stage=args.stage,
-                       framework_s=host.overhead_s if cpu else gpu.framework_host_s,
+                       framework_s=(host.overhead_s + host.missed_s) if cpu
+                       else gpu.framework_host_s,
                        plan_cost=host.plan_cost if cpu else None, replay=args.replay,
                        fusion=fusion_policy("cpu" if cpu else "cuda")[0])
 
