@@ -124,3 +124,38 @@ def test_the_wait_of_a_done_collective_is_timed_once_it_is_done(group, monkeypat
     assert out["all_gather"][0] >= took * 0.9          # the collective itself: 20 ms
     assert out["wait_all_gather"][0] < took / 4, out   # waiting for it once done: ~0
     assert out["wait_reduce_scatter"][0] < took / 4, out
+
+
+def test_the_sweep_keeps_a_collectives_stalls(group, monkeypatch):
+    """[Note: gloo's stalls] (planner/measure.py): a gloo collective here takes ~0.2 ms, or a
+    scheduler tick more in some calls, and a step adds up every call. A fake synchronous
+    collective that stalls 30 ms in each of the first `repeats` calls (one of the sweep's three
+    rounds) and takes nothing otherwise: the sweep's figure is the mean over the rounds
+    (~10 ms a call); the median of the rounds' means, as before, said ~0."""
+    import time
+
+    from deepcompile.planner import measure
+
+    repeats = 4
+    calls = [0]
+
+    def launch(t):
+        calls[0] += 1
+        return t
+
+    def wait(t):
+        if 2 <= calls[0] <= repeats + 1:   # the first call warms up; then one round stalls
+            time.sleep(0.03)
+        return t
+
+    def gather_only(comm):
+        return launch, (lambda t: t), wait
+
+    monkeypatch.setattr(measure, "_funcol", gather_only)
+    monkeypatch.setattr(measure, "SWEEP", (1 << 10,))
+
+    class Comm:
+        world = 1
+
+    out = measure.sweep_ops(Comm(), repeats=repeats)
+    assert 0.007 < out["all_gather"][0] < 0.015, out["all_gather"]

@@ -19,7 +19,8 @@ ranks, gloo's thread runs on the compute's core). The passes plan, as
 in a run, with the cost model the runtime calibrates at start-up (`compiler.cost.calibrate`:
 gloo's collectives alone, without the ops' host cost). All of it runs in N
 spawned ranks at once, one thread each as the bench runs them, so the figures include what N
-ranks sharing these cores cost each other; per figure, the median over the repeats, then the
+ranks sharing these cores cost each other; per figure, the median over the repeats (the mean
+where the figure holds gloo collectives: [Note: gloo's stalls]), then the
 maximum over ranks (the pipeline's agreement rule). The ranks start profiling the pieces (and
 timing the optimizer) together, behind a barrier: before (stop 31), a rank that finished
 tracing first profiled while others still traced, the last one alone, and at 4 ranks on 2
@@ -188,6 +189,18 @@ def _funcol(comm):
             lambda flat: rs(flat, "sum", world, group), wait)
 
 
+# [Note: gloo's stalls] On the 2-core VM of stops 31-36 (torch 2.13, kernel 6.18, HZ=250) a
+# small gloo collective between 2 ranks takes ~0.2 ms, or a scheduler tick more (3.3-4 ms,
+# sometimes two), in 4-14% of its calls (`benchmarks/gloo_latency.py`, 200 calls after a
+# barrier; 25-40% in an earlier 60-call probe), with each rank pinned to a core of its own
+# too; a pipe round trip between two processes takes 7-10 us there, so it is not the VM waking
+# a core. A step adds up its collectives' times, stalls included, and its time varies with
+# them (one step's timeline at 2 ranks: a 36-byte all-reduce of the step 2.35 ms, an
+# all-gather of 427 KB 3.5 ms). So the figures that hold gloo collectives are means over their
+# runs: the sweep's per-size times (they were the median of three means of `repeats` runs),
+# and the engine's per-step time outside its optimizer (`framework_overhead`; the median of
+# `repeats` steps, which moved it 0.9-4.0 ms between three measurements at 2 ranks). With them
+# ours-z3's prediction at 2 ranks spread 68-77 ms over three measurements, against 63-99 ms.
 def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
     """Seconds of the runtime's communication per SWEEP size (a parameter of that many fp32
     bytes), as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
@@ -228,7 +241,10 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
         return max(both - (time.perf_counter() - t0), 0.0) / repeats
 
     def timed(fn, works: int = 1):
-        return statistics.median(per_op(fn, works) for _ in range(3))
+        # the mean of the rounds, not a median: a gloo collective here stalls for a scheduler
+        # tick in a quarter to a third of its calls ([Note: gloo's stalls]), and a step adds
+        # up every call's time, stalls included
+        return statistics.fmean(per_op(fn, works) for _ in range(3))
 
     def cycle(start, wait_):
         """An asynchronous collective with compute between its launch and its wait."""
@@ -367,8 +383,12 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     else:
         eng.optimizer.step = functools.partial(timed_step, eng.optimizer.step)
     warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
+    # the per-step figure holds the step's gloo all-reduces (the cross-rank check, the
+    # gradient norm), which stall for a scheduler tick in a quarter to a third of their calls
+    # ([Note: gloo's stalls]): their mean over more steps, where a median of a few drops them
+    steps = max(4 * repeats, 20)
     micro, step, missed = [], [], []
-    for i in range(warm + repeats):
+    for i in range(warm + steps):
         slots = eng._pipeline.slots
         before = {k: len(sl.run_s) for k, sl in slots.items()}
         c0 = time.thread_time()
@@ -391,7 +411,7 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
             step.append((t2 - t1) - spent[0])
             if pieces_s is not None:
                 missed.append(runs - pieces_s)
-    return (statistics.median(micro), statistics.median(step),
+    return (statistics.median(micro), statistics.fmean(step),
             max(statistics.median(missed), 0.0) if missed else 0.0)
 
 
