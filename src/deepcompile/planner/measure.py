@@ -195,7 +195,7 @@ def _funcol(comm):
 # barrier; 25-40% in an earlier 60-call probe), with each rank pinned to a core of its own
 # too; a pipe round trip between two processes takes 7-10 us there, so it is not the VM waking
 # a core. A step adds up its collectives' times, stalls included, and its time varies with
-# them (one step's timeline at 2 ranks: a 36-byte all-reduce of the step 2.35 ms, an
+# them (one step's timeline at 2 ranks: a small all-reduce of the step 2.35 ms, an
 # all-gather of 427 KB 3.5 ms). So the figures that hold gloo collectives are means over their
 # runs: the sweep's per-size times (they were the median of three means of `repeats` runs),
 # and the engine's per-step time outside its optimizer (`framework_overhead`; the median of
