@@ -242,8 +242,8 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
 
     def timed(fn, works: int = 1):
         # the mean of the rounds, not a median: a gloo collective here stalls for a scheduler
-        # tick in a quarter to a third of its calls ([Note: gloo's stalls]), and a step adds
-        # up every call's time, stalls included
+        # tick in some of its calls ([Note: gloo's stalls]), and a step adds up every call's
+        # time, stalls included
         return statistics.fmean(per_op(fn, works) for _ in range(3))
 
     def cycle(start, wait_):
@@ -384,8 +384,8 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
         eng.optimizer.step = functools.partial(timed_step, eng.optimizer.step)
     warm = eng._pipeline.config.warmup_steps + eng._pipeline.config.profile_steps + 1
     # the per-step figure holds the step's gloo all-reduces (the cross-rank check, the
-    # gradient norm), which stall for a scheduler tick in a quarter to a third of their calls
-    # ([Note: gloo's stalls]): their mean over more steps, where a median of a few drops them
+    # gradient norm), which stall for a scheduler tick in some of their calls ([Note: gloo's
+    # stalls]): their mean over more steps, where a median of a few drops them
     steps = max(4 * repeats, 20)
     micro, step, missed = [], [], []
     for i in range(warm + steps):
