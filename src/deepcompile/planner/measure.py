@@ -335,7 +335,7 @@ def overlap_factor(comm, repeats: int) -> float:
 # gives the layer no mask) and deepcompile's per-parameter ops, and it runs as one compiled
 # graph where the pieces are timed node by node. Measured at stop 36 (one rank, tiny-llama,
 # fx): the engine's graphs 3.83 ms per micro-step against 3.41-3.70 ms composed, and every
-# one-rank cell of the validation predicted fast, 12 of 12 over three sessions. At world size 1
+# one-rank cell of the validation predicted fast (6 of 6 cells, 18 of 18 rounds). At world size 1
 # the one-layer model's graphs hold no collective, so `framework_overhead` times their runs less
 # the composed one-layer pieces (~0.5 ms on tiny-llama at batch 2 x 32), and the plan adds it to
 # the framework's per-micro-step time. The per-parameter ops of every layer but one are not in
