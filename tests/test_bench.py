@@ -49,6 +49,8 @@ def test_smoke_json_structure(smoke):
         e = _entry(result, name)
         assert e["status"] == "ok", e.get("reason")
         assert len(e["launches"]) == 1 and e["launches"][0]["ok"]
+        assert e["launches"][0]["cpu_sched"] == ("batch" if hasattr(os, "SCHED_BATCH")
+                                                 else "normal")
         assert len(e["launches"][0]["step_s"]) == 2
         s = e["step_ms"]
         assert s["min"] <= s["median"] <= s["max"]
@@ -164,6 +166,35 @@ def test_library_does_not_import_peers():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+_SCHED_PROBE = """
+import os, threading
+from deepcompile._bench import cpu_sched
+policy = cpu_sched.apply()
+started = []
+t = threading.Thread(target=lambda: started.append(os.sched_getscheduler(0)))
+t.start(); t.join()
+print(policy, os.sched_getscheduler(0) == os.SCHED_BATCH, started[0] == os.SCHED_BATCH)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_cpu_ranks_run_batch_and_the_threads_they_start_inherit_it():
+    # [Note: gloo's spinning loop]: gloo's threads start after the rank's cpu_sched.apply(),
+    # so they must inherit SCHED_BATCH; DEEPCOMPILE_CPU_SCHED=normal leaves Linux's default
+    def probe(value):
+        env = dict(os.environ)
+        env.pop("DEEPCOMPILE_CPU_SCHED", None)
+        if value is not None:
+            env["DEEPCOMPILE_CPU_SCHED"] = value
+        return subprocess.run([sys.executable, "-c", _SCHED_PROBE], env=env,
+                              capture_output=True, text=True)
+
+    assert probe(None).stdout.split() == ["batch", "True", "True"]
+    assert probe("normal").stdout.split() == ["normal", "False", "False"]
+    bad = probe("fifo")
+    assert bad.returncode != 0 and "DEEPCOMPILE_CPU_SCHED='fifo'" in bad.stderr
 
 
 def test_bench_help_and_list_spawn_nothing():

@@ -100,6 +100,7 @@ def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[s
     return {
         "ok": True, "wall_s": wall_s, "load": load,
         "warmup_steps": ranks[0]["warmup_steps"],
+        "cpu_sched": ranks[0].get("cpu_sched"),  # the CPU ranks' policy: cpu_sched.py
         "step_s": step_s, "step_s_median": statistics.median(step_s),
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "one_time_s": max(r["one_time_s"] for r in ranks),

@@ -147,8 +147,11 @@ def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
 
         from . import systems
 
+        sched = None
         if spec.device == "cpu":
             torch.set_num_threads(1)  # one core per rank
+            from . import cpu_sched
+            sched = cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
         if not systems.get(spec.system).single_process:
             backend = "nccl" if spec.device == "cuda" else "gloo"
             if spec.device == "cuda":
@@ -156,6 +159,7 @@ def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
             dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
         try:
             out = _train(rank, world, spec)
+            out["cpu_sched"] = sched
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

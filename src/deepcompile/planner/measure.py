@@ -62,12 +62,14 @@ class HostProfile:
                                              # ([Note: what the pieces miss]; world size 1)
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
     clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
+    sched: str = "normal"                    # the ranks' policy ([Note: gloo's spinning loop])
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"world": self.world, "clock": self.clock, "optimizer_s": self.optimizer_s,
+        return {"world": self.world, "clock": self.clock, "sched": self.sched,
+                "optimizer_s": self.optimizer_s,
                 "peer_optimizer_s": self.peer_optimizer_s,
                 "overhead_s": self.overhead_s, "missed_s": self.missed_s,
                 "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
@@ -422,10 +424,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
     try:
         import torch.distributed as dist
 
+        from .._bench import cpu_sched
         from ..compiler.cost import calibrate
         from ..runtime.comm import Comm
         from . import pieces, shapes, trace
 
+        sched = cpu_sched.apply()  # as the bench's ranks do: [Note: gloo's spinning loop]
         dist.init_process_group("gloo")
         comm = Comm()
         shape = shapes.load(spec["model"])
@@ -473,7 +477,8 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
                               "peer_optimizer_s": peer_opt_s + step_over,
                               "overhead_s": over, "missed_s": missed,
-                              "overlap": eta, "net": net, "plan_cost": plan_cost}))
+                              "overlap": eta, "net": net, "plan_cost": plan_cost,
+                              "sched": sched}))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- the parent reports it
         import traceback
@@ -527,4 +532,5 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
                      overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
                        network, load, overhead_s=data["overhead_s"], missed_s=data["missed_s"],
-                       plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock)
+                       plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock,
+                       sched=data["sched"])
