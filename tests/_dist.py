@@ -124,6 +124,9 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_t
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        from deepcompile._bench import cpu_sched
+
+        cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
         dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout_s))
         try:
             out = fn(rank, world_size, *args)
