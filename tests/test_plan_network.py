@@ -91,6 +91,37 @@ def test_fit_recovers_a_linear_model_and_stays_non_negative():
     assert m.launch_s("all_gather") == 3e-6 and m.launch_s("reduce_scatter") == 0.0
 
 
+def test_a_collective_is_read_off_the_sweep_not_its_line():
+    """[Note: a sweep is read, not fitted]: the least-squares line through a sweep is set by its
+    largest sizes. These are the 2-core VM's all-gathers at 2 ranks (stop 37): the line puts a
+    19 KB one (tiny-llama's parameters) at 88 us, where the sweep measured 108-139 us at
+    1-64 KiB. Read off the sweep, a collective between two sizes is interpolated, the noisy dip
+    at 8 KiB is pooled with its neighbours (a larger collective is not faster), and beyond the
+    largest size the last segment's slope goes on."""
+    from deepcompile.planner.network import interpolate, monotone
+
+    us = 1e-6
+    pts = [(1 << 10, 139 * us), (1 << 13, 108 * us), (1 << 16, 115 * us), (1 << 18, 151 * us),
+           (1 << 20, 323 * us), (1 << 22, 1487 * us)]
+    line = fit(pts)
+    m = Fitted(2, {"all_gather": line, "all_gather_async": line},
+               launch={"all_gather": 20 * us},
+               samples={"all_gather": pts, "all_gather_async": [(x, 2 * y) for x, y in pts]})
+    pooled = (139 + 108 + 115) / 3 * us
+    assert [y for _, y in monotone(pts)][:4] == pytest.approx([pooled] * 3 + [151 * us])
+    assert line[0] + line[1] * 19_000 < 0.75 * pooled        # what the line said
+    assert m.collective_s("all_gather", 19_000) + 20 * us == pytest.approx(pooled)
+    assert m.collective_s("all_gather", 1 << 19) + 20 * us == pytest.approx(
+        (151 + (323 - 151) / 3) * us)                          # a third of the way to 1 MiB
+    assert m.collective_s("all_gather", 1 << 23) + 20 * us == pytest.approx(
+        (1487 + (1487 - 323) * 4 / 3) * us)                    # the last slope, 4 MiB further
+    assert m.async_s("all_gather", 19_000) + 20 * us == pytest.approx(2 * pooled)
+    assert interpolate([(100, 5.0)], 10_000) == 5.0
+    # without points, the line stands in (as for a network given as coefficients)
+    bare = Fitted(2, {"all_gather": line})
+    assert bare.collective_s("all_gather", 19_000) == pytest.approx(line[0] + line[1] * 19_000)
+
+
 def test_the_wait_of_a_done_collective_is_timed_once_it_is_done(group, monkeypatch):
     """`measure.sweep_ops` times the host cost of waiting for a collective that has finished.
     With more ranks than cores, gloo's thread may still be running it when every rank has

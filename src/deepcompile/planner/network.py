@@ -126,10 +126,19 @@ class Fabric:
 
 @dataclasses.dataclass
 class Fitted:
-    """A measured network (gloo on this machine): per kind, a synchronous op's time as latency +
-    bytes x seconds/byte, and the host time of launching an asynchronous one. A collective is
-    then `launch_s` on the host and `collective_s` (the rest) on its lane: a synchronous one
-    costs its measured time in all."""
+    """A measured network (gloo on this machine): per kind, a synchronous op's time over the
+    sweep's sizes, and the host time of launching an asynchronous one. A collective is then
+    `launch_s` on the host and `collective_s` (the rest) on its lane: a synchronous one costs
+    its measured time in all.
+
+    [Note: a sweep is read, not fitted] A collective's time is read off the sweep's points
+    (`samples`: made non-decreasing in size by `monotone`, then interpolated linearly;
+    beyond the largest size, the last segment's slope), and `coeffs` (latency + bytes x
+    seconds/byte, least squares) only summarize them (`describe`) or stand in where there are no
+    points. Until stop 37 the line was the time: its least squares are dominated by the largest
+    sizes (4 MiB takes 10x what 1 KiB does), and on the 2-core VM it put a 19 KB all-gather at
+    88 us and a reduce-scatter at 93 us where the sweep measured 108-139 and 149-222 us at
+    1-64 KiB. tiny-llama's parameters are all of that size, 62 of them a step at ZeRO-3."""
     world: int
     coeffs: dict[str, tuple[float, float]]   # kind -> (latency s, s per byte)
     launch: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s (async)
@@ -138,16 +147,24 @@ class Fitted:
     overlap: float = 1.0   # share of an asynchronous collective compute can hide (measured)
     wait: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s of a wait
 
+    def _measured_s(self, kind: str, nbytes: int) -> float:
+        curves = self.__dict__.setdefault("_curves", {})   # not a field: to_dict leaves it out
+        if kind not in curves:
+            curves[kind] = monotone(self.samples[kind]) if self.samples.get(kind) else None
+        if curves[kind]:
+            return interpolate(curves[kind], nbytes)
+        a, b = self.coeffs[kind]
+        return a + b * nbytes
+
     def collective_s(self, kind: str, nbytes: int) -> float:
-        a, b = self.coeffs.get(kind) or self.coeffs["all_gather"]
-        return max(a + b * nbytes - self.launch_s(kind), 0.0)
+        measured = self._measured_s(kind if kind in self.coeffs else "all_gather", nbytes)
+        return max(measured - self.launch_s(kind), 0.0)
 
     def async_s(self, kind: str, nbytes: int) -> float:
         """Lane time of an asynchronous collective (measured amid compute, less its launch)."""
         if f"{kind}_async" not in self.coeffs:
             return self.collective_s(kind, nbytes)
-        a, b = self.coeffs[f"{kind}_async"]
-        return max(a + b * nbytes - self.launch_s(kind), 0.0)
+        return max(self._measured_s(f"{kind}_async", nbytes) - self.launch_s(kind), 0.0)
 
     def copy_s(self, nbytes: int) -> float:
         a, b = self.copy
@@ -168,6 +185,34 @@ class Fitted:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The least-squares non-decreasing fit of (bytes, s) points (pool adjacent violators): a
+    larger collective does not take less time; where the sweep's noise says so, the points
+    involved are replaced by their mean."""
+    pts = sorted((int(x), float(y)) for x, y in points)
+    blocks: list[list[float]] = []   # [sum of y, count]
+    for _, y in pts:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            y2, n2 = blocks.pop()
+            blocks[-1][0] += y2
+            blocks[-1][1] += n2
+    ys = [total / n for total, n in blocks for _ in range(int(n))]
+    return [(x, y) for (x, _), y in zip(pts, ys)]
+
+
+def interpolate(points: list[tuple[int, float]], nbytes: float) -> float:
+    """Linear interpolation over (bytes, s) points sorted by bytes: below the smallest size its
+    time, beyond the largest the last segment's slope."""
+    if len(points) == 1 or nbytes <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if nbytes <= x1:
+            return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) / (x1 - x0) * (nbytes - x1)
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
