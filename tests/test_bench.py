@@ -51,6 +51,8 @@ def test_smoke_json_structure(smoke):
         assert len(e["launches"]) == 1 and e["launches"][0]["ok"]
         assert e["launches"][0]["cpu_sched"] == ("batch" if hasattr(os, "SCHED_BATCH")
                                                  else "normal")
+        # the bench's own work per step (token ids), timed apart: plan_validate adds it
+        assert 0 < e["launches"][0]["batch_s_median"] < e["step_ms"]["median"] / 1e3
         assert len(e["launches"][0]["step_s"]) == 2
         s = e["step_ms"]
         assert s["min"] <= s["median"] <= s["max"]

@@ -102,6 +102,10 @@ def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[s
         "warmup_steps": ranks[0]["warmup_steps"],
         "cpu_sched": ranks[0].get("cpu_sched"),  # the CPU ranks' policy: cpu_sched.py
         "step_s": step_s, "step_s_median": statistics.median(step_s),
+        # per step, the ranks' mean time making token ids (the bench's work, not the system's)
+        "batch_s_median": statistics.median(
+            statistics.fmean(r["step_batch_s"][i] for r in ranks) for i in range(nsteps))
+        if all(r.get("step_batch_s") for r in ranks) else None,
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "one_time_s": max(r["one_time_s"] for r in ranks),
         "setup_s": max(r["setup_s"] for r in ranks),

@@ -73,21 +73,25 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     micro = 0
 
     cpu_s: list[float] = []   # the main thread's CPU time per step (the machine's share of it)
+    batch_s: list[float] = []  # per step, making the micro-steps' token ids (the bench's own work)
 
     def one_step() -> tuple[float, float]:
         nonlocal micro
         _sync(device)
         c = time.thread_time()
         t = time.perf_counter()
-        total = 0.0
+        total = made = 0.0
         for m in range(w.gas):
+            t_ids = time.perf_counter()
             ids = workloads.local_batch(w, micro, data_rank, spec.nproc).to(device)
+            made += time.perf_counter() - t_ids
             micro += 1
             total += float(trainer.micro(ids, last=m == w.gas - 1))
         trainer.step()
         _sync(device)
         dt = time.perf_counter() - t
         cpu_s.append(time.thread_time() - c)
+        batch_s.append(made)
         return dt, total / w.gas
 
     losses, warm_s, times = [], [], []
@@ -107,6 +111,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     steady_start = measure.rss()["rss"]
     cpu_s.clear()
+    batch_s.clear()
     for _ in range(spec.steps):
         dt, loss = one_step()
         times.append(dt)
@@ -125,7 +130,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     median = statistics.median(times)
     return {
         "rank": rank, "losses": losses, "warmup_steps": len(warm_s), "step_s": times,
-        "step_cpu_s": cpu_s[:len(times)],
+        "step_cpu_s": cpu_s[:len(times)], "step_batch_s": batch_s[:len(times)],
         "first_step_s": warm_s[0], "setup_s": setup_s,
         "one_time_s": max(0.0, sum(warm_s) - len(warm_s) * median),
         "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,
