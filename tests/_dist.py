@@ -8,7 +8,9 @@ torch, transformers and deepcompile already imported (`_context`), and:
   * gets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK in its env,
     OMP_NUM_THREADS=1, torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
     <repo>/build/inductor-cache;
-  * calls dist.init_process_group("gloo") itself, runs fn, and destroys the group;
+  * runs SCHED_BATCH (deepcompile._bench.cpu_sched, as the bench's ranks: gloo's device
+    thread otherwise spins for a scheduler tick in some collectives on a machine with no core
+    to spare), calls dist.init_process_group("gloo") itself, runs fn, and destroys the group;
   * sends its result back as bytes written by torch.save (CPU tensors, floats, dicts, ...).
 
 The parent returns [result of rank 0, ..., rank N-1].  An exception in any child is re-raised

@@ -18,7 +18,8 @@ asynchronous collective the rank's compute hides (`overlap_factor`: on cores all
 ranks, gloo's thread runs on the compute's core). The passes plan, as
 in a run, with the cost model the runtime calibrates at start-up (`compiler.cost.calibrate`:
 gloo's collectives alone, without the ops' host cost). All of it runs in N
-spawned ranks at once, one thread each as the bench runs them, so the figures include what N
+spawned ranks at once, one thread each and SCHED_BATCH as the bench runs them
+([Note: gloo's spinning loop] in _bench/cpu_sched.py), so the figures include what N
 ranks sharing these cores cost each other; per figure, the median over the repeats (the mean
 where the figure holds gloo collectives: [Note: gloo's stalls]), then the
 maximum over ranks (the pipeline's agreement rule). The ranks start profiling the pieces (and
@@ -203,6 +204,10 @@ def _funcol(comm):
 # and the engine's per-step time outside its optimizer (`framework_overhead`; the median of
 # `repeats` steps, which moved it 0.9-4.0 ms between three measurements at 2 ranks). With them
 # ours-z3's prediction at 2 ranks spread 68-77 ms over three measurements, against 63-99 ms.
+# What stalled was found at stop 37: gloo's device thread spinning on a lock the worker held,
+# until a tick ([Note: gloo's spinning loop] in _bench/cpu_sched.py). The ranks here, and the
+# bench's, now run SCHED_BATCH, and the stalls are 0-1% of calls; the means stay (a step still
+# adds up every call's time).
 def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
     """Seconds of the runtime's communication per SWEEP size (a parameter of that many fp32
     bytes), as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
