@@ -32,6 +32,7 @@ drop preemptions) scaled per graph to the runs' mean sum (which keeps them).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import statistics
@@ -60,7 +61,7 @@ class HostProfile:
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
     missed_s: float = 0.0                    # per micro-step, what the composed pieces miss
-                                             # ([Note: what the pieces miss]; world size 1)
+                                             # ([Note: what the pieces miss])
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
     clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
     sched: str = "normal"                    # the ranks' policy ([Note: gloo's spinning loop])
@@ -347,11 +348,15 @@ def overlap_factor(comm, repeats: int) -> float:
 # the composed one-layer pieces (~0.5 ms on tiny-llama at batch 2 x 32), and the plan adds it to
 # the framework's per-micro-step time. The per-parameter ops of every layer but one are not in
 # it (~70 us a layer, as profiled). At larger world sizes the one-layer model's graphs hold its
-# synchronous collectives, which would have to be taken out again (their time varies the most
-# of all on gloo): not measured there, 0.
+# synchronous collectives; until stop 37 the figure was not measured there (0), and every cell
+# at 2 and 4 ranks was predicted fast once gloo's stalls were gone (-13% to -28%). Now each rank
+# also runs a copy of the one-layer model on a group of itself alone (no collective in its
+# graphs), all ranks at once, so the figure has the contention of N ranks on these cores as the
+# pieces' profiles do.
 def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                        cpu: bool = False,
-                       pieces_s: float | None = None) -> tuple[float, float, float]:
+                       pieces_s: float | None = None,
+                       group=None) -> tuple[float, float, float]:
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
     model's output object: the forward and backward calls' time minus their graphs' run
@@ -362,15 +367,18 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     this world size (compiler "fx", insertion only). Its parameters are sharded by the
     engine: call it after everything else of the pieces.
     `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share).
-    `pieces_s` (world size 1 only): the composed pieces' time for this one-layer model (its
-    embedding, layer and head, forward and backward); the third figure is then what its
-    graphs' runs take beyond that per micro-step ([Note: what the pieces miss]), else 0."""
+    `pieces_s`: the composed pieces' time for this one-layer model (its embedding, layer and
+    head, forward and backward), to be given where its graphs hold no collective (a group of
+    one rank); the third figure is then what its graphs' runs take beyond that per
+    micro-step ([Note: what the pieces miss]), else 0. `group`: the engine's process group
+    (default: the default group)."""
     import functools
 
-    from .. import initialize
+    from ..config import Config
+    from ..engine import Engine
 
-    eng = initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                     config={"compiler": "fx", "passes": ()})
+    eng = Engine(model, functools.partial(torch.optim.AdamW, lr=1e-3),
+                 Config.coerce({"compiler": "fx", "passes": ()}), group=group)
     spent = [0.0]
 
     clock = time.thread_time if cpu else time.perf_counter
@@ -460,11 +468,20 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
             eta = 1.0
         ids = ps.embed.inputs[0]
-        # world size 1: the one-layer model's graphs hold no collective, so their runs less the
-        # composed pieces are what the composition misses ([Note: what the pieces miss])
-        one = sum(sum(d.values()) for d in node_s.values()) if world == 1 else None
-        over, step_over, missed = framework_overhead(ps.model, ids, spec["repeats"], cpu,
-                                                     one)  # last
+        # the one-layer model's graph runs less the composed pieces: what the composition misses
+        # ([Note: what the pieces miss]), where its graphs hold no collective: at world size 1,
+        # and at N on a copy whose group is this rank alone, every rank at once
+        one = sum(sum(d.values()) for d in node_s.values())
+        if world > 1:
+            alone = [dist.new_group([r]) for r in range(world)][rank]
+            dist.barrier()
+            missed = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
+                                        one, group=alone)[2]
+            dist.barrier()
+        over, step_over, missed_here = framework_overhead(ps.model, ids, spec["repeats"], cpu,
+                                                          one if world == 1 else None)  # last
+        if world == 1:
+            missed = missed_here
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
