@@ -148,11 +148,8 @@ class Fitted:
     wait: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s of a wait
 
     def _measured_s(self, kind: str, nbytes: int) -> float:
-        curves = self.__dict__.setdefault("_curves", {})   # not a field: to_dict leaves it out
-        if kind not in curves:
-            curves[kind] = monotone(self.samples[kind]) if self.samples.get(kind) else None
-        if curves[kind]:
-            return interpolate(curves[kind], nbytes)
+        if self.samples.get(kind):
+            return interpolate(monotone(self.samples[kind]), nbytes)
         a, b = self.coeffs[kind]
         return a + b * nbytes
 
