@@ -285,8 +285,9 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              "bound there.",
              "- measured mean ms: the median over the launches of each launch's mean step "
              "(the bench's figure is the median step): the plan predicts a step's expected "
-             "time, and a gloo collective here stalls for a scheduler tick in some calls, so "
-             "a launch's steps are skewed ([Note: gloo's stalls] in planner/measure.py).", "",
+             "time, and a launch's steps are skewed where a gloo collective stalls for a "
+             "scheduler tick (stop 36; rare since the ranks run SCHED_BATCH: [Note: gloo's "
+             "spinning loop] in _bench/cpu_sched.py).", "",
              "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | "
              "error | measured mean ms | error vs mean | measured CPU ms (share) | error vs CPU "
              "| with the run's decisions | error |",

@@ -14,8 +14,8 @@ worker can run again only when the spinner's time slice ends, at a tick.
 A SCHED_BATCH thread does not preempt on wakeup (Linux: "batch and idle tasks do not preempt
 non-idle tasks; their preemption is driven by the tick") and otherwise gets the CPU as a normal
 thread of the same nice level does. With the rank's process SCHED_BATCH before gloo starts its
-threads (they inherit it), the 2-rank stall rate went from 11-15% to 0-1% of calls (stop 37,
-benchmarks/results/2026-11-25-cpu2-gloo-latency/). This has nothing to do with NCCL, whose
+threads (they inherit it), the calls over 2 ms went from 10-18% to 0-1% at 2 ranks and from
+72-76% to 1% at 4 (stop 37, benchmarks/results/2026-11-25-cpu2-gloo-spin/). This has nothing to do with NCCL, whose
 progress does not go through such a thread; it is the CPU bench's distortion, removed for every
 system alike (peers included) and for the planner's profiles of the same machine, so a
 prediction and the step it predicts run under the same policy.
