@@ -124,6 +124,12 @@ def test_planning_for_this_machine_at_two_ranks_measures_what_the_pieces_miss(ca
     assert host["world"] == 2
     assert host["sched"] == ("batch" if hasattr(os, "SCHED_BATCH") else "normal")
     assert host["missed_s"] > 0
+    # the sweep checked against the one-layer model's collectives in a step ([Note: the sweep
+    # checked in a step]): every parameter's gradient reduced, each gathered at least once
+    step = host["in_step"]
+    n_rs, n_ag = step["comm"]["reduce_scatter"][0], step["comm"]["all_gather"][0]
+    assert n_rs > 0 and n_rs <= n_ag <= 2 * n_rs, step
+    assert step["s"] > 0 and step["factor"] == pytest.approx(step["s"] / step["sweep_s"])
 
 
 def test_planning_for_this_machine_measures_it(capsys):

@@ -240,9 +240,9 @@ def test_the_optimizer_is_timed_as_the_engine_steps_and_counted_once(monkeypatch
     assert measure.time_optimizer(numels, 1, 3, flat=True) >= 0.02
     assert measure.time_optimizer(numels, 1, 3) < 0.02
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
-    _, per_step, missed = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3)
-    assert per_step < 0.01
-    assert missed == 0.0   # not asked for (no pieces' time given)
+    fo = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3)
+    assert fo.step_s < 0.01
+    assert fo.missed_s == 0.0   # not asked for (no pieces' time given)
 
 
 def test_what_the_pieces_miss_is_measured_on_the_one_layer_model(group):
@@ -275,12 +275,28 @@ def test_what_the_pieces_miss_is_measured_on_the_one_layer_model(group):
     cost = (time.perf_counter() - t0) / 5
 
     ps, one = one_layer()
-    _, _, plain = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one)
+    plain = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one).missed_s
     ps, one = one_layer()
     ps.model.model.rotary_emb.register_forward_hook(heavy)
-    _, _, hooked = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one)
+    hooked = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one).missed_s
     assert hooked - plain > 0.5 * cost, (plain, hooked, cost)
     assert plain < cost, (plain, cost)
+
+
+def test_the_graphs_runs_are_read_past_their_recent_window(group):
+    """`framework_overhead` reads each step's graph runs off the graphs' recent run times (a
+    window of 64): far more steps than that (repeats 40: 160 steps) still read every step's runs.
+    Until stop 38 it counted from the window's length before the step, which stops growing
+    once it is full: the runs read 0, and the framework's time was the whole micro-step."""
+    from deepcompile.planner import measure
+
+    ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
+    few = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3)
+    ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
+    many = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=40)
+    assert few.runs_s > 0 and many.runs_s > 0.5 * few.runs_s, (few, many)
+    assert many.micro_s < 2 * few.micro_s + 1e-4, (few, many)
+    assert many.comm == {}   # one rank: nothing communicated
 
 
 def test_the_steps_time_outside_the_optimizer_keeps_its_stalls(monkeypatch, group):
@@ -304,5 +320,5 @@ def test_the_steps_time_outside_the_optimizer_keeps_its_stalls(monkeypatch, grou
 
     monkeypatch.setattr(Pipeline, "end_step", stalling)
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
-    _, per_step, _ = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3)
+    per_step = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3).step_s
     assert 0.007 < per_step < 0.02, per_step

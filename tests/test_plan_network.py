@@ -91,6 +91,36 @@ def test_fit_recovers_a_linear_model_and_stays_non_negative():
     assert m.launch_s("all_gather") == 3e-6 and m.launch_s("reduce_scatter") == 0.0
 
 
+def test_the_sweeps_synchronous_collectives_are_scaled_to_a_steps():
+    """[Note: the sweep checked in a step] (planner/measure.py): the one-layer model's
+    collectives took 1.5x in a step what the sweep gives them (10 all-gathers of 1 KiB at
+    100 us, 5 reduce-scatters of 64 KiB at 200 us: 2 ms by the sweep, 3 ms in the step). The
+    synchronous kinds' sweeps are scaled by 1.5, the asynchronous ones are not; a step whose
+    collectives took no time, or one with none, is an error, not a free network."""
+    from deepcompile.planner.measure import check_in_step
+
+    us = 1e-6
+    samples = {"all_gather": [(1 << 10, 100 * us), (1 << 16, 150 * us)],
+               "reduce_scatter": [(1 << 10, 120 * us), (1 << 16, 200 * us)],
+               "all_gather_async": [(1 << 10, 300 * us), (1 << 16, 400 * us)]}
+    comm = {"all_gather": (10, 10 << 10), "reduce_scatter": (5, 5 << 16), "all_reduce": (0, 0)}
+    scaled, record = check_in_step(samples, 3e-3, comm)
+    assert record["sweep_s"] == pytest.approx(2e-3)
+    assert record["factor"] == pytest.approx(1.5)
+    assert [b for b, _ in scaled["all_gather"]] == [1 << 10, 1 << 16]
+    assert [t for _, t in scaled["all_gather"]] == pytest.approx([150 * us, 225 * us])
+    assert scaled["reduce_scatter"][1][1] == pytest.approx(300 * us)
+    assert scaled["all_gather_async"] == samples["all_gather_async"]
+    m = Fitted(2, {k: fit(v) for k, v in scaled.items()}, samples=scaled)
+    assert m.collective_s("reduce_scatter", 1 << 16) == pytest.approx(300 * us)
+    assert samples["all_gather"][0][1] == 100 * us            # the raw sweep is left as it was
+    for bad in (0.0, -1e-4):
+        with pytest.raises(RuntimeError, match="measurement failed"):
+            check_in_step(samples, bad, comm)
+    with pytest.raises(RuntimeError, match="no synchronous collective"):
+        check_in_step(samples, 3e-3, {"all_reduce": (2, 64)})
+
+
 def test_a_collective_is_read_off_the_sweep_not_its_line():
     """[Note: a sweep is read, not fitted]: the least-squares line through a sweep is set by its
     largest sizes. These are the 2-core VM's all-gathers at 2 ranks (stop 37): the line puts a

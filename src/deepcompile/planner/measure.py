@@ -9,8 +9,9 @@ step) and as the peers do (parameter by parameter); the network is the runtime's
 communication as its lowered graphs run it (compiler/lower.py: `_c10d_functional` collectives
 launched and waited below autograd, the reduction's divide; synchronous, and asynchronous with
 compute between, and the host time of a launch and of a wait) timed over a sweep of sizes and
-fitted to `latency + bytes x seconds per byte` (at world size 1 nothing is communicated, and
-nothing is measured); the framework's
+read off it ([Note: a sweep is read, not fitted] in network.py), the synchronous kinds scaled to
+what the one-layer model's collectives take in a step ([Note: the sweep checked in a step]; at
+world size 1 nothing is communicated, and nothing is measured); the framework's
 time per micro-step outside the graphs (guards, wrappers, autograd) is measured on the pieces'
 one-layer model (`framework_overhead`: a deepcompile run of it, not of the model planned);
 and how much of an
@@ -37,6 +38,7 @@ import dataclasses
 import os
 import statistics
 import time
+import typing
 from typing import Any
 
 import torch
@@ -65,6 +67,7 @@ class HostProfile:
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
     clock: str = "wall"                      # "cpu": compute timed in CPU time (measure_host)
     sched: str = "normal"                    # the ranks' policy ([Note: gloo's spinning loop])
+    in_step: dict[str, Any] | None = None     # the sweep checked in a step (`check_in_step`)
 
     def times(self, piece: str, phase: str) -> dict[str, NodeCost]:
         return {n: NodeCost(t, 0.0, 1) for n, t in self.node_s[f"{piece}.{phase}"].items()}
@@ -76,6 +79,7 @@ class HostProfile:
                 "overhead_s": self.overhead_s, "missed_s": self.missed_s,
                 "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
                 "network": self.network.to_dict(), "load": self.load,
+                "in_step": self.in_step,
                 "graph_s": {k: sum(v.values()) for k, v in self.node_s.items()}}
 
 
@@ -353,10 +357,19 @@ def overlap_factor(comm, repeats: int) -> float:
 # also runs a copy of the one-layer model on a group of itself alone (no collective in its
 # graphs), all ranks at once, so the figure has the contention of N ranks on these cores as the
 # pieces' profiles do.
+class Overhead(typing.NamedTuple):
+    """`framework_overhead`'s figures, seconds per micro-step unless said."""
+    micro_s: float        # the framework's time outside the graphs
+    step_s: float         # per optimizer step: `engine.step()` outside its optimizer step
+    missed_s: float       # the graphs' runs beyond the composed pieces (given `pieces_s`), else 0
+    runs_s: float         # the graphs' runs (their collectives included)
+    comm: dict[str, tuple[int, int]]   # the graphs' collectives: kind -> (count, bytes)
+
+
 def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                        cpu: bool = False,
                        pieces_s: float | None = None,
-                       group=None) -> tuple[float, float, float]:
+                       group=None) -> Overhead:
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
     model's output object: the forward and backward calls' time minus their graphs' run
@@ -402,10 +415,12 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     # gradient norm), which stall for a scheduler tick in some of their calls ([Note: gloo's
     # stalls]): their mean over more steps, where a median of a few drops them
     steps = max(4 * repeats, 20)
-    micro, step, missed = [], [], []
+    micro, step, missed, run_s = [], [], [], []
+    comm: dict[str, list[int]] = {}
     for i in range(warm + steps):
         slots = eng._pipeline.slots
-        before = {k: len(sl.run_s) for k, sl in slots.items()}
+        before = {k: sl.calls for k, sl in slots.items()}
+        stats = eng.comm_stats()
         c0 = time.thread_time()
         t0 = time.perf_counter()
         loss = eng(input_ids=ids, labels=ids).loss
@@ -413,21 +428,33 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
         loss.item()
         t1 = time.perf_counter()
         c1 = time.thread_time()
+        after = eng.comm_stats()
         spent[0] = 0.0
         eng.step()
         t2 = time.perf_counter()
         c2 = time.thread_time()
-        runs = sum(sum(list(sl.run_s)[before.get(k, 0):]) for k, sl in slots.items())
+        # this step's runs: the last of each graph's recent run times, one per call (a bounded
+        # deque: counting from its length before the step read nothing once it was full, after
+        # 64 runs of a graph, so `repeats` above 10 measured no runs at all until stop 38)
+        runs = sum(sum(list(sl.run_s)[-n:]) for k, sl in slots.items()
+                   if (n := sl.calls - before.get(k, 0)) > 0)
         if cpu:   # CPU time: the graphs' share of it as of their wall time
             share = (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
             t0, t1, t2, runs = c0, c1, c2, runs * share
         if i >= warm:
             micro.append((t1 - t0) - runs)
             step.append((t2 - t1) - spent[0])
+            run_s.append(runs)
             if pieces_s is not None:
                 missed.append(runs - pieces_s)
-    return (statistics.median(micro), statistics.fmean(step),
-            max(statistics.median(missed), 0.0) if missed else 0.0)
+            for kind, v in after.items():
+                c = comm.setdefault(kind, [0, 0])
+                c[0] += v["count"] - stats.get(kind, {}).get("count", 0)
+                c[1] += v["bytes"] - stats.get(kind, {}).get("bytes", 0)
+    return Overhead(statistics.median(micro), statistics.fmean(step),
+                    max(statistics.median(missed), 0.0) if missed else 0.0,
+                    statistics.median(run_s),
+                    {k: (c // steps, b // steps) for k, (c, b) in comm.items() if c})
 
 
 def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
@@ -473,32 +500,38 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         # and at N on a copy whose group is this rank alone, every rank at once
         one = sum(sum(d.values()) for d in node_s.values())
         if world > 1:
-            alone = [dist.new_group([r]) for r in range(world)][rank]
+            alone_group = [dist.new_group([r]) for r in range(world)][rank]
             dist.barrier()
-            missed = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
-                                        one, group=alone)[2]
+            alone = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
+                                       one, group=alone_group)
             dist.barrier()
-        over, step_over, missed_here = framework_overhead(ps.model, ids, spec["repeats"], cpu,
-                                                          one if world == 1 else None)  # last
-        if world == 1:
-            missed = missed_here
+        fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
+                                one if world == 1 else None)  # last: it shards the model
+        over, step_over = fo.micro_s, fo.step_s
+        # the one-layer model's synchronous collectives as its graphs run them in a step: its
+        # graphs' runs less those of the copy without collectives ([Note: the sweep checked
+        # in a step])
+        missed, in_step = (alone.missed_s, fo.runs_s - alone.runs_s) if world > 1 \
+            else (fo.missed_s, 0.0)
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
         flat = [t for d in node_s.values() for t in d.values()] + \
-            [opt_s, peer_opt_s, over, step_over, missed, -eta] + \
+            [opt_s, peer_opt_s, over, step_over, missed, in_step, -eta] + \
             [t for k in keys for t in net[k]]
         vec = torch.tensor(flat, dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         if rank == 0:
             vals = iter(vec.tolist())
             node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
-            opt_s, peer_opt_s, over, step_over, missed, eta = (
-                next(vals), next(vals), next(vals), next(vals), next(vals), -next(vals))
+            opt_s, peer_opt_s, over, step_over, missed, in_step, eta = (
+                next(vals), next(vals), next(vals), next(vals), next(vals), next(vals),
+                -next(vals))
             net = {k: [next(vals) for _ in net[k]] for k in keys}
             queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
                               "peer_optimizer_s": peer_opt_s + step_over,
                               "overhead_s": over, "missed_s": missed,
+                              "in_step": {"s": in_step, "comm": fo.comm},
                               "overlap": eta, "net": net, "plan_cost": plan_cost,
                               "sched": sched}))
         dist.destroy_process_group()
@@ -549,10 +582,57 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     kinds = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async")
     launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds[:2]}
     wait = {k: statistics.median(net[f"wait_{k}"]) for k in kinds[:2]}
-    network = Fitted(world, {k: fit(list(zip(SWEEP, net[k]))) for k in kinds}, launch=launch,
-                     copy=(0.0, 0.0), samples={k: list(zip(SWEEP, net[k])) for k in kinds},
-                     overlap=data["overlap"], wait=wait)
+    samples = {k: list(zip(SWEEP, net[k])) for k in kinds}
+    in_step = None
+    if world > 1:
+        samples, in_step = check_in_step(samples, data["in_step"]["s"], data["in_step"]["comm"])
+    network = Fitted(world, {k: fit(v) for k, v in samples.items()}, launch=launch,
+                     copy=(0.0, 0.0), samples=samples, overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
                        network, load, overhead_s=data["overhead_s"], missed_s=data["missed_s"],
                        plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock,
-                       sched=data["sched"])
+                       sched=data["sched"], in_step=in_step)
+
+
+# [Note: the sweep checked in a step] The sweep (`sweep_ops`) times each collective in a loop of
+# its own: the same size again and again, a fixed ~0.1 ms of matmuls between. In a step the
+# collectives sit among the graphs' other ops, each of another size, with ranks that drift apart
+# between them, and each comes with its per-parameter ops (the gathered tensor's views, the
+# gradient's flat copy). On the 2-core VM (stop 38) the one-layer model's 35 synchronous
+# collectives a micro-step took 1.04-1.45x (2 ranks, six measurements) and 1.14-1.18x (4
+# ranks, two) what the sweep gave them; the validation's ZeRO-3 cells at 2 ranks were predicted
+# fast (-9% to -24% in two runs of stop 37). So at N ranks the one-layer model also runs with
+# its collectives (`framework_overhead` on the default group, ZeRO-3 insertion only), and its
+# graphs' runs less those of its copy without collectives (a group of one rank: `missed_s`'s
+# run) are its collectives' time in a step; the synchronous kinds' sweeps are scaled by that
+# over what they give the same collectives (their counts and bytes as the engine counted
+# them). The asynchronous kinds keep their sweep: nothing here runs them in a step.
+SYNC_KINDS = ("all_gather", "reduce_scatter")
+
+
+def check_in_step(samples: dict[str, list[tuple[int, float]]], in_step_s: float,
+                  comm: dict[str, tuple[int, int]]):
+    """The synchronous kinds' sweeps scaled to what the one-layer model's collectives took in a
+    step (`in_step_s` per micro-step; `comm`: kind -> (count, bytes) of them per micro-step),
+    and the record of it ([Note: the sweep checked in a step]). Each collective is taken at its
+    kind's mean size. An error where the step's collectives took no time: the measurement
+    failed, and a sweep scaled by 0 would plan free communication."""
+    from .network import Fitted
+
+    sync = {k: v for k, v in comm.items() if k in SYNC_KINDS and v[0] > 0}
+    if not sync:
+        raise RuntimeError("deepcompile plan: the one-layer model ran no synchronous collective "
+                           f"at this world size ({comm}); its ZeRO-3 graphs should")
+    net = Fitted(0, {}, samples=samples)
+    sweep_s = sum(n * net._measured_s(k, b / n) for k, (n, b) in sync.items())
+    if in_step_s <= 0 or sweep_s <= 0:
+        raise RuntimeError(
+            f"deepcompile plan: the one-layer model's {sum(n for n, _ in sync.values())} "
+            f"collectives took {in_step_s * 1e3:.3f} ms in a step, against "
+            f"{sweep_s * 1e3:.3f} ms by the sweep: the measurement failed (a machine busy "
+            "with other work?); run the plan again")
+    factor = in_step_s / sweep_s
+    scaled = {k: [(b, t * factor) for b, t in v] if k in SYNC_KINDS else list(v)
+              for k, v in samples.items()}
+    return scaled, {"s": in_step_s, "sweep_s": sweep_s, "factor": factor,
+                    "comm": {k: list(v) for k, v in comm.items()}}
