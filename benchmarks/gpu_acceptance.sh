@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open issues ask for, in parts that each fit one 10-minute command
-# of the device tool (30 minutes of device time per session, machine start included: plan for
-# about three parts per session, in the order below). Run from the project root on the GPU
+# of the device tool (its budget per session, machine start included, is what its `status` says:
+# 15 minutes as of 2026-11-27, so one or two parts a session, in the order below; a session that
+# wants the planner's check runs `validate` first). Run from the project root on the GPU
 # machine:
 #
 #     bash benchmarks/gpu_acceptance.sh PART        # PART: one of the names below
@@ -97,7 +98,11 @@ one() {
         --systems ours-offload-host ours-offload-streamed ours-offload --timeout 190 \
         --out "$out" ;;
     validate)
-      run 570 "$log" $py benchmarks/plan_validate.py --device cuda --gpu h100 \
+      # predict for the GPU the machine has (the device tool lends an H100 or an H200)
+      local gpu=h100
+      if [[ $dry != 1 ]] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200
+      then gpu=h200; fi
+      run 570 "$log" $py benchmarks/plan_validate.py --device cuda --gpu $gpu \
         --workloads llama-1b --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 2 \
         --out "$out" ;;
     profile)
