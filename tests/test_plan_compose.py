@@ -218,6 +218,47 @@ def test_profiled_pieces_keep_the_preemptions_a_run_has(monkeypatch):
     assert got["layer.bw"] == {"c": 2.0}             # no preemption: as measured
 
 
+def test_the_pieces_level_is_a_window_of_runs_back_to_back(monkeypatch):
+    """[Note: measuring on the CPU] (planner/measure.py): each graph's level is the mean of its
+    runs over a window of the pieces' graphs run back to back (`window_runs`), and the nodes'
+    medians are scaled to it. With more ranks than cores a rank runs for a turn and then waits
+    for one: imitated by a forward that takes 1 ms and every fourth call 9 ms. The window's mean
+    keeps the waits (3 ms a call); the profiler's few runs (the level until stop 39) saw either
+    none of them or all, depending on where the turns fell."""
+    import time
+    from types import SimpleNamespace
+
+    import deepcompile.compiler.profiler as profiler
+    from deepcompile.planner.measure import profile_pieces, window_runs
+
+    calls = [0]
+
+    def fw(*args):
+        calls[0] += 1
+        time.sleep(0.009 if calls[0] % 4 == 0 else 0.001)
+        return (torch.ones(1), torch.ones(1))
+
+    def bw(*args):
+        return (torch.ones(1),)
+
+    pg = SimpleNamespace(piece=SimpleNamespace(params=[], inputs=[]), fw=fw, bw=bw,
+                         n_outputs=1, tangent_of=[0])
+    level = window_runs({"layer": pg}, window_s=0.3)
+    assert level["layer.fw"] == pytest.approx(0.003, rel=0.25)
+    assert level["layer.bw"] < 0.0005
+
+    def fake_run(graph, args, **kw):   # the profiler: nodes a and b, 1 and 3 ms each run
+        names, times = ("ab", (1e-3, 3e-3)) if graph is fw else ("c", (1e-4,))
+        prof = SimpleNamespace(nodes=[SimpleNamespace(name=n, time_s=t)
+                                      for n, t in zip(names, times)])
+        return [torch.ones(1), torch.ones(1)], prof
+
+    monkeypatch.setattr(profiler, "profile_run", fake_run)
+    got = profile_pieces({"layer": pg}, repeats=3, level={"layer.fw": 8e-3, "layer.bw": 1e-4})
+    assert got["layer.fw"] == pytest.approx({"a": 2e-3, "b": 6e-3}, rel=1e-12)
+    assert got["layer.bw"] == pytest.approx({"c": 1e-4}, rel=1e-12)
+
+
 def test_the_optimizer_is_timed_as_the_engine_steps_and_counted_once(monkeypatch, group):
     """planner/measure.py: ours' optimizer figure is the engine's flat step over the whole
     model (`time_optimizer(flat=True)`), the peers' torch's per-parameter AdamW, and the

@@ -27,8 +27,18 @@ maximum over ranks (the pipeline's agreement rule). The ranks start profiling th
 timing the optimizer) together, behind a barrier: before (stop 31), a rank that finished
 tracing first profiled while others still traced, the last one alone, and at 4 ranks on 2
 cores the pieces' graphs measured what they measure at one rank (layer forward 0.95 against
-0.88 ms) while the step's compute took 2.8x its CPU time. The node times are medians (which
-drop preemptions) scaled per graph to the runs' mean sum (which keeps them).
+0.88 ms) while the step's compute took 2.8x its CPU time. The node times are medians (the
+graph's shape: they drop preemptions) scaled per graph to its level: the mean of its runs when
+the pieces' graphs run back to back for half a second, every rank at once (`window_runs`;
+the ranks' mean: noisy figures' maximum over ranks is biased high).
+Until stop 39 the level was the mean of the profiler's 5 runs, a few milliseconds: shorter than
+a SCHED_BATCH rank's turn on a core, so at 4 ranks on 2 cores a graph's runs were all
+preempted or none, and the one-layer model's forward measured 1.09-3.95 ms in nine profiles
+(AMD VM, stop 37-38; 0.58 at one rank), 0.92-5.41 ms on an Intel VM (stop 39; 0.79), where
+the pieces' graphs back to back took 2.0x their CPU time in each of eight ranks' windows (two
+launches of 4); on that VM even 2 ranks on
+2 cores measured 0.90-2.67 ms. The plans moved with it (4 ranks, +overlap: 27.6-44.0 ms
+against 29.5-31.1 measured).
 """
 
 from __future__ import annotations
@@ -113,13 +123,57 @@ class _Times:
     nodes: list
 
 
-def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, float]]:
+def _piece_calls(graphs):
+    """(key, call) per piece graph, in a step's order: each piece's forward, then its backward
+    on the forward's saved tensors and ones as the tangents."""
+    calls = []
+    for name, pg in graphs.items():
+        args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
+        box: dict[str, list] = {}
+
+        def fw(pg=pg, args=args, box=box):
+            outs = list(pg.fw(*args))
+            box["bw"] = outs[pg.n_outputs:] + [torch.ones_like(outs[i]) for i in pg.tangent_of]
+
+        def bw(pg=pg, box=box):
+            pg.bw(*box["bw"])
+
+        calls += [(f"{name}.fw", fw), (f"{name}.bw", bw)]
+    return calls
+
+
+# the pieces' graphs run back to back for this long, every rank at once (`window_runs`)
+PIECES_WINDOW_S = 0.5
+
+
+def window_runs(graphs, window_s: float = PIECES_WINDOW_S,
+                min_runs: int = 3) -> dict[str, float]:
+    """Mean wall time of each piece graph's run (the FX graph's own code, no profiler) when
+    they run back to back, as a step runs them, for at least `window_s` and `min_runs` rounds
+    ([Note: measuring on the CPU]: the level of the pieces' node times)."""
+    calls = _piece_calls(graphs)
+    total = {k: 0.0 for k, _ in calls}
+    with torch.no_grad():
+        for _, call in calls:   # warm-up
+            call()
+        n = 0
+        t0 = time.perf_counter()
+        while n < min_runs or time.perf_counter() - t0 < window_s:
+            for k, call in calls:
+                t = time.perf_counter()
+                call()
+                total[k] += time.perf_counter() - t
+            n += 1
+    return {k: v / n for k, v in total.items()}
+
+
+def profile_pieces(graphs, repeats: int, clock=None,
+                   level: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Time per node of each piece's forward and backward on real inputs; `clock` (CPU-time
     mode): every node timed with it instead of deepcompile's profiler. Per node the median over
-    the repeats, scaled per graph so that the nodes sum to the mean of the runs' sums: a median
-    per node drops the preemptions, which the wall time of a step (many runs) keeps — with more
-    ranks than cores, about half of it; a run of a millisecond is either preempted or not, so
-    the runs' median would drop them too ([Note: measuring on the CPU])."""
+    the repeats (the graph's shape), scaled per graph so that the nodes sum to its `level`
+    (`window_runs`: what a run takes among many, as a step's runs do), or without one to the
+    mean of the repeats' sums ([Note: measuring on the CPU])."""
     from ..compiler.profiler import profile_run
 
     if clock is not None:
@@ -147,7 +201,8 @@ def profile_pieces(graphs, repeats: int, clock=None) -> dict[str, dict[str, floa
     for k, d in runs.items():   # every node once per run: the runs' mean sum is the means' sum
         med = {n: statistics.median(v) for n, v in d.items()}
         total = sum(med.values())
-        scale = sum(map(statistics.fmean, d.values())) / total if total > 0 else 1.0
+        want = level[k] if level is not None else sum(map(statistics.fmean, d.values()))
+        scale = want / total if total > 0 else 1.0
         out[k] = {n: t * scale for n, t in med.items()}
     return out
 
@@ -451,9 +506,13 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                 c = comm.setdefault(kind, [0, 0])
                 c[0] += v["count"] - stats.get(kind, {}).get("count", 0)
                 c[1] += v["bytes"] - stats.get(kind, {}).get("bytes", 0)
+    # the graphs' runs (and what they take beyond the pieces): their mean, as the pieces'
+    # level is (`window_runs`): with more ranks than cores a step's runs are preempted or not,
+    # and a median of 20 of them took all or none of it (stop 39: 0 and 5.7 ms a micro-step
+    # at 4 ranks on 2 cores, two plans of tiny-llama)
     return Overhead(statistics.median(micro), statistics.fmean(step),
-                    max(statistics.median(missed), 0.0) if missed else 0.0,
-                    statistics.median(run_s),
+                    max(statistics.fmean(missed), 0.0) if missed else 0.0,
+                    statistics.fmean(run_s),
                     {k: (c // steps, b // steps) for k, (c, b) in comm.items() if c})
 
 
@@ -482,7 +541,16 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         # waiting in the network sweep) measured an idle machine's times, however many ranks
         # share its cores ([Note: measuring on the CPU])
         dist.barrier()
-        node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None)
+        level = None
+        if not cpu:   # the graphs' level: their runs back to back, every rank at once; the
+            # ranks' mean (the maximum of noisy means over ranks would be biased high)
+            level = window_runs(graphs)
+            keys = sorted(level)
+            vec = torch.tensor([level[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(vec)
+            level = {k: v / world for k, v in zip(keys, vec.tolist())}
+        node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None,
+                                level)
         dist.barrier()
         numels, opt_clock = list(pieces.param_numels(ps).values()), \
             time.thread_time if cpu else time.perf_counter
@@ -524,6 +592,9 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         if rank == 0:
             vals = iter(vec.tolist())
             node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
+            if level is not None:   # each node's maximum over ranks, the graph at its level
+                node_s = {k: {n: t * level[k] / total for n, t in d.items()}
+                          if (total := sum(d.values())) > 0 else d for k, d in node_s.items()}
             opt_s, peer_opt_s, over, step_over, missed, in_step, eta = (
                 next(vals), next(vals), next(vals), next(vals), next(vals), next(vals),
                 -next(vals))
