@@ -130,6 +130,11 @@ def test_planning_for_this_machine_at_two_ranks_measures_what_the_pieces_miss(ca
     n_rs, n_ag = step["comm"]["reduce_scatter"][0], step["comm"]["all_gather"][0]
     assert n_rs > 0 and n_rs <= n_ag <= 2 * n_rs, step
     assert step["s"] > 0 and step["factor"] == pytest.approx(step["s"] / step["sweep_s"])
+    # and its asynchronous ones ([Note: the asynchronous collectives checked in a step]): with
+    # prefetch + bucket_reduce its few fused collectives take less than its 35 synchronous ones
+    a = step["async"]
+    assert step["overlap_runs_s"] < step["z3_runs_s"] and a["measured_s"] < 0, step
+    assert 1 / 64 <= a["factor"] <= 64 and a["range_s"][0] < a["range_s"][1]
 
 
 def test_planning_for_this_machine_measures_it(capsys):

@@ -363,3 +363,70 @@ def test_the_steps_time_outside_the_optimizer_keeps_its_stalls(monkeypatch, grou
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
     per_step = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3).step_s
     assert 0.007 < per_step < 0.02, per_step
+
+
+def test_the_asynchronous_collectives_are_scaled_to_a_steps():
+    """[Note: the asynchronous collectives checked in a step] (planner/plan.py): the
+    asynchronous kinds' sweep is scaled so that the planner's schedules of the one-layer model
+    (ZeRO-3 with prefetch + bucket_reduce against insertion only) differ by what the runs
+    measured; the network found gives that difference back. A difference no factor in
+    [1/64, 64] gives is recorded at the range's end, and a host profile without the run is an
+    error. (A synthetic host: 10 us a node, a 2-rank network of fixed figures.)"""
+    import dataclasses
+
+    from deepcompile.planner import measure, ours, plan, simulate
+    from deepcompile.planner.network import Fitted, fit
+    from deepcompile.planner.schedule import Setting
+
+    ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
+    graphs = trace.trace_all(ps)
+    node_s = {f"{k}.{ph}": {n.name: 1e-5 for n in getattr(pg, ph).graph.nodes
+                            if n.op == "call_function"}
+              for k, pg in graphs.items() for ph in ("fw", "bw")}
+    us = 1e-6
+    samples = {"all_gather": [(1 << 10, 100 * us), (1 << 20, 600 * us)],
+               "reduce_scatter": [(1 << 10, 150 * us), (1 << 20, 900 * us)],
+               "all_gather_async": [(1 << 10, 120 * us), (1 << 20, 700 * us)],
+               "reduce_scatter_async": [(1 << 10, 170 * us), (1 << 20, 1000 * us)]}
+    net = Fitted(2, {k: fit(v) for k, v in samples.items()}, samples=samples, overlap=0.0)
+    args = plan.PlanArgs("tiny", nodes=1, gpus_per_node=2, gpu="cpu", seq=SEQ, batch=BATCH)
+
+    def setting(model, network=net):
+        return Setting(model, 2, network, float("inf"), 1, 1e10, 0.0, 0.0,
+                       host_is_compute=True, optimizer_s=1e-4, framework_s=1e-4,
+                       fusion="cap")
+
+    def host(diff_s):
+        return measure.HostProfile(2, node_s, 1e-4, 1e-4, net, [0.0], in_step={
+            "z3_runs_s": 0.02, "overlap_runs_s": 0.02 + diff_s})
+
+    def simulated_diff(network):
+        one = compose.compose(graphs, 1, host(0.0).times, name="one", batch=BATCH, seq=SEQ,
+                              dtype=torch.float32)
+        s = dataclasses.replace(setting(one, network), plan_cost=net)
+
+        def step(passes):
+            sch = ours.schedule(s, passes, "t", "")
+            return simulate.simulate(sch.events, host_is_compute=True).step_s
+        return step(measure.ASYNC_CHECK_PASSES) - step(())
+
+    _, rec = plan.check_async_in_step(host(0.0), graphs, args, setting, log=lambda _: None)
+    lo, hi = rec["range_s"]
+    assert lo < rec["sweep_s"] < hi
+    assert rec["sweep_s"] == pytest.approx(simulated_diff(net))
+    for want in (lo + 0.2 * (hi - lo), rec["sweep_s"] * 0.8 + lo * 0.2):
+        got, rec = plan.check_async_in_step(host(want), graphs, args, setting,
+                                            log=lambda _: None)
+        assert rec["bound"] is None and rec["measured_s"] == pytest.approx(want)
+        assert simulated_diff(got) == pytest.approx(want, rel=1e-3)
+        assert got.samples["all_gather"] == samples["all_gather"]        # sync kinds kept
+        assert got.samples["all_gather_async"][1][1] == pytest.approx(700 * us * rec["factor"])
+    got, rec = plan.check_async_in_step(host(hi + 1.0), graphs, args, setting,
+                                        log=lambda _: None)
+    assert rec["bound"] == "high" and rec["factor"] == plan.ASYNC_FACTOR_RANGE[1]
+    got, rec = plan.check_async_in_step(host(lo - 1.0), graphs, args, setting,
+                                        log=lambda _: None)
+    assert rec["bound"] == "low" and rec["factor"] == plan.ASYNC_FACTOR_RANGE[0]
+    with pytest.raises(plan.PlanError, match="no one-layer run"):
+        plan.check_async_in_step(dataclasses.replace(host(0.0), in_step={"s": 1.0}), graphs,
+                                 args, setting)

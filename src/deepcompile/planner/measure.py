@@ -424,7 +424,7 @@ class Overhead(typing.NamedTuple):
 def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                        cpu: bool = False,
                        pieces_s: float | None = None,
-                       group=None) -> Overhead:
+                       group=None, passes: tuple[str, ...] = ()) -> Overhead:
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
     model's output object: the forward and backward calls' time minus their graphs' run
@@ -439,14 +439,17 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     head, forward and backward), to be given where its graphs hold no collective (a group of
     one rank); the third figure is then what its graphs' runs take beyond that per
     micro-step ([Note: what the pieces miss]), else 0. `group`: the engine's process group
-    (default: the default group)."""
+    (default: the default group). `passes`: the engine's passes (default: insertion only),
+    kept whatever their steps measure (`measure_steps=0`); the figures are taken once the
+    engine is in its steady state."""
     import functools
 
     from ..config import Config
     from ..engine import Engine
 
     eng = Engine(model, functools.partial(torch.optim.AdamW, lr=1e-3),
-                 Config.coerce({"compiler": "fx", "passes": ()}), group=group)
+                 Config.coerce({"compiler": "fx", "passes": tuple(passes), "measure_steps": 0}),
+                 group=group)
     spent = [0.0]
 
     clock = time.thread_time if cpu else time.perf_counter
@@ -472,7 +475,14 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     steps = max(4 * repeats, 20)
     micro, step, missed, run_s = [], [], [], []
     comm: dict[str, list[int]] = {}
-    for i in range(warm + steps):
+    i = 0
+    while len(micro) < steps:
+        if i > warm + steps + 100:
+            raise RuntimeError(f"deepcompile plan: the one-layer model's engine (passes {passes}) "
+                               f"was not in its steady state after {i} steps (phase "
+                               f"{eng.phase!r})")
+        timed = i >= warm and eng.phase == "steady"
+        i += 1
         slots = eng._pipeline.slots
         before = {k: sl.calls for k, sl in slots.items()}
         stats = eng.comm_stats()
@@ -496,7 +506,7 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
         if cpu:   # CPU time: the graphs' share of it as of their wall time
             share = (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
             t0, t1, t2, runs = c0, c1, c2, runs * share
-        if i >= warm:
+        if timed:
             micro.append((t1 - t0) - runs)
             step.append((t2 - t1) - spent[0])
             run_s.append(runs)
@@ -573,6 +583,11 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             alone = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
                                        one, group=alone_group)
             dist.barrier()
+            # and with its asynchronous collectives ([Note: the asynchronous collectives
+            # checked in a step] in plan.py)
+            ovl = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
+                                     passes=ASYNC_CHECK_PASSES)
+            dist.barrier()
         fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
                                 one if world == 1 else None)  # last: it shards the model
         over, step_over = fo.micro_s, fo.step_s
@@ -581,11 +596,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         # in a step])
         missed, in_step = (alone.missed_s, fo.runs_s - alone.runs_s) if world > 1 \
             else (fo.missed_s, 0.0)
+        runs = (fo.runs_s, ovl.runs_s) if world > 1 else (0.0, 0.0)
         # the cost model the runtime's passes plan with (agreed across ranks inside)
         plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
         keys = list(net)
         flat = [t for d in node_s.values() for t in d.values()] + \
-            [opt_s, peer_opt_s, over, step_over, missed, in_step, -eta] + \
+            [opt_s, peer_opt_s, over, step_over, missed, in_step, *runs, -eta] + \
             [t for k in keys for t in net[k]]
         vec = torch.tensor(flat, dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
@@ -595,14 +611,15 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             if level is not None:   # each node's maximum over ranks, the graph at its level
                 node_s = {k: {n: t * level[k] / total for n, t in d.items()}
                           if (total := sum(d.values())) > 0 else d for k, d in node_s.items()}
-            opt_s, peer_opt_s, over, step_over, missed, in_step, eta = (
+            opt_s, peer_opt_s, over, step_over, missed, in_step, z3_runs, ovl_runs, eta = (
                 next(vals), next(vals), next(vals), next(vals), next(vals), next(vals),
-                -next(vals))
+                next(vals), next(vals), -next(vals))
             net = {k: [next(vals) for _ in net[k]] for k in keys}
             queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
                               "peer_optimizer_s": peer_opt_s + step_over,
                               "overhead_s": over, "missed_s": missed,
-                              "in_step": {"s": in_step, "comm": fo.comm},
+                              "in_step": {"s": in_step, "comm": fo.comm,
+                                          "z3_runs_s": z3_runs, "overlap_runs_s": ovl_runs},
                               "overlap": eta, "net": net, "plan_cost": plan_cost,
                               "sched": sched}))
         dist.destroy_process_group()
@@ -656,7 +673,11 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     samples = {k: list(zip(SWEEP, net[k])) for k in kinds}
     in_step = None
     if world > 1:
-        samples, in_step = check_in_step(samples, data["in_step"]["s"], data["in_step"]["comm"])
+        got = data["in_step"]
+        samples, in_step = check_in_step(samples, got["s"], got["comm"])
+        # checked against the planner's own schedule of the one-layer model in plan.py
+        in_step.update(z3_runs_s=got["z3_runs_s"], overlap_runs_s=got["overlap_runs_s"],
+                       overlap_passes=list(ASYNC_CHECK_PASSES))
     network = Fitted(world, {k: fit(v) for k, v in samples.items()}, launch=launch,
                      copy=(0.0, 0.0), samples=samples, overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
@@ -679,6 +700,10 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
 # over what they give the same collectives (their counts and bytes as the engine counted
 # them). The asynchronous kinds keep their sweep: nothing here runs them in a step.
 SYNC_KINDS = ("all_gather", "reduce_scatter")
+ASYNC_KINDS = ("all_gather_async", "reduce_scatter_async")
+# the passes the one-layer model also runs with at N ranks, so that its collectives are
+# asynchronous ([Note: the asynchronous collectives checked in a step] in plan.py)
+ASYNC_CHECK_PASSES = ("prefetch", "bucket_reduce")
 
 
 def check_in_step(samples: dict[str, list[tuple[int, float]]], in_step_s: float,

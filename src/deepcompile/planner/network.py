@@ -173,6 +173,15 @@ class Fitted:
     def wait_s(self, kind: str) -> float:
         return self.wait.get(kind, 0.0)
 
+    def scaled(self, kinds: tuple[str, ...], factor: float) -> "Fitted":
+        """This network with the times of `kinds` (their sweep's points and line) x `factor`."""
+        return dataclasses.replace(
+            self,
+            coeffs={k: (a * factor, b * factor) if k in kinds else (a, b)
+                    for k, (a, b) in self.coeffs.items()},
+            samples={k: [(x, y * factor) for x, y in v] if k in kinds else list(v)
+                     for k, v in self.samples.items()})
+
     def describe(self) -> str:
         parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s "
                  f"(launch {self.launch_s(k) * 1e6:.0f} us, wait {self.wait_s(k) * 1e6:.0f} us)"
