@@ -52,9 +52,13 @@ def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
                     passes=[] if peer else [tuple(replay["passes"]) if replay
                                             else S.resolved_passes(S.get(system))],
                     peers=(system,) if peer else (), plan_cost=plan_cost, replay=replay)
-    r = P.make_plan(pa, log=lambda *a: None, host=host).results[0]
+    pl = P.make_plan(pa, log=lambda *a: None, host=host)
+    r = pl.results[0]
+    # at N ranks: the asynchronous collectives checked in a step (planner/plan.py)
+    checked = (pl.setting.get("host") or {}).get("in_step") or {}
     return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
-            "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None}
+            "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None,
+            "async_check": checked.get("async")}
 
 
 _FRESH = [10_000_000]

@@ -10,8 +10,10 @@ communication as its lowered graphs run it (compiler/lower.py: `_c10d_functional
 launched and waited below autograd, the reduction's divide; synchronous, and asynchronous with
 compute between, and the host time of a launch and of a wait) timed over a sweep of sizes and
 read off it ([Note: a sweep is read, not fitted] in network.py), the synchronous kinds scaled to
-what the one-layer model's collectives take in a step ([Note: the sweep checked in a step]; at
-world size 1 nothing is communicated, and nothing is measured); the framework's
+what the one-layer model's collectives take in a step ([Note: the sweep checked in a step]), the
+asynchronous ones checked in a step by the plan ([Note: the asynchronous collectives checked in
+a step] in plan.py; at world size 1 nothing is communicated, and nothing is measured); the
+framework's
 time per micro-step outside the graphs (guards, wrappers, autograd) is measured on the pieces'
 one-layer model (`framework_overhead`: a deepcompile run of it, not of the model planned);
 and how much of an
