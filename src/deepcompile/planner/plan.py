@@ -346,8 +346,9 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
 # passes, one micro-step; the simulator) differ by as much. The schedules' decisions do not
 # depend on the factor (the passes plan with `plan_cost`), so the difference grows with it, and
 # the factor is found by bisection in [1/64, 64]; a measured difference outside what that range
-# gives is recorded as such (`bound`) and logged, with the factor at the bound. Measured:
-# x1.34-1.59 at 4 ranks, x1.16 at 2 (three plans).
+# gives is recorded as such (`bound`) and logged, with the factor at the bound. Measured on
+# that VM: x1.34-1.72 at 4 ranks, x0.98-1.87 at 2 (three CLI plans and the validation's run D;
+# `benchmarks/results/2026-11-27-cpu2-intel-plan-async/`), never at the range's ends.
 ASYNC_FACTOR_RANGE = (1 / 64, 64.0)
 
 
