@@ -365,13 +365,14 @@ def test_the_steps_time_outside_the_optimizer_keeps_its_stalls(monkeypatch, grou
     assert 0.007 < per_step < 0.02, per_step
 
 
-def test_the_asynchronous_collectives_are_scaled_to_a_steps():
+def test_the_asynchronous_collectives_are_scaled_to_a_steps(monkeypatch):
     """[Note: the asynchronous collectives checked in a step] (planner/plan.py): the
     asynchronous kinds' sweep is scaled so that the planner's schedules of the one-layer model
     (ZeRO-3 with prefetch + bucket_reduce against insertion only) differ by what the runs
     measured; the network found gives that difference back. A difference no factor in
     [1/64, 64] gives is recorded at the range's end, and a host profile without the run is an
-    error. (A synthetic host: 10 us a node, a 2-rank network of fixed figures.)"""
+    error; the passes plan with the host's own cost model. (A synthetic host: 10 us a node, a
+    2-rank network of fixed figures.)"""
     import dataclasses
 
     from deepcompile.planner import measure, ours, plan, simulate
@@ -427,6 +428,20 @@ def test_the_asynchronous_collectives_are_scaled_to_a_steps():
     got, rec = plan.check_async_in_step(host(lo - 1.0), graphs, args, setting,
                                         log=lambda _: None)
     assert rec["bound"] == "low" and rec["factor"] == plan.ASYNC_FACTOR_RANGE[0]
+    # the schedules plan with the cost model the measuring ranks calibrated (the host's), not
+    # a run's given to the plan (the setting's)
+    seen = []
+    schedule = ours.schedule
+
+    def spy(s, passes, name, description):
+        seen.append(s.plan_cost)
+        return schedule(s, passes, name, description)
+
+    own = dataclasses.replace(net, overlap=0.5)
+    monkeypatch.setattr(ours, "schedule", spy)
+    plan.check_async_in_step(dataclasses.replace(host(0.0), plan_cost=own), graphs, args,
+                             setting, log=lambda _: None)
+    assert seen and all(c is own for c in seen)
     with pytest.raises(plan.PlanError, match="no one-layer run"):
         plan.check_async_in_step(dataclasses.replace(host(0.0), in_step={"s": 1.0}), graphs,
                                  args, setting)

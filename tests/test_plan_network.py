@@ -103,22 +103,23 @@ def test_the_sweeps_synchronous_collectives_are_scaled_to_a_steps():
     samples = {"all_gather": [(1 << 10, 100 * us), (1 << 16, 150 * us)],
                "reduce_scatter": [(1 << 10, 120 * us), (1 << 16, 200 * us)],
                "all_gather_async": [(1 << 10, 300 * us), (1 << 16, 400 * us)]}
+    net = Fitted(2, {k: fit(v) for k, v in samples.items()}, samples=samples)
     comm = {"all_gather": (10, 10 << 10), "reduce_scatter": (5, 5 << 16), "all_reduce": (0, 0)}
-    scaled, record = check_in_step(samples, 3e-3, comm)
+    m, record = check_in_step(net, 3e-3, comm)
     assert record["sweep_s"] == pytest.approx(2e-3)
     assert record["factor"] == pytest.approx(1.5)
-    assert [b for b, _ in scaled["all_gather"]] == [1 << 10, 1 << 16]
-    assert [t for _, t in scaled["all_gather"]] == pytest.approx([150 * us, 225 * us])
-    assert scaled["reduce_scatter"][1][1] == pytest.approx(300 * us)
-    assert scaled["all_gather_async"] == samples["all_gather_async"]
-    m = Fitted(2, {k: fit(v) for k, v in scaled.items()}, samples=scaled)
+    assert [b for b, _ in m.samples["all_gather"]] == [1 << 10, 1 << 16]
+    assert [t for _, t in m.samples["all_gather"]] == pytest.approx([150 * us, 225 * us])
+    assert m.samples["all_gather_async"] == samples["all_gather_async"]
     assert m.collective_s("reduce_scatter", 1 << 16) == pytest.approx(300 * us)
-    assert samples["all_gather"][0][1] == 100 * us            # the raw sweep is left as it was
+    assert m.coeffs["reduce_scatter"] == pytest.approx(
+        tuple(1.5 * c for c in net.coeffs["reduce_scatter"]))   # the line, scaled alike
+    assert net.samples["all_gather"][0][1] == 100 * us       # the measured network is left as it was
     for bad in (0.0, -1e-4):
         with pytest.raises(RuntimeError, match="measurement failed"):
-            check_in_step(samples, bad, comm)
+            check_in_step(net, bad, comm)
     with pytest.raises(RuntimeError, match="no synchronous collective"):
-        check_in_step(samples, 3e-3, {"all_reduce": (2, 64)})
+        check_in_step(net, 3e-3, {"all_reduce": (2, 64)})
 
 
 def test_a_collective_is_read_off_the_sweep_not_its_line():

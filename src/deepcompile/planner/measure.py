@@ -35,12 +35,12 @@ the pieces' graphs run back to back for half a second, every rank at once (`wind
 the ranks' mean: noisy figures' maximum over ranks is biased high).
 Until stop 39 the level was the mean of the profiler's 5 runs, a few milliseconds: shorter than
 a SCHED_BATCH rank's turn on a core, so at 4 ranks on 2 cores a graph's runs were all
-preempted or none, and the one-layer model's forward measured 1.09-3.95 ms in nine profiles
-(AMD VM, stop 37-38; 0.58 at one rank), 0.92-5.41 ms on an Intel VM (stop 39; 0.79), where
-the pieces' graphs back to back took 2.0x their CPU time in each of eight ranks' windows (two
-launches of 4); on that VM even 2 ranks on
-2 cores measured 0.90-2.67 ms. The plans moved with it (4 ranks, +overlap: 27.6-44.0 ms
-against 29.5-31.1 measured).
+preempted or none: at 4 ranks the one-layer model's forward measured 1.09-3.95 ms in eighteen
+profiles (AMD VM, both validation workloads, three runs of stops 37-38; 0.54-0.74 ms at one
+rank), 0.92-5.81 ms in six on an Intel VM (stop 39's run A; 0.72-0.94 at one rank), where the
+pieces' graphs back to back took 2.0x their CPU time in each of eight ranks' windows (two
+launches of 4); on that VM even 2 ranks on 2 cores measured 0.79-2.67 ms. The plans moved with
+it (4 ranks, tiny-llama, +overlap: 27.6-44.0 ms against 29.5-31.1 measured).
 """
 
 from __future__ import annotations
@@ -125,17 +125,28 @@ class _Times:
     nodes: list
 
 
+def _fw_args(pg) -> list[torch.Tensor]:
+    """A piece's forward arguments: its parameters, then its inputs."""
+    return [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
+
+
+def _bw_args(pg, outs) -> list[torch.Tensor]:
+    """A piece's backward arguments from its forward's outputs: the saved tensors, then ones
+    as the tangents."""
+    outs = list(outs)
+    return outs[pg.n_outputs:] + [torch.ones_like(outs[i]) for i in pg.tangent_of]
+
+
 def _piece_calls(graphs):
     """(key, call) per piece graph, in a step's order: each piece's forward, then its backward
-    on the forward's saved tensors and ones as the tangents."""
+    (`_fw_args`, `_bw_args`)."""
     calls = []
     for name, pg in graphs.items():
-        args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
+        args = _fw_args(pg)
         box: dict[str, list] = {}
 
         def fw(pg=pg, args=args, box=box):
-            outs = list(pg.fw(*args))
-            box["bw"] = outs[pg.n_outputs:] + [torch.ones_like(outs[i]) for i in pg.tangent_of]
+            box["bw"] = _bw_args(pg, pg.fw(*args))
 
         def bw(pg=pg, box=box):
             pg.bw(*box["bw"])
@@ -183,15 +194,12 @@ def profile_pieces(graphs, repeats: int, clock=None,
 
     runs: dict[str, dict[str, list[float]]] = {}
     for name, pg in graphs.items():
-        args = [p.detach() for p in pg.piece.params] + [t.detach() for t in pg.piece.inputs]
+        args = _fw_args(pg)
         for r in range(repeats + 1):
             with torch.no_grad():
                 outs, fp = profile_run(pg.fw, args, slot=f"{name}.fw", version=0,
                                        name_of=str)
-                outs = list(outs)
-                saved = outs[pg.n_outputs:]
-                tangents = [torch.ones_like(outs[i]) for i in pg.tangent_of]
-                _, bp = profile_run(pg.bw, saved + tangents, slot=f"{name}.bw", version=0,
+                _, bp = profile_run(pg.bw, _bw_args(pg, outs), slot=f"{name}.bw", version=0,
                                     name_of=str)
             if r == 0:
                 continue   # warm-up
@@ -673,15 +681,16 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds[:2]}
     wait = {k: statistics.median(net[f"wait_{k}"]) for k in kinds[:2]}
     samples = {k: list(zip(SWEEP, net[k])) for k in kinds}
+    network = Fitted(world, {k: fit(v) for k, v in samples.items()}, launch=launch,
+                     copy=(0.0, 0.0), samples=samples, overlap=data["overlap"], wait=wait)
     in_step = None
     if world > 1:
         got = data["in_step"]
-        samples, in_step = check_in_step(samples, got["s"], got["comm"])
-        # checked against the planner's own schedule of the one-layer model in plan.py
+        network, in_step = check_in_step(network, got["s"], got["comm"])
+        # the asynchronous kinds: checked against the planner's own schedules of the one-layer
+        # model in plan.py
         in_step.update(z3_runs_s=got["z3_runs_s"], overlap_runs_s=got["overlap_runs_s"],
                        overlap_passes=list(ASYNC_CHECK_PASSES))
-    network = Fitted(world, {k: fit(v) for k, v in samples.items()}, launch=launch,
-                     copy=(0.0, 0.0), samples=samples, overlap=data["overlap"], wait=wait)
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
                        network, load, overhead_s=data["overhead_s"], missed_s=data["missed_s"],
                        plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock,
@@ -700,7 +709,8 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
 # graphs' runs less those of its copy without collectives (a group of one rank: `missed_s`'s
 # run) are its collectives' time in a step; the synchronous kinds' sweeps are scaled by that
 # over what they give the same collectives (their counts and bytes as the engine counted
-# them). The asynchronous kinds keep their sweep: nothing here runs them in a step.
+# them). The asynchronous kinds are checked by the plan, on its own schedules of the one-layer
+# model ([Note: the asynchronous collectives checked in a step] in plan.py).
 SYNC_KINDS = ("all_gather", "reduce_scatter")
 ASYNC_KINDS = ("all_gather_async", "reduce_scatter_async")
 # the passes the one-layer model also runs with at N ranks, so that its collectives are
@@ -708,21 +718,18 @@ ASYNC_KINDS = ("all_gather_async", "reduce_scatter_async")
 ASYNC_CHECK_PASSES = ("prefetch", "bucket_reduce")
 
 
-def check_in_step(samples: dict[str, list[tuple[int, float]]], in_step_s: float,
-                  comm: dict[str, tuple[int, int]]):
-    """The synchronous kinds' sweeps scaled to what the one-layer model's collectives took in a
-    step (`in_step_s` per micro-step; `comm`: kind -> (count, bytes) of them per micro-step),
-    and the record of it ([Note: the sweep checked in a step]). Each collective is taken at its
-    kind's mean size. An error where the step's collectives took no time: the measurement
-    failed, and a sweep scaled by 0 would plan free communication."""
-    from .network import Fitted
-
+def check_in_step(network, in_step_s: float, comm: dict[str, tuple[int, int]]):
+    """`network` (a measured `Fitted`) with its synchronous kinds scaled to what the one-layer
+    model's collectives took in a step (`in_step_s` per micro-step; `comm`: kind -> (count,
+    bytes) of them per micro-step), and the record of it ([Note: the sweep checked in a step]).
+    Each collective is taken at its kind's mean size. An error where the step's collectives
+    took no time: the measurement failed, and a sweep scaled by 0 would plan free
+    communication."""
     sync = {k: v for k, v in comm.items() if k in SYNC_KINDS and v[0] > 0}
     if not sync:
         raise RuntimeError("deepcompile plan: the one-layer model ran no synchronous collective "
                            f"at this world size ({comm}); its ZeRO-3 graphs should")
-    net = Fitted(0, {}, samples=samples)
-    sweep_s = sum(n * net._measured_s(k, b / n) for k, (n, b) in sync.items())
+    sweep_s = sum(n * network._measured_s(k, b / n) for k, (n, b) in sync.items())
     if in_step_s <= 0 or sweep_s <= 0:
         raise RuntimeError(
             f"deepcompile plan: the one-layer model's {sum(n for n, _ in sync.values())} "
@@ -730,7 +737,6 @@ def check_in_step(samples: dict[str, list[tuple[int, float]]], in_step_s: float,
             f"{sweep_s * 1e3:.3f} ms by the sweep: the measurement failed (a machine busy "
             "with other work?); run the plan again")
     factor = in_step_s / sweep_s
-    scaled = {k: [(b, t * factor) for b, t in v] if k in SYNC_KINDS else list(v)
-              for k, v in samples.items()}
-    return scaled, {"s": in_step_s, "sweep_s": sweep_s, "factor": factor,
+    return network.scaled(SYNC_KINDS, factor), {"s": in_step_s, "sweep_s": sweep_s,
+                                                "factor": factor,
                     "comm": {k: list(v) for k, v in comm.items()}}

@@ -229,6 +229,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                 f"({os.cpu_count()} cores)...")
             host = measure.measure_host(args.model, world=args.world, batch=args.batch,
                                         seq=args.seq, repeats=args.repeats)
+        measured = host   # with the cost model its own ranks calibrated
         if args.plan_cost is not None:
             from ..compiler.cost import LinearCostModel
 
@@ -295,7 +296,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        fusion=fusion_policy("cpu" if cpu else "cuda")[0])
 
     if cpu and args.world > 1:
-        net, check = check_async_in_step(host, graphs, args, setting, log)
+        net, check = check_async_in_step(measured, graphs, args, setting, log)
         setting_info["host"]["in_step"] = {**host.in_step, "async": check}
         setting_info["host"]["network"] = net.to_dict()
         setting_info["network"] = net.describe()
@@ -344,7 +345,10 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
 # measured, the slowest rank's, per micro-step) is the figure: the asynchronous kinds' sweep is
 # scaled by the factor under which the planner's own schedules of the one-layer model (the same
 # passes, one micro-step; the simulator) differ by as much. The schedules' decisions do not
-# depend on the factor (the passes plan with `plan_cost`), so the difference grows with it, and
+# depend on the factor (the passes plan with the cost model the measuring ranks calibrated, as
+# the one-layer engine's did: one factor per host profile, whatever a run's `--plan-cost`;
+# before stop 39's review they planned with the latter, and the factor differed between the
+# systems of one validation round), so the difference grows with it, and
 # the factor is found by bisection in [1/64, 64]; a measured difference outside what that range
 # gives is recorded as such (`bound`) and logged, with the factor at the bound. Measured on
 # that VM: x1.34-1.72 at 4 ranks, x0.98-1.87 at 2 (three CLI plans and the validation's run D;
@@ -355,7 +359,7 @@ ASYNC_FACTOR_RANGE = (1 / 64, 64.0)
 def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
     """`host.network` with its asynchronous kinds scaled to what the one-layer model's
     asynchronous collectives took in a step, and the record of it ([Note: the asynchronous
-    collectives checked in a step])."""
+    collectives checked in a step]). `host`: as measured (its own `plan_cost`)."""
     from .measure import ASYNC_CHECK_PASSES, ASYNC_KINDS
 
     rec = host.in_step or {}
@@ -364,8 +368,12 @@ def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
                         "asynchronous collectives (taken before stop 39?): measure it again")
     one = compose.compose(graphs, 1, host.times, name="one layer", batch=args.batch,
                           seq=args.seq, dtype=torch.float32)
-    first = setting(one)   # the passes plan with its cost model, not the one being scaled
-    base = dataclasses.replace(first, gas=1, replay=None, plan_cost=first.planner_cost)
+    first = setting(one)
+    # the passes plan as the one-layer engine's did: with the cost model the measuring ranks
+    # calibrated (not a run's given with --plan-cost), and not the one being scaled
+    base = dataclasses.replace(first, gas=1, replay=None,
+                               plan_cost=first.planner_cost if host.plan_cost is None
+                               else host.plan_cost)
 
     def step_s(passes, net) -> float:
         sch = ours.schedule(dataclasses.replace(base, cost=net), passes, "check", "")
