@@ -37,29 +37,12 @@ import torch.multiprocessing as mp
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
-def _threads() -> dict[str, tuple[str, int, int]]:
-    """This process's threads: tid -> (name, ns run on a CPU, ns waited on a run queue)."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run, wait = f.read().split()[:2]
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out[tid] = (f.read().strip(), int(run), int(wait))
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return out
-
-
 def _by_name(before, after) -> dict[str, tuple[float, float]]:
-    """ms run and ms waited per thread name between two `_threads()` readings."""
-    out: dict[str, list[float]] = {}
-    for tid, (name, run, wait) in after.items():
-        if tid in before:
-            acc = out.setdefault(name, [0.0, 0.0])
-            acc[0] += (run - before[tid][1]) / 1e6
-            acc[1] += (wait - before[tid][2]) / 1e6
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    """ms run and ms waited per thread name between two `cpu_sched.threads()` readings."""
+    from deepcompile._bench import cpu_sched
+
+    return {k: (run * 1e3, wait * 1e3)
+            for k, (run, wait) in cpu_sched.threads_between(before, after).items()}
 
 
 def _rank(rank: int, world: int, port: int, calls: int, pin: bool, sched: str, queue) -> None:
@@ -90,11 +73,11 @@ def _rank(rank: int, world: int, port: int, calls: int, pin: bool, sched: str, q
             ts, threads = [], []
             for _ in range(calls):
                 dist.barrier()
-                before = _threads()
+                before = cpu_sched.threads()
                 t0 = time.perf_counter()
                 fn()
                 ts.append(time.perf_counter() - t0)
-                threads.append(_by_name(before, _threads()))
+                threads.append(_by_name(before, cpu_sched.threads()))
             slow = [th for t, th in zip(ts, threads) if t > 2e-3]
             fast = [th for t, th in zip(ts, threads) if t <= 2e-3]
             ts.sort()

@@ -121,6 +121,7 @@ def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
     return {"ok": rec["ok"], "step_s": rec.get("step_s_median"), "load": load,
             "step_s_mean": statistics.fmean(steps) if steps else None, "steps_s": steps,
             "cpu_s": cpu, "cpu_share": share, "harness_s": rec.get("batch_s_median"),
+            "core_time": rec.get("core_time"),
             "plan_cost": cached.get("cost"), "plan": cached,
             "error": None if rec["ok"] else str(rec.get("reason"))[:2000],
             "collectives": rec.get("collectives")}
@@ -243,6 +244,13 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                       if r["measured"][s]["ok"] and r["measured"][s].get("cpu_s")]
                 sh = [r["measured"][s]["cpu_share"] for r in cell
                       if r["measured"][s]["ok"] and r["measured"][s].get("cpu_share")]
+                ct = [r["measured"][s]["core_time"] for r in cell
+                      if r["measured"][s]["ok"] and r["measured"][s].get("core_time")]
+                ranks_cpu = [c["ranks_run_s"] for c in ct]
+                idle = [c["machine"]["idle_share"] for c in ct if c.get("machine")]
+                steal = [c["machine"]["steal_share"] for c in ct if c.get("machine")]
+                faults = [c["process"]["minor_faults"] for c in ct if c.get("process")]
+                sys_s = [c["process"]["sys"] for c in ct if c.get("process")]
                 rp = [r["prediction"]["systems"][s].get("replayed_step_s") for r in cell]
                 rp = [x for x in rp if x is not None]
                 summary.append({"workload": wname, "world": world, "system": s,
@@ -253,6 +261,16 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                                 "measured_cpu_ms": statistics.median(mc) * 1e3 if mc else None,
                                 "error_vs_cpu": pm / statistics.median(mc) - 1 if mc else None,
                                 "cpu_share": statistics.median(sh) if sh else None,
+                                "ranks_cpu_ms": (statistics.median(ranks_cpu) * 1e3
+                                                 if ranks_cpu else None),
+                                "cores_idle": statistics.median(idle) if idle else None,
+                                "cores_idle_range": [min(idle), max(idle)] if idle else None,
+                                "steal": statistics.median(steal) if steal else None,
+                                "steal_max": max(steal) if steal else None,
+                                "faults_per_step": statistics.median(faults) if faults else None,
+                                "faults_range": [min(faults), max(faults)] if faults else None,
+                                "ranks_sys_ms": (statistics.median(sys_s) * 1e3
+                                                 if sys_s else None),
                                 "replayed_ms": statistics.median(rp) * 1e3 if rp else None,
                                 "replayed_error": statistics.median(rp) / mm - 1 if rp else None,
                                 "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
@@ -291,11 +309,18 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              "(the bench's figure is the median step): the plan predicts a step's expected "
              "time, and a launch's steps are skewed where a gloo collective stalls for a "
              "scheduler tick (stop 36; rare since the ranks run SCHED_BATCH: [Note: gloo's "
-             "spinning loop] in _bench/cpu_sched.py).", "",
+             "spinning loop] in _bench/cpu_sched.py).",
+             "- core time ([Note: where a step's core time goes] in _bench/cpu_sched.py), per "
+             "timed step, median over the launches: the ranks' CPU ms (every thread of every "
+             "rank, /proc schedstat), and the share of the machine's core time that was idle "
+             "and that was stolen by the hypervisor (/proc/stat, 10 ms ticks) over rank 0's "
+             "timed steps; the ranks' minor page faults per step [min, max over the launches] "
+             "(/proc/self/stat).", "",
              "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | "
              "error | measured mean ms | error vs mean | measured CPU ms (share) | error vs CPU "
-             "| with the run's decisions | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| with the run's decisions | error | ranks' CPU ms | cores idle | stolen "
+             "| faults |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
                      f"{r['predicted_ms']:.1f} [{r['predicted_range_ms'][0]:.1f}, "
@@ -308,7 +333,15 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                         f"{r['error_vs_cpu'] * 100:+.0f}% | "
                         if r["measured_cpu_ms"] else "- | - | ")
                      + (f"{r['replayed_ms']:.1f} | {r['replayed_error'] * 100:+.0f}% |"
-                        if r["replayed_ms"] is not None else "- | - |"))
+                        if r["replayed_ms"] is not None else "- | - |")
+                     + (f" {r['ranks_cpu_ms']:.1f} |" if r.get("ranks_cpu_ms") else " - |")
+                     + (f" {r['cores_idle'] * 100:.0f}% |" if r.get("cores_idle") is not None
+                        else " - |")
+                     + (f" {r['steal'] * 100:.1f}% (max {r['steal_max'] * 100:.1f}%) |"
+                        if r.get("steal") is not None else " - |")
+                     + (f" {r['faults_per_step']:.0f} [{r['faults_range'][0]:.0f}, "
+                        f"{r['faults_range'][1]:.0f}] |" if r.get("faults_per_step") is not None
+                        else " - |"))
     (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

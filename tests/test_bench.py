@@ -60,6 +60,17 @@ def test_smoke_json_structure(smoke):
         assert e["memory"]["steady_peak_rss"] > e["memory"]["base_rss"] > 0
         assert e["memory"]["step_alloc_peak"] > 0
         assert e["info"]["num_params"] > 0
+        # where the timed steps' core time went: cpu_sched.py's [Note: where a step's core
+        # time goes]
+        ct = e["launches"][0]["core_time"]
+        if sys.platform.startswith("linux"):
+            assert ct["ranks_run_s"] > 0 and ct["ranks_wait_s"] >= 0
+            assert ct["ranks_run_s"] == pytest.approx(
+                sum(t["run_s"] for t in ct["threads"].values()))
+            if name == "ours-z3":  # a rank's main thread and gloo's
+                assert any("gloo" in t for t in ct["threads"]), ct["threads"]
+            shares = [ct["machine"][f"{k}_share"] for k in ("busy", "idle", "steal")]
+            assert sum(shares) == pytest.approx(1.0) and all(0 <= x <= 1 for x in shares)
     dc = _entry(result, "ds-deepcompile")
     assert dc["status"] == "unavailable" and "CUDA" in dc["reason"] and not dc["launches"]
 
@@ -197,6 +208,64 @@ def test_cpu_ranks_run_batch_and_the_threads_they_start_inherit_it():
     assert probe("normal").stdout.split() == ["normal", "False", "False"]
     bad = probe("fifo")
     assert bad.returncode != 0 and "DEEPCOMPILE_CPU_SCHED='fifo'" in bad.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux /proc")
+def test_core_time_counts_each_threads_cpu_and_the_ranks_sum():
+    # [Note: where a step's core time goes]: a thread that spins 0.2 s shows that run time,
+    # one that sleeps as long shows almost none; a launch's record sums its ranks
+    import threading
+    import time
+
+    from deepcompile._bench import cpu_sched
+    from deepcompile._bench.run import _core_time
+
+    done, leave = threading.Barrier(3), threading.Event()
+
+    def spin():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.2:
+            pass
+        done.wait()
+        leave.wait()
+
+    def sleep():
+        time.sleep(0.2)
+        done.wait()
+        leave.wait()
+
+    before, m0, p0 = cpu_sched.threads(), cpu_sched.machine(), cpu_sched.process()
+    threads = [threading.Thread(target=spin), threading.Thread(target=sleep)]
+    for t in threads:
+        t.start()
+    done.wait()  # both have done their part and still live (an ended thread leaves /proc)
+    after, m1 = cpu_sched.threads(), cpu_sched.machine()
+    fresh = bytearray(64 << 20)  # 64 MiB of fresh pages, touched: 1 page in 4096 bytes
+    fresh[::4096] = b"x" * len(range(0, len(fresh), 4096))
+    proc = cpu_sched.between(p0, cpu_sched.process())
+    del fresh
+    leave.set()
+    for t in threads:
+        t.join()
+    spun, slept = (after[str(t.native_id)][1] / 1e9 for t in threads)
+    assert 0.15 < spun < 0.5 and slept < 0.05
+    between = cpu_sched.threads_between(before, after)
+    assert sum(run for run, _ in between.values()) >= spun
+    machine = cpu_sched.between(m0, m1)
+    assert set(machine) == {"busy", "idle", "steal"} and machine["busy"] >= 0
+    assert proc["user"] + proc["sys"] >= 0.1 and proc["minor_faults"] >= 64 * 256 // 2
+
+    rank = {"core_time": {"threads_s": {"main": (0.16, 0.02), "gloo": (0.04, 0.0)},
+                          "machine_s": {"busy": 0.3, "idle": 0.1, "steal": 0.0},
+                          "process": {"user": 0.18, "sys": 0.02, "minor_faults": 10}}}
+    ct = _core_time([rank, rank], [0.1, 0.1])
+    assert ct["ranks_run_s"] == pytest.approx(0.2)       # (0.16 + 0.04) x 2 ranks / 2 steps
+    assert ct["ranks_wait_s"] == pytest.approx(0.02)
+    assert ct["threads"]["main"]["run_s"] == pytest.approx(0.16)
+    assert ct["machine"]["idle_share"] == pytest.approx(0.25)
+    assert ct["machine"]["busy_s"] == pytest.approx(0.15)
+    assert ct["process"] == pytest.approx({"user": 0.18, "sys": 0.02, "minor_faults": 10})
+    assert _core_time([rank, {}], [0.1, 0.1]) is None
 
 
 def test_bench_help_and_list_spawn_nothing():

@@ -88,6 +88,37 @@ def plan(args: BenchArgs) -> list[dict[str, Any]]:
     return entries
 
 
+def _core_time(ranks: list[dict], step_s: list[float]) -> dict[str, Any] | None:
+    """Per timed step, where the cores' time went ([Note: where a step's core time goes] in
+    cpu_sched.py): every rank's threads' CPU time and run-queue wait, summed over the ranks
+    (per thread name too), and the machine's busy, idle and stolen core time as rank 0 read it
+    over its timed steps; None where the ranks did not record it (no /proc)."""
+    if not all(r.get("core_time") and r["core_time"]["threads_s"] for r in ranks):
+        return None
+    n = len(step_s)
+    names: dict[str, list[float]] = {}
+    for r in ranks:
+        for name, (run, wait) in r["core_time"]["threads_s"].items():
+            acc = names.setdefault(name, [0.0, 0.0])
+            acc[0] += run / n
+            acc[1] += wait / n
+    machine = ranks[0]["core_time"].get("machine_s")
+    out = {"step_s": sum(step_s) / n,
+           "ranks_run_s": sum(v[0] for v in names.values()),
+           "ranks_wait_s": sum(v[1] for v in names.values()),
+           "threads": {k: {"run_s": v[0], "wait_s": v[1]} for k, v in sorted(names.items())},
+           "machine": None, "process": None}
+    if all(r["core_time"].get("process") for r in ranks):  # the ranks' sum, per step
+        out["process"] = {k: sum(r["core_time"]["process"][k] for r in ranks) / n
+                          for k in ranks[0]["core_time"]["process"]}
+    if machine:
+        total = sum(machine.values())
+        out["machine"] = {**{f"{k}_s": v / n for k, v in machine.items()},
+                          **{f"{k}_share": v / total if total else None
+                             for k, v in machine.items()}}
+    return out
+
+
 def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[str, Any]:
     if isinstance(ranks, str):
         return {"ok": False, "reason": ranks, "wall_s": wall_s, "load": load}
@@ -106,6 +137,7 @@ def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[s
         "batch_s_median": statistics.median(
             statistics.fmean(r["step_batch_s"][i] for r in ranks) for i in range(nsteps))
         if all(r.get("step_batch_s") for r in ranks) else None,
+        "core_time": _core_time(ranks, step_s),
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "one_time_s": max(r["one_time_s"] for r in ranks),
         "setup_s": max(r["setup_s"] for r in ranks),

@@ -59,7 +59,7 @@ def _sync(device) -> None:
 def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     import torch
 
-    from . import measure, systems, trainers, workloads
+    from . import cpu_sched, measure, systems, trainers, workloads
 
     system = systems.get(spec.system)
     w = workloads.get(spec.workload)
@@ -112,10 +112,16 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     steady_start = measure.rss()["rss"]
     cpu_s.clear()
     batch_s.clear()
+    # the timed steps' core time, this rank's threads and the machine's ([Note: where a
+    # step's core time goes] in cpu_sched.py)
+    threads0, machine0, process0 = cpu_sched.threads(), cpu_sched.machine(), cpu_sched.process()
     for _ in range(spec.steps):
         dt, loss = one_step()
         times.append(dt)
         losses.append(loss)
+    core_time = {"threads_s": cpu_sched.threads_between(threads0, cpu_sched.threads()),
+                 "machine_s": cpu_sched.between(machine0, cpu_sched.machine()),
+                 "process": cpu_sched.between(process0, cpu_sched.process())}
     steady_rss = measure.rss()
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     own_before = trainer.own_comm_stats()
@@ -131,6 +137,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     return {
         "rank": rank, "losses": losses, "warmup_steps": len(warm_s), "step_s": times,
         "step_cpu_s": cpu_s[:len(times)], "step_batch_s": batch_s[:len(times)],
+        "core_time": core_time,
         "first_step_s": warm_s[0], "setup_s": setup_s,
         "one_time_s": max(0.0, sum(warm_s) - len(warm_s) * median),
         "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,
