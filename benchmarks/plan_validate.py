@@ -93,7 +93,7 @@ def _run_plan(cache_dir: Path) -> dict | None:
 
 
 def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
-             device: str = "cpu") -> dict:
+             device: str = "cpu", probe=None) -> dict:
     from deepcompile._bench.run import _launch_record
     from deepcompile._bench.worker import LaunchSpec, launch
 
@@ -122,6 +122,9 @@ def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
             "step_s_mean": statistics.fmean(steps) if steps else None, "steps_s": steps,
             "cpu_s": cpu, "cpu_share": share, "harness_s": rec.get("batch_s_median"),
             "core_time": rec.get("core_time"),
+            # the machine's speed while the timed steps ran, +-1 s ([Note: the machine's speed])
+            "speed_s": probe.over(*rec["timed_window"], pad_s=1.0)
+            if probe is not None and rec.get("timed_window") else None,
             "plan_cost": cached.get("cost"), "plan": cached,
             "error": None if rec["ok"] else str(rec.get("reason"))[:2000],
             "collectives": rec.get("collectives")}
@@ -162,9 +165,8 @@ def main(argv=None) -> int:
                       note=f"summarized from the rounds that finished ({len(done)} cells: "
                            + ", ".join(f"round {a + 1} world {b} {c}" for a, b, c in done) + ")")
         return 0
-    import torch
-
     from deepcompile._bench import workloads as W
+    from deepcompile._bench.speed import SpeedProbe
     from deepcompile.planner.measure import measure_host
 
     date = datetime.date.today().isoformat()
@@ -172,17 +174,26 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "plan_validation.jsonl"
     tmp = Path(tempfile.mkdtemp(prefix="deepcompile-planval-"))
-    rows = []
+    rows: list = []
+    with SpeedProbe() as probe:
+        _rounds(args, W, measure_host, probe, tmp, raw_path, rows)
+    write_summary(rows, args, out_dir, date, argv)
+    return 0
+
+
+def _rounds(args, W, measure_host, probe, tmp: Path, raw_path: Path, rows: list) -> None:
     n = 0
     for round_ in range(args.launches):
         for world in args.worlds:
             for wname in args.workloads:
                 w = W.get(wname)
-                t0 = time.perf_counter()
+                t0, w0 = time.perf_counter(), time.time()
                 host = None if args.device == "cuda" else measure_host(
                     w.model, world=world, batch=w.batch, seq=w.seq, repeats=args.repeats,
                     clock=args.clock)
                 pred = {"wall_s": round(time.perf_counter() - t0, 1),
+                        # the machine's speed while the plan measured it
+                        "speed_s": None if host is None else probe.over(w0, time.time()),
                         "load": list(os.getloadavg()) if host is None else host.load,
                         "host": None if host is None else host.to_dict(),
                         "network": None if host is None else host.network.describe(),
@@ -194,7 +205,7 @@ def main(argv=None) -> int:
                 for system in systems[round_ % len(systems):] + systems[:round_ % len(systems)]:
                     n += 1
                     m = rec["measured"][system] = _measure(w, world, system, args.steps, tmp, n,
-                                                           args.device)
+                                                           args.device, probe)
                     p = pred["systems"][system] = _predict(
                         w, world, system, host, m["plan_cost"] if host else None,
                         "cpu" if host else args.gpu)
@@ -202,6 +213,12 @@ def main(argv=None) -> int:
                     p["harness_idle_s"] = w.gas * _harness_s(w, world)
                     p["harness_s"] = m.get("harness_s") or p["harness_idle_s"]
                     p["step_s"] = p["plan_step_s"] + p["harness_s"]
+                    # the plan at the machine's speed of the launch's timed steps ([Note: the
+                    # machine's speed]); the harness's time was measured in the launch
+                    if pred["speed_s"] and m.get("speed_s"):
+                        p["speed_ratio"] = m["speed_s"] / pred["speed_s"]
+                        p["at_launch_speed_s"] = (p["plan_step_s"] * p["speed_ratio"]
+                                                  + p["harness_s"])
                     if host and m.get("plan") and system != "ours-z3":
                         from deepcompile.planner.ours import replay_of
 
@@ -216,9 +233,61 @@ def main(argv=None) -> int:
                 print(f"round {round_ + 1}/{args.launches} world {world} {wname}: " + "; ".join(
                     f"{s} predicted {pred['systems'][s]['step_s'] * 1e3:.1f} ms, measured "
                     f"{(rec['measured'][s]['step_s'] or float('nan')) * 1e3:.1f} ms"
+                    + (f" (machine x{pred['systems'][s]['speed_ratio']:.2f} of the plan's)"
+                       if pred["systems"][s].get("speed_ratio") else "")
                     for s in systems), flush=True)
-    write_summary(rows, args, out_dir, date, argv)
-    return 0
+
+
+def _med(xs: list, scale: float = 1.0) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) * scale if xs else None
+
+
+def _cell(cell: list, s: str) -> dict | None:
+    """One cell's figures: medians over its rounds (launches)."""
+    p = [r["prediction"]["systems"][s]["step_s"] for r in cell]
+    ok = [r for r in cell if r["measured"][s]["ok"]]
+    if not ok:
+        return None
+    pm, mm = statistics.median(p), statistics.median(r["measured"][s]["step_s"] for r in ok)
+    meas = [r["measured"][s] for r in ok]
+    ct = [x["core_time"] for x in meas if x.get("core_time")]
+    mach = [c["machine"] for c in ct if c.get("machine")]
+    proc = [c["process"] for c in ct if c.get("process")]
+    mmean, mc = _med([x.get("step_s_mean") for x in meas]), _med([x.get("cpu_s") for x in meas])
+    rp = _med([r["prediction"]["systems"][s].get("replayed_step_s") for r in cell])
+    # [Note: the machine's speed]: the prediction at the speed the launch's steps ran at
+    ats = _med([r["prediction"]["systems"][s].get("at_launch_speed_s") for r in ok])
+    faults = [c["minor_faults"] for c in proc]
+    return {"predicted_ms": pm * 1e3, "measured_ms": mm * 1e3, "error": pm / mm - 1,
+            "measured_mean_ms": mmean * 1e3 if mmean else None,
+            "error_vs_mean": pm / mmean - 1 if mmean else None,
+            "measured_cpu_ms": mc * 1e3 if mc else None,
+            "error_vs_cpu": pm / mc - 1 if mc else None,
+            "cpu_share": _med([x.get("cpu_share") for x in meas]),
+            "ranks_cpu_ms": _med([c["ranks_run_s"] for c in ct], 1e3),
+            "cores_idle": _med([c["idle_share"] for c in mach]),
+            "steal": _med([c["steal_share"] for c in mach]),
+            "steal_max": max((c["steal_share"] for c in mach), default=None),
+            "faults_per_step": _med(faults),
+            "faults_range": [min(faults), max(faults)] if faults else None,
+            "ranks_sys_ms": _med([c["sys"] for c in proc], 1e3),
+            "speed_ratios": [r["prediction"]["systems"][s].get("speed_ratio") for r in ok],
+            "at_launch_speed_ms": ats * 1e3 if ats else None,
+            "error_at_launch_speed": ats / mm - 1 if ats else None,
+            "replayed_ms": rp * 1e3 if rp else None,
+            "replayed_error": rp / mm - 1 if rp else None,
+            "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
+            "measured_range_ms": [min(x["step_s"] for x in meas) * 1e3,
+                                  max(x["step_s"] for x in meas) * 1e3]}
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _pct(x, sign: str = "+") -> str:
+    return "-" if x is None else f"{int(round(x * 100)):{sign}d}%"   # never "-0%"
 
 
 def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = "") -> None:
@@ -230,51 +299,8 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
         for wname in args.workloads:
             cell = [r for r in rows if r["world"] == world and r["workload"] == wname]
             for s in args.systems:
-                if not cell or s not in cell[0]["measured"]:
-                    continue
-                p = [r["prediction"]["systems"][s]["step_s"] for r in cell]
-                m = [r["measured"][s]["step_s"] for r in cell if r["measured"][s]["ok"]]
-                if not m:
-                    continue
-                pm, mm = statistics.median(p), statistics.median(m)
-                mean = [r["measured"][s]["step_s_mean"] for r in cell
-                        if r["measured"][s]["ok"] and r["measured"][s].get("step_s_mean")]
-                mmean = statistics.median(mean) if mean else None
-                mc = [r["measured"][s]["cpu_s"] for r in cell
-                      if r["measured"][s]["ok"] and r["measured"][s].get("cpu_s")]
-                sh = [r["measured"][s]["cpu_share"] for r in cell
-                      if r["measured"][s]["ok"] and r["measured"][s].get("cpu_share")]
-                ct = [r["measured"][s]["core_time"] for r in cell
-                      if r["measured"][s]["ok"] and r["measured"][s].get("core_time")]
-                ranks_cpu = [c["ranks_run_s"] for c in ct]
-                idle = [c["machine"]["idle_share"] for c in ct if c.get("machine")]
-                steal = [c["machine"]["steal_share"] for c in ct if c.get("machine")]
-                faults = [c["process"]["minor_faults"] for c in ct if c.get("process")]
-                sys_s = [c["process"]["sys"] for c in ct if c.get("process")]
-                rp = [r["prediction"]["systems"][s].get("replayed_step_s") for r in cell]
-                rp = [x for x in rp if x is not None]
-                summary.append({"workload": wname, "world": world, "system": s,
-                                "predicted_ms": pm * 1e3, "measured_ms": mm * 1e3,
-                                "error": pm / mm - 1,
-                                "measured_mean_ms": mmean * 1e3 if mmean else None,
-                                "error_vs_mean": pm / mmean - 1 if mmean else None,
-                                "measured_cpu_ms": statistics.median(mc) * 1e3 if mc else None,
-                                "error_vs_cpu": pm / statistics.median(mc) - 1 if mc else None,
-                                "cpu_share": statistics.median(sh) if sh else None,
-                                "ranks_cpu_ms": (statistics.median(ranks_cpu) * 1e3
-                                                 if ranks_cpu else None),
-                                "cores_idle": statistics.median(idle) if idle else None,
-                                "cores_idle_range": [min(idle), max(idle)] if idle else None,
-                                "steal": statistics.median(steal) if steal else None,
-                                "steal_max": max(steal) if steal else None,
-                                "faults_per_step": statistics.median(faults) if faults else None,
-                                "faults_range": [min(faults), max(faults)] if faults else None,
-                                "ranks_sys_ms": (statistics.median(sys_s) * 1e3
-                                                 if sys_s else None),
-                                "replayed_ms": statistics.median(rp) * 1e3 if rp else None,
-                                "replayed_error": statistics.median(rp) / mm - 1 if rp else None,
-                                "predicted_range_ms": [min(p) * 1e3, max(p) * 1e3],
-                                "measured_range_ms": [min(m) * 1e3, max(m) * 1e3]})
+                if cell and s in cell[0]["measured"] and (c := _cell(cell, s)):
+                    summary.append({"workload": wname, "world": world, "system": s, **c})
     meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "command": shlex.join(["python", "benchmarks/plan_validate.py",
@@ -288,7 +314,7 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              "launches (compiler fx), median of launch medians.", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']}, {meta['cpus']} CPUs; torch {meta['torch']}",
-             f"- the planner's compute profiles (nodes, optimizer, framework) timed in "
+             "- the planner's compute profiles (nodes, optimizer, framework) timed in "
              + ("thread CPU time (`--clock cpu`)" if getattr(args, "clock", "wall") == "cpu"
                 else "wall time"),
              *([f"- {note}"] if note else []),
@@ -299,49 +325,56 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              f"- {args.launches} interleaved rounds; per round, world size and workload: one plan "
              "(profiles taken at that many ranks) and one bench launch per system (compiler fx, "
              f"{args.steps} timed steps)", "",
-             "- measured CPU ms: rank 0's main-thread CPU time per step (`time.thread_time`), "
-             "and its share of the step's wall time: on this shared machine a step's wall time "
-             "also holds the time other processes had the cores. At one rank nothing waits on "
-             "communication, so the CPU time is the step an idle core would take; at 2 and 4 "
-             "ranks it leaves out the time spent waiting for peers (gloo), so it is a lower "
-             "bound there.",
              "- measured mean ms: the median over the launches of each launch's mean step "
              "(the bench's figure is the median step): the plan predicts a step's expected "
              "time, and a launch's steps are skewed where a gloo collective stalls for a "
              "scheduler tick (stop 36; rare since the ranks run SCHED_BATCH: [Note: gloo's "
              "spinning loop] in _bench/cpu_sched.py).",
-             "- core time ([Note: where a step's core time goes] in _bench/cpu_sched.py), per "
-             "timed step, median over the launches: the ranks' CPU ms (every thread of every "
-             "rank, /proc schedstat), and the share of the machine's core time that was idle "
-             "and that was stolen by the hypervisor (/proc/stat, 10 ms ticks) over rank 0's "
-             "timed steps; the ranks' minor page faults per step [min, max over the launches] "
-             "(/proc/self/stat).", "",
+             "- machine speed ([Note: the machine's speed] in _bench/speed.py): per launch, a "
+             "fixed reference's CPU time while its timed steps ran, over the same while the "
+             "plan measured (x1.20: the machine ran the steps 20% slower than it ran the "
+             "plan's measurements); \"at the launch's speed\": each round's prediction (less "
+             "the harness's time, measured in the launch) times that ratio. The plain error is "
+             "the verdict; this one says how much of it the machine's speed explains.", "",
              "| workload | ranks | system | predicted ms [min, max] | measured ms [min, max] | "
-             "error | measured mean ms | error vs mean | measured CPU ms (share) | error vs CPU "
-             "| with the run's decisions | error | ranks' CPU ms | cores idle | stolen "
-             "| faults |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "error | measured mean ms | error vs mean | with the run's decisions | error "
+             "| machine speed, launch / plan | at the launch's speed | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
+        ratios = ", ".join(f"x{x:.2f}" for x in r["speed_ratios"] if x) or "-"
         lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
                      f"{r['predicted_ms']:.1f} [{r['predicted_range_ms'][0]:.1f}, "
                      f"{r['predicted_range_ms'][1]:.1f}] | {r['measured_ms']:.1f} "
                      f"[{r['measured_range_ms'][0]:.1f}, {r['measured_range_ms'][1]:.1f}] | "
-                     f"{r['error'] * 100:+.0f}% | "
-                     + (f"{r['measured_mean_ms']:.1f} | {r['error_vs_mean'] * 100:+.0f}% | "
-                        if r.get("measured_mean_ms") else "- | - | ")
+                     f"{_pct(r['error'])} | {_f(r['measured_mean_ms'], '.1f')} | "
+                     f"{_pct(r['error_vs_mean'])} | "
+                     f"{_f(r['replayed_ms'], '.1f')} | "
+                     f"{_pct(r['replayed_error'])} | "
+                     f"{ratios} | {_f(r['at_launch_speed_ms'], '.1f')} | "
+                     f"{_pct(r['error_at_launch_speed'])} |")
+    lines += ["", "Where the timed steps' core time went ([Note: where a step's core time "
+              "goes] in _bench/cpu_sched.py), per step, median over the launches: rank 0's "
+              "main-thread CPU ms (`time.thread_time`) and its share of the step's wall time (at "
+              "one rank nothing waits on communication, so it is the step an idle core would "
+              "take; at 2 and 4 ranks it leaves out the waits for peers); every thread of "
+              "every rank (/proc schedstat); the share of the machine's core time that was idle "
+              "and that the hypervisor stole (/proc/stat, 10 ms ticks, over rank 0's timed "
+              "steps); the ranks' minor page faults [min, max over the launches].", "",
+              "| workload | ranks | system | rank 0 main thread CPU ms (share) | error vs it "
+              "| all ranks' CPU ms | cores idle | stolen | faults |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(f"| {r['workload']} | {r['world']} | {r['system']} | "
                      + (f"{r['measured_cpu_ms']:.1f} ({r['cpu_share']:.2f}) | "
-                        f"{r['error_vs_cpu'] * 100:+.0f}% | "
-                        if r["measured_cpu_ms"] else "- | - | ")
-                     + (f"{r['replayed_ms']:.1f} | {r['replayed_error'] * 100:+.0f}% |"
-                        if r["replayed_ms"] is not None else "- | - |")
-                     + (f" {r['ranks_cpu_ms']:.1f} |" if r.get("ranks_cpu_ms") else " - |")
-                     + (f" {r['cores_idle'] * 100:.0f}% |" if r.get("cores_idle") is not None
-                        else " - |")
-                     + (f" {r['steal'] * 100:.1f}% (max {r['steal_max'] * 100:.1f}%) |"
-                        if r.get("steal") is not None else " - |")
-                     + (f" {r['faults_per_step']:.0f} [{r['faults_range'][0]:.0f}, "
-                        f"{r['faults_range'][1]:.0f}] |" if r.get("faults_per_step") is not None
-                        else " - |"))
+                        f"{_pct(r['error_vs_cpu'])} | " if r["measured_cpu_ms"]
+                        else "- | - | ")
+                     + f"{_f(r['ranks_cpu_ms'], '.1f')} | "
+                     + f"{_pct(r['cores_idle'], '')} | "
+                     + (f"{r['steal'] * 100:.1f}% (max {r['steal_max'] * 100:.1f}%) | "
+                        if r["steal"] is not None else "- | ")
+                     + (f"{r['faults_per_step']:.0f} [{r['faults_range'][0]:.0f}, "
+                        f"{r['faults_range'][1]:.0f}] |" if r["faults_per_step"] is not None
+                        else "- |"))
     (out_dir / "plan_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

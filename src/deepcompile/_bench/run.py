@@ -138,6 +138,10 @@ def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[s
             statistics.fmean(r["step_batch_s"][i] for r in ranks) for i in range(nsteps))
         if all(r.get("step_batch_s") for r in ranks) else None,
         "core_time": _core_time(ranks, step_s),
+        # when the ranks' timed steps ran (time.time()): [Note: the machine's speed] (speed.py)
+        "timed_window": [min(r["timed_window"][0] for r in ranks),
+                         max(r["timed_window"][1] for r in ranks)]
+        if all(r.get("timed_window") for r in ranks) else None,
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "one_time_s": max(r["one_time_s"] for r in ranks),
         "setup_s": max(r["setup_s"] for r in ranks),

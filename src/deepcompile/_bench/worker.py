@@ -115,10 +115,12 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     # the timed steps' core time, this rank's threads and the machine's ([Note: where a
     # step's core time goes] in cpu_sched.py)
     threads0, machine0, process0 = cpu_sched.threads(), cpu_sched.machine(), cpu_sched.process()
+    window = [time.time()]   # when the timed steps ran: [Note: the machine's speed] (speed.py)
     for _ in range(spec.steps):
         dt, loss = one_step()
         times.append(dt)
         losses.append(loss)
+    window.append(time.time())
     core_time = {"threads_s": cpu_sched.threads_between(threads0, cpu_sched.threads()),
                  "machine_s": cpu_sched.between(machine0, cpu_sched.machine()),
                  "process": cpu_sched.between(process0, cpu_sched.process())}
@@ -137,7 +139,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     return {
         "rank": rank, "losses": losses, "warmup_steps": len(warm_s), "step_s": times,
         "step_cpu_s": cpu_s[:len(times)], "step_batch_s": batch_s[:len(times)],
-        "core_time": core_time,
+        "core_time": core_time, "timed_window": window,
         "first_step_s": warm_s[0], "setup_s": setup_s,
         "one_time_s": max(0.0, sum(warm_s) - len(warm_s) * median),
         "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,
