@@ -299,8 +299,7 @@ def test_what_the_pieces_miss_is_measured_on_the_one_layer_model(group):
     def one_layer():
         ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False,
                           seed=0)
-        node_s = measure.profile_pieces(trace.trace_all(ps), repeats=3)
-        return ps, sum(sum(d.values()) for d in node_s.values())
+        return ps, measure.pieces_once(trace.trace_all(ps))
 
     w = torch.randn(192, 192)
 
@@ -316,10 +315,10 @@ def test_what_the_pieces_miss_is_measured_on_the_one_layer_model(group):
     cost = (time.perf_counter() - t0) / 5
 
     ps, one = one_layer()
-    plain = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one).missed_s
+    plain = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces=one).missed_s
     ps, one = one_layer()
     ps.model.model.rotary_emb.register_forward_hook(heavy)
-    hooked = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces_s=one).missed_s
+    hooked = measure.framework_overhead(ps.model, ps.embed.inputs[0], 5, pieces=one).missed_s
     assert hooked - plain > 0.5 * cost, (plain, hooked, cost)
     assert plain < cost, (plain, cost)
 
@@ -336,7 +335,8 @@ def test_the_graphs_runs_are_read_past_their_recent_window(group):
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
     many = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=40)
     assert few.runs_s > 0 and many.runs_s > 0.5 * few.runs_s, (few, many)
-    assert many.micro_s < 2 * few.micro_s + 1e-4, (few, many)
+    # the bug put the graphs' runs into the framework's time: far above noise in the mean
+    assert many.micro_s < few.micro_s + 0.5 * few.runs_s, (few, many)
     assert many.comm == {}   # one rank: nothing communicated
 
 
@@ -442,6 +442,19 @@ def test_the_asynchronous_collectives_are_scaled_to_a_steps(monkeypatch):
     plan.check_async_in_step(dataclasses.replace(host(0.0), plan_cost=own), graphs, args,
                              setting, log=lambda _: None)
     assert seen and all(c is own for c in seen)
+    # the runs compared hold the graphs only: the schedules take one framework time, whatever
+    # the one with asynchronous collectives ([Note: the framework's time with async
+    # collectives] in planner/measure.py), so the factor does not move with it
+    monkeypatch.setattr(ours, "schedule", schedule)
+    want = lo + 0.2 * (hi - lo)
+    _, plain = plan.check_async_in_step(host(want), graphs, args, setting, log=lambda _: None)
+
+    def slow_framework(model, network=net):
+        return dataclasses.replace(setting(model, network), framework_async_s=5e-3)
+
+    _, other = plan.check_async_in_step(host(want), graphs, args, slow_framework,
+                                        log=lambda _: None)
+    assert other["factor"] == pytest.approx(plain["factor"])
     with pytest.raises(plan.PlanError, match="no one-layer run"):
         plan.check_async_in_step(dataclasses.replace(host(0.0), in_step={"s": 1.0}), graphs,
                                  args, setting)

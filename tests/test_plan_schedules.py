@@ -514,3 +514,24 @@ def test_gradient_shards_exist_from_their_reduction_to_the_step(system):
     bw0 = next(e for e in first if e.name.startswith("B"))
     bw1 = next(e for e in second if e.name.startswith("B"))
     assert bw1.live - bw0.live == grads
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_schedules_with_asynchronous_collectives_take_their_own_framework_time(world):
+    """[Note: the framework's time with async collectives] (planner/measure.py): where the
+    framework's time per micro-step was measured apart with asynchronous collectives (CPU
+    ranks), a schedule with prefetch or bucket_reduce takes that figure, one without them the
+    other; at one rank nothing is asynchronous and every schedule takes the first."""
+    m = synthetic()
+    gas = 2
+    # a CPU rank's: the framework's time is on the one thread that computes
+    plain = dataclasses.replace(setting(m, gas=gas, world=world), framework_s=1 * MS,
+                                host_is_compute=True)
+    both = dataclasses.replace(plain, framework_async_s=3 * MS)
+    for passes, asynchronous in (((), False), (("prefetch",), True), (("bucket_reduce",), True),
+                                 (("selective_unshard",), False),
+                                 (("selective_unshard", "prefetch", "bucket_reduce"), True)):
+        a = simulate(ours.schedule(plain, passes, "x", "").events, host_is_compute=True)
+        b = simulate(ours.schedule(both, passes, "x", "").events, host_is_compute=True)
+        extra = 2 * MS * gas if asynchronous and world > 1 else 0.0
+        assert b.step_s - a.step_s == pytest.approx(extra, abs=1e-9), (passes, world)

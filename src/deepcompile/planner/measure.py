@@ -74,6 +74,8 @@ class HostProfile:
     network: Fitted
     load: list[float]                        # 1/5/15-min load average when measured
     overhead_s: float = 0.0                  # framework time per micro-step outside graphs
+    overhead_async_s: float | None = None    # the same with asynchronous collectives (N ranks;
+                                             # [Note: the framework's time with async collectives])
     missed_s: float = 0.0                    # per micro-step, what the composed pieces miss
                                              # ([Note: what the pieces miss])
     plan_cost: LinearCostModel | None = None  # what the runtime's calibration gives its passes
@@ -88,7 +90,8 @@ class HostProfile:
         return {"world": self.world, "clock": self.clock, "sched": self.sched,
                 "optimizer_s": self.optimizer_s,
                 "peer_optimizer_s": self.peer_optimizer_s,
-                "overhead_s": self.overhead_s, "missed_s": self.missed_s,
+                "overhead_s": self.overhead_s, "overhead_async_s": self.overhead_async_s,
+                "missed_s": self.missed_s,
                 "plan_cost": self.plan_cost.to_dict() if self.plan_cost else None,
                 "network": self.network.to_dict(), "load": self.load,
                 "in_step": self.in_step,
@@ -137,12 +140,13 @@ def _bw_args(pg, outs) -> list[torch.Tensor]:
     return outs[pg.n_outputs:] + [torch.ones_like(outs[i]) for i in pg.tangent_of]
 
 
-def _piece_calls(graphs):
+def _piece_calls(graphs, clone: bool = False):
     """(key, call) per piece graph, in a step's order: each piece's forward, then its backward
-    (`_fw_args`, `_bw_args`)."""
+    (`_fw_args`, `_bw_args`); `clone`: on copies of the arguments (the pieces' parameters are
+    the model's, which an engine may shard)."""
     calls = []
     for name, pg in graphs.items():
-        args = _fw_args(pg)
+        args = [a.clone() for a in _fw_args(pg)] if clone else _fw_args(pg)
         box: dict[str, list] = {}
 
         def fw(pg=pg, args=args, box=box):
@@ -153,6 +157,24 @@ def _piece_calls(graphs):
 
         calls += [(f"{name}.fw", fw), (f"{name}.bw", bw)]
     return calls
+
+
+def pieces_once(graphs, clock=time.perf_counter) -> typing.Callable[[], float]:
+    """A call that runs every piece graph once, in a step's order, on copies of their
+    arguments, and returns the time they took by `clock`: the composed one-layer model (one
+    embedding, one layer, one head), run next to its engine's steps ([Note: what the pieces
+    miss])."""
+    calls = _piece_calls(graphs, clone=True)
+
+    def run() -> float:
+        with torch.no_grad():
+            t = clock()
+            for _, call in calls:
+                call()
+            return clock() - t
+
+    run()   # warm-up
+    return run
 
 
 # the pieces' graphs run back to back for this long, every rank at once (`window_runs`)
@@ -421,19 +443,43 @@ def overlap_factor(comm, repeats: int) -> float:
 # at 2 and 4 ranks was predicted fast once gloo's stalls were gone (-13% to -28%). Now each rank
 # also runs a copy of the one-layer model on a group of itself alone (no collective in its
 # graphs), all ranks at once, so the figure has the contention of N ranks on these cores as the
-# pieces' profiles do.
+# pieces' profiles do. Until stop 40 the pieces' time subtracted was their profile's (levelled
+# by `window_runs`, taken seconds before): at 4 ranks on 2 cores the figure then ranged 0 to
+# 5.9 ms a micro-step over 24 plans (four validation runs; 0.6-1.4 ms at one rank), the
+# difference of two noisy figures of ~15 ms taken at different moments, clamped at 0 in 7 of
+# them. Now the composed pieces run once after each of the engine's timed steps
+# (`pieces_once`) and the figure is the mean of the differences, both under the same load:
+# 2.1-3.8 ms in five 4-rank plans (stop 40, standalone `measure_host`).
+#
+# [Note: the framework's time with async collectives] The framework's time outside the graphs
+# (`Overhead.micro_s`) depends on the passes where ranks share cores. Per micro-step at 4 ranks
+# on 2 cores (stop 40; the bench's trainer on tiny-llama with GAS 4, the ranks' means over 12-16
+# steps): insertion only 1.8-1.9 ms, prefetch + bucket_reduce 2.2-2.4, auto (selective
+# unsharding too) 2.8-3.8; the one-layer engine: insertion only 1.4-1.7, prefetch +
+# bucket_reduce 2.7-3.0. With synchronous collectives the other ranks wait asleep in them while
+# a rank runs its Python; with asynchronous ones gloo's threads work while it runs and the ranks
+# compute at once, so the same Python takes longer on the shared cores. The plan used the
+# insertion-only figure for every schedule, and auto at 4 ranks was predicted 16-27% fast in
+# seven of seven runs on two VMs (its steps at 4 ranks keep the cores 96% busy: /proc/stat over
+# the timed steps, [Note: where a step's core time goes] in _bench/cpu_sched.py). Now the
+# one-layer run with prefetch + bucket_reduce (taken for the asynchronous check already) gives
+# `HostProfile.overhead_async_s` (the ranks' mean: 2.5-3.5 ms per rank in two 4-rank plans,
+# whose maximum was 3.2-5.7 ms over four), which the plan uses for schedules with either pass
+# (`ours.schedule`); at one rank nothing is asynchronous and the figures are one. Both figures
+# are means over the steps (medians until stop 40: at 4 ranks a median of ~1 ms windows drops
+# the preemptions that the mean of a step keeps, as the graphs' runs did until stop 39).
 class Overhead(typing.NamedTuple):
     """`framework_overhead`'s figures, seconds per micro-step unless said."""
     micro_s: float        # the framework's time outside the graphs
     step_s: float         # per optimizer step: `engine.step()` outside its optimizer step
-    missed_s: float       # the graphs' runs beyond the composed pieces (given `pieces_s`), else 0
+    missed_s: float       # the graphs' runs beyond the composed pieces (given `pieces`), else 0
     runs_s: float         # the graphs' runs (their collectives included)
     comm: dict[str, tuple[int, int]]   # the graphs' collectives: kind -> (count, bytes)
 
 
 def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                        cpu: bool = False,
-                       pieces_s: float | None = None,
+                       pieces: typing.Callable[[], float] | None = None,
                        group=None, passes: tuple[str, ...] = ()) -> Overhead:
     """Seconds a deepcompile step spends outside its graphs and its optimizer: per micro-step
     (Dynamo's guards, AOTAutograd's wrappers, the engine's calls, the autograd engine, the
@@ -445,10 +491,12 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     this world size (compiler "fx", insertion only). Its parameters are sharded by the
     engine: call it after everything else of the pieces.
     `cpu`: in CPU time (the graphs' wall time scaled by the micro-step's CPU share).
-    `pieces_s`: the composed pieces' time for this one-layer model (its embedding, layer and
-    head, forward and backward), to be given where its graphs hold no collective (a group of
-    one rank); the third figure is then what its graphs' runs take beyond that per
-    micro-step ([Note: what the pieces miss]), else 0. `group`: the engine's process group
+    `pieces`: runs the composed pieces of this one-layer model once (its embedding, layer and
+    head, forward and backward; `pieces_once`) and returns their time, to be given where its
+    graphs hold no collective (a group of one rank); it runs after each timed step, so that
+    the pieces and the graphs are timed under the same load, and the third figure is then
+    the mean of what the graphs' runs took beyond the pieces per micro-step ([Note: what the
+    pieces miss]), else 0. `group`: the engine's process group
     (default: the default group). `passes`: the engine's passes (default: insertion only),
     kept whatever their steps measure (`measure_steps=0`); the figures are taken once the
     engine is in its steady state."""
@@ -520,8 +568,8 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
             micro.append((t1 - t0) - runs)
             step.append((t2 - t1) - spent[0])
             run_s.append(runs)
-            if pieces_s is not None:
-                missed.append(runs - pieces_s)
+            if pieces is not None:   # this step's pieces, run after it
+                missed.append(runs - pieces())
             for kind, v in after.items():
                 c = comm.setdefault(kind, [0, 0])
                 c[0] += v["count"] - stats.get(kind, {}).get("count", 0)
@@ -530,7 +578,7 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     # level is (`window_runs`): with more ranks than cores a step's runs are preempted or not,
     # and a median of 20 of them took all or none of it (stop 39: 0 and 5.7 ms a micro-step
     # at 4 ranks on 2 cores, two plans of tiny-llama)
-    return Overhead(statistics.median(micro), statistics.fmean(step),
+    return Overhead(statistics.fmean(micro), statistics.fmean(step),
                     max(statistics.fmean(missed), 0.0) if missed else 0.0,
                     statistics.fmean(run_s),
                     {k: (c // steps, b // steps) for k, (c, b) in comm.items() if c})
@@ -583,10 +631,11 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
             eta = 1.0
         ids = ps.embed.inputs[0]
-        # the one-layer model's graph runs less the composed pieces: what the composition misses
-        # ([Note: what the pieces miss]), where its graphs hold no collective: at world size 1,
-        # and at N on a copy whose group is this rank alone, every rank at once
-        one = sum(sum(d.values()) for d in node_s.values())
+        # the one-layer model's graph runs less the composed pieces run next to them: what the
+        # composition misses ([Note: what the pieces miss]), where its graphs hold no
+        # collective: at world size 1, and at N on a copy whose group is this rank alone, every
+        # rank at once
+        one = pieces_once(graphs, time.thread_time if cpu else time.perf_counter)
         if world > 1:
             alone_group = [dist.new_group([r]) for r in range(world)][rank]
             dist.barrier()
@@ -601,6 +650,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
                                 one if world == 1 else None)  # last: it shards the model
         over, step_over = fo.micro_s, fo.step_s
+        # [Note: the framework's time with async collectives]
+        # [Note: the framework's time with async collectives]: the ranks' mean (a mean over
+        # steps of a figure the ranks' preemptions move; their maximum is biased high)
+        over_async = torch.tensor([ovl.micro_s if world > 1 else over], dtype=torch.float64)
+        dist.all_reduce(over_async)
+        over_async = over_async.item() / world
         # the one-layer model's synchronous collectives as its graphs run them in a step: its
         # graphs' runs less those of the copy without collectives ([Note: the sweep checked
         # in a step])
@@ -621,13 +676,14 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             if level is not None:   # each node's maximum over ranks, the graph at its level
                 node_s = {k: {n: t * level[k] / total for n, t in d.items()}
                           if (total := sum(d.values())) > 0 else d for k, d in node_s.items()}
-            opt_s, peer_opt_s, over, step_over, missed, in_step, z3_runs, ovl_runs, eta = (
-                next(vals), next(vals), next(vals), next(vals), next(vals), next(vals),
-                next(vals), next(vals), -next(vals))
+            (opt_s, peer_opt_s, over, step_over, missed, in_step, z3_runs,
+             ovl_runs) = (next(vals) for _ in range(8))
+            eta = -next(vals)
             net = {k: [next(vals) for _ in net[k]] for k in keys}
             queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
                               "peer_optimizer_s": peer_opt_s + step_over,
-                              "overhead_s": over, "missed_s": missed,
+                              "overhead_s": over, "overhead_async_s": over_async,
+                              "missed_s": missed,
                               "in_step": {"s": in_step, "comm": fo.comm,
                                           "z3_runs_s": z3_runs, "overlap_runs_s": ovl_runs},
                               "overlap": eta, "net": net, "plan_cost": plan_cost,
@@ -692,7 +748,9 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
         in_step.update(z3_runs_s=got["z3_runs_s"], overlap_runs_s=got["overlap_runs_s"],
                        overlap_passes=list(ASYNC_CHECK_PASSES))
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
-                       network, load, overhead_s=data["overhead_s"], missed_s=data["missed_s"],
+                       network, load, overhead_s=data["overhead_s"],
+                       overhead_async_s=data["overhead_async_s"] if world > 1 else None,
+                       missed_s=data["missed_s"],
                        plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock,
                        sched=data["sched"], in_step=in_step)
 

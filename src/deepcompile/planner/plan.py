@@ -292,6 +292,8 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        stage=args.stage,
                        framework_s=(host.overhead_s + host.missed_s) if cpu
                        else gpu.framework_host_s,
+                       framework_async_s=(host.overhead_async_s + host.missed_s)
+                       if cpu and host.overhead_async_s is not None else None,
                        plan_cost=host.plan_cost if cpu else None, replay=args.replay,
                        fusion=fusion_policy("cpu" if cpu else "cuda")[0])
 
@@ -373,7 +375,10 @@ def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
     # calibrated (not a run's given with --plan-cost), and not the one being scaled
     base = dataclasses.replace(first, gas=1, replay=None,
                                plan_cost=first.planner_cost if host.plan_cost is None
-                               else host.plan_cost)
+                               else host.plan_cost,
+                               # the runs compared hold the graphs only: one framework time
+                               # for both schedules
+                               framework_async_s=None)
 
     def step_s(passes, net) -> float:
         sch = ours.schedule(dataclasses.replace(base, cost=net), passes, "check", "")

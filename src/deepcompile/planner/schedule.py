@@ -48,6 +48,8 @@ class Setting:
     optimizer_s: float | None = None   # measured optimizer step (CPU); else from bandwidth
     stage: int = 3
     framework_s: float = 0.0       # host time per micro-step outside the graphs (guards, ...)
+    framework_async_s: float | None = None   # the same with asynchronous collectives, where it
+                                             # was measured apart (CPU ranks: ours.schedule)
     plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
     replay: dict | None = None     # a run's decisions to replay (ours.py, `replay_of`)
     fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
