@@ -449,7 +449,8 @@ def overlap_factor(comm, repeats: int) -> float:
 # difference of two noisy figures of ~15 ms taken at different moments, clamped at 0 in 7 of
 # them. Now the composed pieces run once after each of the engine's timed steps
 # (`pieces_once`) and the figure is the mean of the differences, both under the same load:
-# 2.1-3.8 ms in five 4-rank plans (stop 40, standalone `measure_host`).
+# 1.2-4.2 ms in ten 4-rank plans (stop 40, standalone `measure_host`), still the noisiest
+# figure of a 4-rank plan.
 #
 # [Note: the framework's time with async collectives] The framework's time outside the graphs
 # (`Overhead.micro_s`) depends on the passes where ranks share cores. Per micro-step at 4 ranks
