@@ -455,20 +455,23 @@ def overlap_factor(comm, repeats: int) -> float:
 # [Note: the framework's time with async collectives] The framework's time outside the graphs
 # (`Overhead.micro_s`) depends on the passes where ranks share cores. Per micro-step at 4 ranks
 # on 2 cores (stop 40; the bench's trainer on tiny-llama with GAS 4, the ranks' means over 12-16
-# steps): insertion only 1.8-1.9 ms, prefetch + bucket_reduce 2.2-2.4, auto (selective
-# unsharding too) 2.8-3.8; the one-layer engine: insertion only 1.4-1.7, prefetch +
-# bucket_reduce 2.7-3.0. With synchronous collectives the other ranks wait asleep in them while
-# a rank runs its Python; with asynchronous ones gloo's threads work while it runs and the ranks
+# steps): insertion only 1.8-1.9 ms, prefetch + bucket_reduce 2.2-2.4, auto (selective unsharding
+# too) 2.8-3.8; the one-layer engine, per rank: insertion only 1.4-1.7, prefetch + bucket_reduce
+# 2.5-3.5 (two plans). With synchronous collectives the other ranks wait asleep in them while a
+# rank runs its Python; with asynchronous ones gloo's threads work while it runs and the ranks
 # compute at once, so the same Python takes longer on the shared cores. The plan used the
-# insertion-only figure for every schedule, and auto at 4 ranks was predicted 16-27% fast in
-# seven of seven runs on two VMs (its steps at 4 ranks keep the cores 96% busy: /proc/stat over
-# the timed steps, [Note: where a step's core time goes] in _bench/cpu_sched.py). Now the
-# one-layer run with prefetch + bucket_reduce (taken for the asynchronous check already) gives
-# `HostProfile.overhead_async_s` (the ranks' mean: 2.5-3.5 ms per rank in two 4-rank plans,
-# whose maximum was 3.2-5.7 ms over four), which the plan uses for schedules with either pass
-# (`ours.schedule`); at one rank nothing is asynchronous and the figures are one. Both figures
-# are means over the steps (medians until stop 40: at 4 ranks a median of ~1 ms windows drops
-# the preemptions that the mean of a step keeps, as the graphs' runs did until stop 39).
+# insertion-only figure for every schedule, and auto at 4 ranks was predicted 10-27% fast in all
+# 14 of its cells over seven validation runs on two VMs (its steps at 4 ranks with GAS 4 keep the
+# cores 95-98% busy: /proc/stat over the timed steps, [Note: where a step's core time goes] in
+# _bench/cpu_sched.py). Now the one-layer run with prefetch + bucket_reduce (taken for the
+# asynchronous check already) gives `HostProfile.overhead_async_s` (the ranks' mean, as the
+# pieces' level is: the maximum of the ranks' means, 3.2-5.7 ms over four plans, is biased high),
+# which the plan uses for schedules with either pass (`ours.schedule`); at one rank nothing is
+# asynchronous and the figures are one. Both figures are means over the steps (medians until stop
+# 40: at 4 ranks a median of ~1 ms windows drops the preemptions that the mean of a step keeps,
+# as the graphs' runs did until stop 39). It is one figure for every asynchronous schedule, where
+# their Python runs under more or less contention (above): in stop 40's run E it was above what
+# +overlap takes at 4 ranks (+40% on tiny-llama) and right for auto (+8%, -1%).
 class Overhead(typing.NamedTuple):
     """`framework_overhead`'s figures, seconds per micro-step unless said."""
     micro_s: float        # the framework's time outside the graphs
@@ -651,7 +654,6 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
         fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
                                 one if world == 1 else None)  # last: it shards the model
         over, step_over = fo.micro_s, fo.step_s
-        # [Note: the framework's time with async collectives]
         # [Note: the framework's time with async collectives]: the ranks' mean (a mean over
         # steps of a figure the ranks' preemptions move; their maximum is biased high)
         over_async = torch.tensor([ovl.micro_s if world > 1 else over], dtype=torch.float64)
