@@ -409,7 +409,7 @@ def test_the_asynchronous_collectives_are_scaled_to_a_steps(monkeypatch):
         def step(passes):
             sch = ours.schedule(s, passes, "t", "")
             return simulate.simulate(sch.events, host_is_compute=True).step_s
-        return step(measure.ASYNC_CHECK_PASSES) - step(())
+        return step(ours.ASYNC_PASSES) - step(())
 
     _, rec = plan.check_async_in_step(host(0.0), graphs, args, setting, log=lambda _: None)
     lo, hi = rec["range_s"]

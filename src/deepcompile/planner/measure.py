@@ -57,6 +57,7 @@ import torch
 
 from ..compiler.cost import LinearCostModel
 from .network import Fitted, fit
+from .ours import ASYNC_PASSES
 from .roofline import NodeCost
 
 SWEEP = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -649,16 +650,18 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
             # and with its asynchronous collectives ([Note: the asynchronous collectives
             # checked in a step] in plan.py)
             ovl = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
-                                     passes=ASYNC_CHECK_PASSES)
+                                     passes=ASYNC_PASSES)
             dist.barrier()
         fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
                                 one if world == 1 else None)  # last: it shards the model
         over, step_over = fo.micro_s, fo.step_s
-        # [Note: the framework's time with async collectives]: the ranks' mean (a mean over
-        # steps of a figure the ranks' preemptions move; their maximum is biased high)
-        over_async = torch.tensor([ovl.micro_s if world > 1 else over], dtype=torch.float64)
-        dist.all_reduce(over_async)
-        over_async = over_async.item() / world
+        over_async = None   # at one rank nothing is asynchronous
+        if world > 1:   # [Note: the framework's time with async collectives]: the ranks' mean
+            # (a mean over steps of a figure the ranks' preemptions move; their maximum is
+            # biased high)
+            over_async = torch.tensor([ovl.micro_s], dtype=torch.float64)
+            dist.all_reduce(over_async)
+            over_async = over_async.item() / world
         # the one-layer model's synchronous collectives as its graphs run them in a step: its
         # graphs' runs less those of the copy without collectives ([Note: the sweep checked
         # in a step])
@@ -749,10 +752,10 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
         # the asynchronous kinds: checked against the planner's own schedules of the one-layer
         # model in plan.py
         in_step.update(z3_runs_s=got["z3_runs_s"], overlap_runs_s=got["overlap_runs_s"],
-                       overlap_passes=list(ASYNC_CHECK_PASSES))
+                       overlap_passes=list(ASYNC_PASSES))
     return HostProfile(world, data["node_s"], data["optimizer_s"], data["peer_optimizer_s"],
                        network, load, overhead_s=data["overhead_s"],
-                       overhead_async_s=data["overhead_async_s"] if world > 1 else None,
+                       overhead_async_s=data["overhead_async_s"],
                        missed_s=data["missed_s"],
                        plan_cost=LinearCostModel.from_dict(data["plan_cost"]), clock=clock,
                        sched=data["sched"], in_step=in_step)
@@ -774,9 +777,6 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
 # model ([Note: the asynchronous collectives checked in a step] in plan.py).
 SYNC_KINDS = ("all_gather", "reduce_scatter")
 ASYNC_KINDS = ("all_gather_async", "reduce_scatter_async")
-# the passes the one-layer model also runs with at N ranks, so that its collectives are
-# asynchronous ([Note: the asynchronous collectives checked in a step] in plan.py)
-ASYNC_CHECK_PASSES = ("prefetch", "bucket_reduce")
 
 
 def check_in_step(network, in_step_s: float, comm: dict[str, tuple[int, int]]):

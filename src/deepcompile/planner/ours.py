@@ -56,7 +56,9 @@ from .simulate import Event
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
-ASYNC_PASSES = {"prefetch", "bucket_reduce"}   # the passes whose collectives are asynchronous
+# the passes whose collectives are asynchronous; the one-layer model also runs with them at N ranks
+# (planner/measure.py: the asynchronous check, the framework's time with them)
+ASYNC_PASSES = ("prefetch", "bucket_reduce")
 REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
 
 
@@ -893,7 +895,7 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
 # ------------------------------------------------------------------------------ events
 def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -> Schedule:
     """One optimizer step of deepcompile with `passes`, as simulator events."""
-    if s.framework_async_s is not None and s.world > 1 and ASYNC_PASSES & set(passes):
+    if s.framework_async_s is not None and s.world > 1 and set(ASYNC_PASSES) & set(passes):
         # [Note: the framework's time with async collectives] in planner/measure.py
         s = dataclasses.replace(s, framework_s=s.framework_async_s)
     pl = plan(s, passes)

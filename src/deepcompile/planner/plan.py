@@ -342,7 +342,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
 # pieces' level measured over a window (stop 39), three 4-rank plans of tiny-llama on a 2-core
 # Intel VM put +overlap at 23.4-26.0 ms against 29.5-31.1 measured (run A of that stop), while
 # their ZeRO-3 figure was within 5%. So at N ranks the one-layer model also runs with
-# `measure.ASYNC_CHECK_PASSES` (prefetch + bucket_reduce: its gathers prefetched, its gradients
+# `ours.ASYNC_PASSES` (prefetch + bucket_reduce: its gathers prefetched, its gradients
 # bucketed, both asynchronous), and the time its graphs take beyond its insertion-only run (both
 # measured, the slowest rank's, per micro-step) is the figure: the asynchronous kinds' sweep is
 # scaled by the factor under which the planner's own schedules of the one-layer model (the same
@@ -362,7 +362,7 @@ def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
     """`host.network` with its asynchronous kinds scaled to what the one-layer model's
     asynchronous collectives took in a step, and the record of it ([Note: the asynchronous
     collectives checked in a step]). `host`: as measured (its own `plan_cost`)."""
-    from .measure import ASYNC_CHECK_PASSES, ASYNC_KINDS
+    from .measure import ASYNC_KINDS
 
     rec = host.in_step or {}
     if "overlap_runs_s" not in rec:
@@ -387,7 +387,7 @@ def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
     z3 = step_s((), host.network)
 
     def diff(f: float) -> float:
-        return step_s(ASYNC_CHECK_PASSES, host.network.scaled(ASYNC_KINDS, f)) - z3
+        return step_s(ours.ASYNC_PASSES, host.network.scaled(ASYNC_KINDS, f)) - z3
 
     measured = rec["overlap_runs_s"] - rec["z3_runs_s"]
     lo, hi = ASYNC_FACTOR_RANGE
@@ -404,7 +404,7 @@ def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
             a, b = (m, b) if diff(math.exp(m)) < measured else (a, m)
         factor = math.exp((a + b) / 2)
     log(f"[plan] asynchronous collectives checked in a step: the one-layer model with "
-        f"{' + '.join(ASYNC_CHECK_PASSES)} took {measured * 1e3:+.2f} ms a micro-step against "
+        f"{' + '.join(ours.ASYNC_PASSES)} took {measured * 1e3:+.2f} ms a micro-step against "
         f"insertion only (measured), {at_one * 1e3:+.2f} ms by the sweep: its asynchronous "
         f"kinds x {factor:.2f}" + (f" (at the range's {bound} end: the measured difference is "
                                     f"outside [{d_lo * 1e3:+.2f}, {d_hi * 1e3:+.2f}] ms)"
