@@ -1,5 +1,5 @@
 """Which attention a Hugging Face model's training step runs, compiled and eager (stop 32;
-docs/notes/gpu-readiness.md).
+journal/gpu-readiness.md).
 
 Under Dynamo (as deepcompile's graphs and plain `torch.compile` see the model), with
 transformers 5.23 and torch 2.11.0, 2.13.0 and 2.14.1 alike (run on the CPU), Llama builds an

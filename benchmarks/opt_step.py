@@ -15,7 +15,7 @@ shapes (built on the meta device, then allocated; values random, gradients fresh
                  builds): the per-parameter gradients folded into each chunk's flat gradient,
                  then the inner optimizer (fused where torch has it) over the chunks
   flat-step      the flat step without the fold (what remains once gradients are written
-                 into the flat buffers directly: not built; docs/notes/gpu-readiness.md)
+                 into the flat buffers directly: not built; journal/gpu-readiness.md)
 
 Each way has its own parameters and runs alone (built, warmed up by two steps, timed over
 `--rounds` steps, freed); each figure is the median of its rounds.
