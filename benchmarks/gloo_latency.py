@@ -7,7 +7,7 @@ timed collective: an all-reduce of 9 floats (the size of the engine's step check
 lowered graphs' all-gather (`_c10d_functional`, launched and waited at once) of 64 KiB. Prints
 and writes (JSON) each rank's quantiles and mean per kind. `--pin`: rank r runs on core
 r mod cores only (all its threads). `--sched`: the ranks' scheduling policy, set before gloo
-starts its threads (`deepcompile._bench.cpu_sched`; "normal" is Linux's default, "batch" what
+starts its threads (`deepcompile.tools.cpu_sched`; "normal" is Linux's default, "batch" what
 the bench's and the planner's CPU ranks run under). Each call also records, per thread of the
 rank, the CPU time it ran and the time it waited on the run queue (/proc schedstat), and the
 output compares the slow calls (over 2 ms) with the others: what [Note: gloo's spinning loop]
@@ -39,7 +39,7 @@ QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 def _by_name(before, after) -> dict[str, tuple[float, float]]:
     """ms run and ms waited per thread name between two `cpu_sched.threads()` readings."""
-    from deepcompile._bench import cpu_sched
+    from deepcompile.tools import cpu_sched
 
     return {k: (run * 1e3, wait * 1e3)
             for k, (run, wait) in cpu_sched.threads_between(before, after).items()}
@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, calls: int, pin: bool, sched: str, q
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     import torch.distributed as dist
 
-    from deepcompile._bench import cpu_sched
+    from deepcompile.tools import cpu_sched
 
     cpu_sched.apply()
 

@@ -50,7 +50,8 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
         import torch
         import torch.distributed as dist
 
-        from deepcompile._bench import systems, trainers, workloads
+        from deepcompile.tools import workloads
+        from deepcompile.tools.bench import systems, trainers
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=timedelta(seconds=900))
@@ -98,8 +99,8 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
 def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
     import multiprocessing as mp
 
-    from deepcompile import _demo
-    from deepcompile._bench.worker import child_env
+    from deepcompile.tools import demo as _demo
+    from deepcompile.tools.bench.worker import child_env
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -225,7 +226,7 @@ def main() -> None:
         ap.error("--workload is required (unless --pool)")
     import torch
 
-    from deepcompile._bench import systems
+    from deepcompile.tools.bench import systems
 
     deepspeed = [n for n in a.systems if systems.get(n.split("#")[0]).kind == "deepspeed"]
     if deepspeed and len(a.systems) > 1:
@@ -250,7 +251,7 @@ def main() -> None:
     _print(s, f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
               f"(every system one optimizer step per round, order rotated)")
     if a.out:
-        from deepcompile._bench.run import _git_commit
+        from deepcompile.tools.bench.run import _git_commit
 
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                 "command": " ".join(["python"] + sys.argv), "commit": _git_commit(),

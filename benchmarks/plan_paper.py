@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from deepcompile.planner import plan as P
-    from deepcompile.planner import report
+    from deepcompile.tools.plan import plan as P
+    from deepcompile.tools.plan import report
 
     date = datetime.date.today().isoformat()
     out = Path(args.out or Path(__file__).parent / "results" / f"{date}-planner")

@@ -43,8 +43,8 @@ WORLD1 = ("ours-z3",)
 
 def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
              gpu: str = "cpu", replay: dict | None = None) -> dict:
-    from deepcompile._bench import systems as S
-    from deepcompile.planner import plan as P
+    from deepcompile.tools.bench import systems as S
+    from deepcompile.tools.plan import plan as P
 
     peer = not system.startswith("ours")
     pa = P.PlanArgs(model=workload.model, nodes=1, gpus_per_node=world, gpu=gpu,
@@ -71,7 +71,7 @@ def _harness_s(workload, world: int) -> float:
     (`_measure`'s `harness_s`); this stands in where a launch did not."""
     import torch
 
-    from deepcompile._bench import workloads as W
+    from deepcompile.tools import workloads as W
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -94,8 +94,8 @@ def _run_plan(cache_dir: Path) -> dict | None:
 
 def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
              device: str = "cpu", probe=None) -> dict:
-    from deepcompile._bench.run import _launch_record
-    from deepcompile._bench.worker import LaunchSpec, launch
+    from deepcompile.tools.bench.run import _launch_record
+    from deepcompile.tools.bench.worker import LaunchSpec, launch
 
     spec = LaunchSpec(system, workload.name, world, device, 2, steps,
                       "fx" if device == "cpu" else "inductor",
@@ -165,9 +165,9 @@ def main(argv=None) -> int:
                       note=f"summarized from the rounds that finished ({len(done)} cells: "
                            + ", ".join(f"round {a + 1} world {b} {c}" for a, b, c in done) + ")")
         return 0
-    from deepcompile._bench import workloads as W
-    from deepcompile._bench.speed import SpeedProbe
-    from deepcompile.planner.measure import measure_host
+    from deepcompile.tools import workloads as W
+    from deepcompile.tools.bench.speed import SpeedProbe
+    from deepcompile.tools.plan.measure import measure_host
 
     date = datetime.date.today().isoformat()
     out_dir = Path(args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}")
@@ -220,7 +220,7 @@ def _rounds(args, W, measure_host, probe, tmp: Path, raw_path: Path, rows: list)
                         p["at_launch_speed_s"] = (p["plan_step_s"] * p["speed_ratio"]
                                                   + p["harness_s"])
                     if host and m.get("plan") and system != "ours-z3":
-                        from deepcompile.planner.ours import replay_of
+                        from deepcompile.tools.plan.ours import replay_of
 
                         r = _predict(w, world, system, host, m["plan_cost"],
                                      replay=replay_of(m["plan"]))

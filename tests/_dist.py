@@ -8,7 +8,7 @@ torch, transformers and deepcompile already imported (`_context`), and:
   * gets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK in its env,
     OMP_NUM_THREADS=1, torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
     <repo>/build/inductor-cache;
-  * runs SCHED_BATCH (deepcompile._bench.cpu_sched, as the bench's ranks: gloo's device
+  * runs SCHED_BATCH (deepcompile.tools.cpu_sched, as the bench's ranks: gloo's device
     thread otherwise spins for a scheduler tick in some collectives on a machine with no core
     to spare), calls dist.init_process_group("gloo") itself, runs fn, and destroys the group;
   * sends its result back as bytes written by torch.save (CPU tensors, floats, dicts, ...).
@@ -126,7 +126,7 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_t
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        from deepcompile._bench import cpu_sched
+        from deepcompile.tools import cpu_sched
 
         cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
         dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout_s))

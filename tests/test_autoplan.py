@@ -399,7 +399,7 @@ def test_metrics(auto_runs):
 
 def test_pictures(auto_runs, tmp_path):
     pytest.importorskip("matplotlib")
-    from deepcompile import cli
+    from deepcompile.tools import cli
 
     _, _, out = auto_runs
     plain = auto_runs[0]

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("transformers")
 
-from deepcompile._bench import output, systems  # noqa: E402
-from deepcompile.cli import main  # noqa: E402
+from deepcompile.tools.bench import output, systems  # noqa: E402
+from deepcompile.tools.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +174,9 @@ def test_deepspeed_systems_say_how_to_install(monkeypatch):
 
 
 def test_library_does_not_import_peers():
-    code = ("import sys, deepcompile, deepcompile.cli\n"
+    code = ("import sys, deepcompile, deepcompile.tools.cli\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'matplotlib')"
-            " or m.startswith('deepcompile._bench')]\n"
+            " or m.startswith('deepcompile.tools.bench')]\n"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
@@ -185,7 +185,7 @@ def test_library_does_not_import_peers():
 
 _SCHED_PROBE = """
 import os, threading
-from deepcompile._bench import cpu_sched
+from deepcompile.tools import cpu_sched
 policy = cpu_sched.apply()
 started = []
 t = threading.Thread(target=lambda: started.append(os.sched_getscheduler(0)))
@@ -219,8 +219,8 @@ def test_core_time_counts_each_threads_cpu_and_the_ranks_sum():
     import threading
     import time
 
-    from deepcompile._bench import cpu_sched
-    from deepcompile._bench.run import _core_time
+    from deepcompile.tools import cpu_sched
+    from deepcompile.tools.bench.run import _core_time
 
     done, leave = threading.Barrier(3), threading.Event()
 
@@ -275,7 +275,7 @@ def test_speed_probe_times_the_reference_in_cpu_time_over_a_window():
     # sleep adds nothing to the reference), and `over` takes the median of a window's samples
     import time
 
-    from deepcompile._bench.speed import SpeedProbe
+    from deepcompile.tools.bench.speed import SpeedProbe
 
     probe = SpeedProbe(period_s=0.02)
     t = time.thread_time()
@@ -457,7 +457,7 @@ def test_opt_step_times_each_way_of_stepping(tmp_path):
     """benchmarks/opt_step.py (issue 16 item 4: the flat fused step against torch's
     per-parameter AdamW) steps a workload's parameter shapes every way on the CPU and writes
     its JSON: the flat ways step the engine's chunks (one here), torch's ways every tensor."""
-    from deepcompile._bench import workloads
+    from deepcompile.tools import workloads
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "opt_step.py"
     proc = subprocess.run([sys.executable, str(script), "--workload", "tiny-llama", "--rounds",
@@ -486,8 +486,8 @@ def test_gpu_acceptance_commands_are_valid():
     import importlib
     import shlex
 
-    from deepcompile._bench import workloads
-    from deepcompile.cli import build_parser
+    from deepcompile.tools import workloads
+    from deepcompile.tools.cli import build_parser
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["bash", "benchmarks/gpu_acceptance.sh", "all"], cwd=root,

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from deepcompile import cli  # noqa: E402
+from deepcompile.tools import cli  # noqa: E402
 
 TINY = ["plan", "--model", "tiny-llama", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "2",
         "--seq", "64", "--batch", "2"]
@@ -103,9 +103,9 @@ def test_a_model_that_cannot_fit_says_how_many_gpus_would(capsys):
 
 
 def test_help_imports_nothing_heavy():
-    code = ("import sys; from deepcompile import cli; p = cli.build_parser(); "
+    code = ("import sys; from deepcompile.tools import cli; p = cli.build_parser(); "
             "p.parse_args(['plan', '--model', 'x']); "
-            "print('deepcompile.planner.plan' in sys.modules, 'transformers' in sys.modules)")
+            "print('deepcompile.tools.plan.plan' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

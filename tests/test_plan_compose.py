@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from deepcompile.planner import compose, pieces, roofline, shapes, trace  # noqa: E402
-from deepcompile.planner.roofline import NodeCost  # noqa: E402
+from deepcompile.tools.plan import compose, pieces, roofline, shapes, trace  # noqa: E402
+from deepcompile.tools.plan.roofline import NodeCost  # noqa: E402
 
 SEQ, BATCH = 32, 2
 
@@ -197,7 +197,7 @@ def test_profiled_pieces_keep_the_preemptions_a_run_has(monkeypatch):
     from types import SimpleNamespace
 
     import deepcompile.compiler.profiler as profiler
-    from deepcompile.planner.measure import profile_pieces
+    from deepcompile.tools.plan.measure import profile_pieces
 
     # (a, b) per run: the warm-up, then the 3 timed repeats
     fw_runs = iter([(9.0, 9.0), (5.0, 1.0), (1.0, 5.0), (1.0, 1.0)])
@@ -229,7 +229,7 @@ def test_the_pieces_level_is_a_window_of_runs_back_to_back(monkeypatch):
     from types import SimpleNamespace
 
     import deepcompile.compiler.profiler as profiler
-    from deepcompile.planner.measure import profile_pieces, window_runs
+    from deepcompile.tools.plan.measure import profile_pieces, window_runs
 
     calls = [0]
 
@@ -267,7 +267,7 @@ def test_the_optimizer_is_timed_as_the_engine_steps_and_counted_once(monkeypatch
     counted in the overhead as well (and ours was timed per parameter)."""
     import time
 
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
     from deepcompile.runtime.flat import FlatState
 
     step = FlatState.step
@@ -294,7 +294,7 @@ def test_what_the_pieces_miss_is_measured_on_the_one_layer_model(group):
     there, by about its own time; without it the figure is far smaller."""
     import time
 
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
 
     def one_layer():
         ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False,
@@ -328,7 +328,7 @@ def test_the_graphs_runs_are_read_past_their_recent_window(group):
     window of 64): far more steps than that (repeats 40: 160 steps) still read every step's runs.
     Until stop 38 it counted from the window's length before the step, which stops growing
     once it is full: the runs read 0, and the framework's time was the whole micro-step."""
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
 
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
     few = measure.framework_overhead(ps.model, ps.embed.inputs[0], repeats=3)
@@ -348,7 +348,7 @@ def test_the_steps_time_outside_the_optimizer_keeps_its_stalls(monkeypatch, grou
     import time
 
     from deepcompile.compiler.pipeline import Pipeline
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
 
     end_step = Pipeline.end_step
     calls = [0]
@@ -375,9 +375,9 @@ def test_the_asynchronous_collectives_are_scaled_to_a_steps(monkeypatch):
     2-rank network of fixed figures.)"""
     import dataclasses
 
-    from deepcompile.planner import measure, ours, plan, simulate
-    from deepcompile.planner.network import Fitted, fit
-    from deepcompile.planner.schedule import Setting
+    from deepcompile.tools.plan import measure, ours, plan, simulate
+    from deepcompile.tools.plan.network import Fitted, fit
+    from deepcompile.tools.plan.schedule import Setting
 
     ps = pieces.build(_shape(1), batch=BATCH, seq=SEQ, dtype=torch.float32, fake=False, seed=0)
     graphs = trace.trace_all(ps)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from deepcompile.planner.network import Fabric, Fitted, fit
+from deepcompile.tools.plan.network import Fabric, Fitted, fit
 
 MB = 1 << 20
 
@@ -97,7 +97,7 @@ def test_the_sweeps_synchronous_collectives_are_scaled_to_a_steps():
     100 us, 5 reduce-scatters of 64 KiB at 200 us: 2 ms by the sweep, 3 ms in the step). The
     synchronous kinds' sweeps are scaled by 1.5, the asynchronous ones are not; a step whose
     collectives took no time, or one with none, is an error, not a free network."""
-    from deepcompile.planner.measure import check_in_step
+    from deepcompile.tools.plan.measure import check_in_step
 
     us = 1e-6
     samples = {"all_gather": [(1 << 10, 100 * us), (1 << 16, 150 * us)],
@@ -129,7 +129,7 @@ def test_a_collective_is_read_off_the_sweep_not_its_line():
     1-64 KiB. Read off the sweep, a collective between two sizes is interpolated, the noisy dip
     at 8 KiB is pooled with its neighbours (a larger collective is not faster), and beyond the
     largest size the last segment's slope goes on."""
-    from deepcompile.planner.network import interpolate, monotone
+    from deepcompile.tools.plan.network import interpolate, monotone
 
     us = 1e-6
     pts = [(1 << 10, 139 * us), (1 << 13, 108 * us), (1 << 16, 115 * us), (1 << 18, 151 * us),
@@ -162,7 +162,7 @@ def test_the_wait_of_a_done_collective_is_timed_once_it_is_done(group, monkeypat
     import threading
     import time
 
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
 
     took = 0.02
 
@@ -196,7 +196,7 @@ def test_the_sweep_keeps_a_collectives_stalls(group, monkeypatch):
     (~10 ms a call); the median of the rounds' means, as before, said ~0."""
     import time
 
-    from deepcompile.planner import measure
+    from deepcompile.tools.plan import measure
 
     repeats = 4
     calls = [0]

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from deepcompile.planner import ours, peers
-from deepcompile.planner.compose import Graph, Grad, Model, Node, Param, Use
-from deepcompile.planner.network import Fabric
-from deepcompile.planner.schedule import Setting
-from deepcompile.planner.simulate import simulate
+from deepcompile.tools.plan import ours, peers
+from deepcompile.tools.plan.compose import Graph, Grad, Model, Node, Param, Use
+from deepcompile.tools.plan.network import Fabric
+from deepcompile.tools.plan.schedule import Setting
+from deepcompile.tools.plan.simulate import simulate
 
 MS = 1e-3
 NUMEL = 8_000_000          # 16 MB in bf16: ~39 us on the wire at 8 ranks of 360 GB/s + latency
@@ -315,7 +315,7 @@ def test_world_size_one_communicates_nothing_and_casts():
 
 
 def test_auto_chooses_as_the_runtime_does():
-    from deepcompile.planner.plan import resolve_auto
+    from deepcompile.tools.plan.plan import resolve_auto
 
     m = synthetic()
     chosen, out = ours.auto_choice(setting(m))

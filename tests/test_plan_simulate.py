@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepcompile.planner.simulate import Event, simulate
+from deepcompile.tools.plan.simulate import Event, simulate
 
 
 def C(name, dur, live=0, host=0.0, peak=None):

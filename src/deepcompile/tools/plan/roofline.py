@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..compiler.graph import is_alias_of_input
+from ...compiler.graph import is_alias_of_input
 
 aten = torch.ops.aten
 

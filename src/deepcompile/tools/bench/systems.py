@@ -114,7 +114,7 @@ def get(name: str) -> System:
 
 
 def resolved_passes(system: System) -> tuple[str, ...] | str:
-    from ..passes import known_passes
+    from ...passes import known_passes
 
     if system.passes == AUTO:
         return AUTO
@@ -151,7 +151,7 @@ def deepspeed_version() -> str | None:
 def unavailable(system: System, device: str, compiler: str) -> str | None:
     """Why `system` cannot run here (a line for the table), or None when it can."""
     if system.kind == "ours":
-        from ..config import Config
+        from ...config import Config
 
         try:
             Config(**ours_config(system, compiler=compiler, gas=1, dtype="float32"))

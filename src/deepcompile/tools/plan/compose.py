@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from ..compiler.graph import is_alias_of_input
+from ...compiler.graph import is_alias_of_input
 from .roofline import NodeCost
 from .trace import PieceGraphs
 

@@ -42,12 +42,12 @@ import bisect
 import dataclasses
 from typing import Any
 
-from ..passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
-from ..passes._common import Step
-from ..runtime import kept as _kept
-from ..runtime import regather
+from ...passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
+from ...passes._common import Step
+from ...runtime import kept as _kept
+from ...runtime import regather
 from .compose import Graph, Model
-from ..runtime import flat, offload
+from ...runtime import flat, offload
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Counter, Schedule, Setting,
                        framework_event, node_host, optimizer_events)
 from .schedule import async_launch_s as _launch
@@ -859,7 +859,7 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
     shards, gradient shards, Adam's moments, and one state tensor per parameter of foreach
     temporaries on a GPU, the largest one on the CPU), against the budget. Returns (chosen,
     left out with the reason)."""
-    from ..compiler.autoplan import ORDER
+    from ...compiler.autoplan import ORDER
 
     base = plan(s, ())
     peak = base.peak()

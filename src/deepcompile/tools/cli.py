@@ -82,7 +82,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from . import _demo
+    from . import demo as _demo
 
     _demo.require_transformers()
     import torch
@@ -96,7 +96,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     compiler = args.compiler or ("inductor" if device == "cuda" else "fx")
     passes = "auto" if args.passes.strip() == "auto" else \
         tuple(p.strip() for p in args.passes.split(",") if p.strip())
-    from .passes import known_passes
+    from ..passes import known_passes
 
     unknown = [p for p in passes if p not in known_passes()] if passes != "auto" else []
     if unknown:
@@ -158,7 +158,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ._bench import output, systems, workloads
+    from . import workloads
+    from .bench import output, systems
 
     if args.replot:
         import json
@@ -186,7 +187,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             for w, names in systems.matrix(device, None, None).items():
                 print(f"  {w:<20} {' '.join(names)}")
         return 0
-    from ._demo import require_transformers
+    from .demo import require_transformers
 
     require_transformers("bench")
     cuda = args.device == "cuda"
@@ -203,7 +204,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise SystemExit("deepcompile bench: --device cuda but CUDA is not available")
     from pathlib import Path
 
-    from ._bench import BenchArgs, run
+    from .bench import BenchArgs, run
 
     bench_args = BenchArgs(
         matrix=systems.matrix(args.device, args.workloads, args.systems),
@@ -307,14 +308,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ._demo import require_transformers
+    from .demo import require_transformers
 
     require_transformers("plan")
     import json
     from pathlib import Path
 
-    from .planner import plan as P
-    from .planner import report
+    from .plan import plan as P
+    from .plan import report
 
     passes = None if args.passes is None else [
         tuple(x.strip() for x in s.split(",") if x.strip()) for s in args.passes]
@@ -379,14 +380,14 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from .report import Report
+    from ..report import Report
 
     with open(args.file) as f:
         data = json.load(f)
     report = Report.from_dict(data)
     print(json.dumps(report.to_dict(), indent=1) if args.json else str(report))
     if args.plot:
-        from .report.figures import MissingPlotting, plot_report
+        from ..report.figures import MissingPlotting, plot_report
 
         try:
             paths = plot_report(report, args.plot)
@@ -437,8 +438,8 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import CheckpointError
-    from .export import consolidate
+    from ..checkpoint import CheckpointError
+    from ..export import consolidate
 
     try:
         files = consolidate(args.checkpoint, args.out,

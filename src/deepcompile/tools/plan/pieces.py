@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _compat
+from ... import _compat
 from .shapes import ModelShape
 
 LAYER = "model.layers.{i}."

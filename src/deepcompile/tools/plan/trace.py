@@ -24,7 +24,7 @@ from unittest import mock
 import torch
 from torch import fx
 
-from .. import _compat
+from ... import _compat
 from .pieces import Piece, Pieces
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import workloads
+from .. import workloads
 from .systems import System, ours_config
 
 

@@ -44,7 +44,7 @@ BUILTIN: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _bench_models() -> dict[str, tuple[str, dict[str, Any]]]:
-    from .._bench.workloads import _MODELS
+    from ..workloads import _MODELS
 
     return {name: (arch, dict(cfg, tie_word_embeddings=False))
             for name, (arch, cfg) in _MODELS.items()}

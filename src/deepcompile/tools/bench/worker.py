@@ -27,7 +27,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from .. import _demo
+from .. import demo as _demo
 
 # ours: profile, measure and judge each pass; every pass is 4 x (1 profiled + 2 x (1 settling +
 # 3 timed)) = 36 steps at the default Config, then the final compile (30 was too few for it)
@@ -59,7 +59,8 @@ def _sync(device) -> None:
 def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     import torch
 
-    from . import cpu_sched, measure, systems, trainers, workloads
+    from .. import cpu_sched, workloads
+    from . import measure, systems, trainers
 
     system = systems.get(spec.system)
     w = workloads.get(spec.workload)
@@ -164,7 +165,7 @@ def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
         sched = None
         if spec.device == "cpu":
             torch.set_num_threads(1)  # one core per rank
-            from . import cpu_sched
+            from .. import cpu_sched
             sched = cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
         if not systems.get(spec.system).single_process:
             backend = "nccl" if spec.device == "cuda" else "gloo"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from . import systems as S
-from . import workloads as W
+from .. import workloads as W
 from .worker import MAX_EXTRA_WARMUP, LaunchSpec, launch
 
 
@@ -227,7 +227,7 @@ def _versions() -> dict[str, str | None]:
 
     out: dict[str, str | None] = {"python": platform.python_version()}
     import torch
-    from .. import __version__
+    from ... import __version__
 
     out["torch"], out["deepcompile"] = torch.__version__, __version__
     for pkg in ("transformers", "deepspeed"):

@@ -32,7 +32,7 @@ import re
 
 import torch
 
-from .. import _compat
+from ... import _compat
 
 _REQUESTED = {
     "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",

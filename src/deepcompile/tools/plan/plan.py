@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import compose, network, ours, peers, pieces, roofline, shapes, simulate, trace
-from ..compiler.autoplan import fusion_policy
+from ...compiler.autoplan import fusion_policy
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Schedule, Setting)
 
 GiB = 2**30
@@ -231,7 +231,7 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                                         seq=args.seq, repeats=args.repeats)
         measured = host   # with the cost model its own ranks calibrated
         if args.plan_cost is not None:
-            from ..compiler.cost import LinearCostModel
+            from ...compiler.cost import LinearCostModel
 
             host = dataclasses.replace(host, plan_cost=LinearCostModel.from_dict(args.plan_cost))
         ps = pieces.build(shape, batch=args.batch, seq=args.seq, dtype=torch.float32, fake=False)
@@ -423,7 +423,7 @@ def resolve_auto(s: Setting, device_memory: float, cpu: bool) -> tuple[tuple[str
     pass] in compiler/autoplan.py): the passes `ours.auto_choice` chooses, in order, each kept
     or reverted by the runtime's own rule (`autoplan.verdict`), with the simulated step and
     peak in place of the measured steps and the re-profile."""
-    from ..compiler.autoplan import verdict
+    from ...compiler.autoplan import verdict
 
     chosen, left_out = ours.auto_choice(s)
     kept: tuple[str, ...] = ()
