@@ -55,10 +55,10 @@ from typing import Any
 
 import torch
 
-from ...compiler.cost import LinearCostModel
-from .network import Fitted, fit
-from .ours import ASYNC_PASSES
-from .roofline import NodeCost
+from deepcompile.compiler.cost import LinearCostModel
+from deepcompile.tools.plan.network import Fitted, fit
+from deepcompile.tools.plan.ours import ASYNC_PASSES
+from deepcompile.tools.plan.roofline import NodeCost
 
 SWEEP = (1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 _NET_KEYS = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async",
@@ -210,7 +210,7 @@ def profile_pieces(graphs, repeats: int, clock=None,
     the repeats (the graph's shape), scaled per graph so that the nodes sum to its `level`
     (`window_runs`: what a run takes among many, as a step's runs do), or without one to the
     mean of the repeats' sums ([Note: measuring on the CPU])."""
-    from ...compiler.profiler import profile_run
+    from deepcompile.compiler.profiler import profile_run
 
     if clock is not None:
         profile_run = _clock_run(clock)  # noqa: F811
@@ -252,7 +252,7 @@ def time_optimizer(numels: list[int], world: int, repeats: int,
     grads = [torch.randn_like(p) for p in shards]
     opt = torch.optim.AdamW(shards, lr=1e-3)
     if flat:
-        from ...runtime.flat import FlatState
+        from deepcompile.runtime.flat import FlatState
 
         state = FlatState.of_parameters(opt, "cpu")
 
@@ -277,7 +277,7 @@ def time_optimizer(numels: list[int], world: int, repeats: int,
 def _funcol(comm):
     """The lowered graphs' collectives (compiler/lower.py) on this process group: `gather(shard)`
     and `reduce(flat)` launch one and return its unwaited result, `wait(t)` waits for it."""
-    from ... import _compat
+    from deepcompile import _compat
 
     ag, rs, wait = _compat.funcol_ops()
     world, group = comm.world, comm.group_name
@@ -310,7 +310,7 @@ def sweep_ops(comm, repeats: int) -> dict[str, list[float]]:
     forms (launch ... compute ... wait, the compute subtracted: on cores busy with ranks an
     asynchronous collective costs more than a synchronous one, gloo's thread waking up and
     competing); and the host time of launching one, and of waiting for one that is done."""
-    from ... import _compat
+    from deepcompile import _compat
 
     gather, reduce, wait = _funcol(comm)
     world = comm.world
@@ -400,7 +400,7 @@ def overlap_factor(comm, repeats: int) -> float:
     both at once (T_b): (T_c + T_a - T_b) / min(T_c, T_a), clamped to [0, 1]; the median of
     `repeats` trials. On a CPU whose cores are all busy with ranks, gloo's thread takes the
     compute's core and little overlaps."""
-    from ... import _compat
+    from deepcompile import _compat
 
     gather, _, wait = _funcol(comm)
     shard = torch.zeros(max((1 << 18) // comm.world, 1))
@@ -507,8 +507,8 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
     engine is in its steady state."""
     import functools
 
-    from ...config import Config
-    from ...engine import Engine
+    from deepcompile.config import Config
+    from deepcompile.engine import Engine
 
     eng = Engine(model, functools.partial(torch.optim.AdamW, lr=1e-3),
                  Config.coerce({"compiler": "fx", "passes": tuple(passes), "measure_steps": 0}),
@@ -596,10 +596,10 @@ def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
     try:
         import torch.distributed as dist
 
-        from .. import cpu_sched
-        from ...compiler.cost import calibrate
-        from ...runtime.comm import Comm
-        from . import pieces, shapes, trace
+        from deepcompile.tools import cpu_sched
+        from deepcompile.compiler.cost import calibrate
+        from deepcompile.runtime.comm import Comm
+        from deepcompile.tools.plan import pieces, shapes, trace
 
         sched = cpu_sched.apply()  # as the bench's ranks do: [Note: gloo's spinning loop]
         dist.init_process_group("gloo")
@@ -711,7 +711,7 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     time (waiting for peers is part of it)."""
     import multiprocessing as mp
 
-    from ..demo import _free_port, _terminate
+    from deepcompile.tools.demo import _free_port, _terminate
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

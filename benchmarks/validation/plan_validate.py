@@ -166,8 +166,8 @@ def main(argv=None) -> int:
                            + ", ".join(f"round {a + 1} world {b} {c}" for a, b, c in done) + ")")
         return 0
     from deepcompile.tools import workloads as W
-    from deepcompile.tools.bench.speed import SpeedProbe
-    from deepcompile.tools.plan.measure import measure_host
+    from speed import SpeedProbe
+    from host_profile import measure_host
 
     date = datetime.date.today().isoformat()
     out_dir = Path(args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}")
