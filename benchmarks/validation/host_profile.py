@@ -589,116 +589,110 @@ def framework_overhead(model: torch.nn.Module, ids: torch.Tensor, repeats: int,
                     {k: (c // steps, b // steps) for k, (c, b) in comm.items() if c})
 
 
-def _rank(rank: int, world: int, port: int, spec: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        import torch.distributed as dist
+def _rank(rank: int, world: int, spec: dict) -> dict | None:
+    """One measuring rank (`spawn.launch`: one thread, SCHED_BATCH as the bench's ranks run:
+    [Note: gloo's spinning loop]); rank 0 returns the figures, the ranks' maxima."""
+    import torch.distributed as dist
 
-        from deepcompile.tools import cpu_sched
-        from deepcompile.compiler.cost import calibrate
-        from deepcompile.runtime.comm import Comm
-        from deepcompile.tools.plan import pieces, shapes, trace
+    from deepcompile.compiler.cost import calibrate
+    from deepcompile.runtime.comm import Comm
+    from deepcompile.tools import cpu_sched
+    from deepcompile.tools.plan import pieces, shapes, trace
 
-        sched = cpu_sched.apply()  # as the bench's ranks do: [Note: gloo's spinning loop]
-        dist.init_process_group("gloo")
-        comm = Comm()
-        shape = shapes.load(spec["model"])
-        ps = pieces.build(shape, batch=spec["batch"], seq=spec["seq"], dtype=torch.float32,
-                          fake=False, seed=spec["seed"])
-        graphs = trace.trace_all(ps)
-        cpu = spec.get("clock") == "cpu"
-        # every rank profiles at the same time, as every rank computes at the same time in a
-        # step: a rank that profiled alone while the others were still tracing (or already
-        # waiting in the network sweep) measured an idle machine's times, however many ranks
-        # share its cores ([Note: measuring on the CPU])
+    sched = cpu_sched.policy()
+    dist.init_process_group("gloo")
+    comm = Comm()
+    shape = shapes.load(spec["model"])
+    ps = pieces.build(shape, batch=spec["batch"], seq=spec["seq"], dtype=torch.float32,
+                      fake=False, seed=spec["seed"])
+    graphs = trace.trace_all(ps)
+    cpu = spec.get("clock") == "cpu"
+    # every rank profiles at the same time, as every rank computes at the same time in a
+    # step: a rank that profiled alone while the others were still tracing (or already
+    # waiting in the network sweep) measured an idle machine's times, however many ranks
+    # share its cores ([Note: measuring on the CPU])
+    dist.barrier()
+    level = None
+    if not cpu:   # the graphs' level: their runs back to back, every rank at once; the
+        # ranks' mean (the maximum of noisy means over ranks would be biased high)
+        level = window_runs(graphs)
+        keys = sorted(level)
+        vec = torch.tensor([level[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec)
+        level = {k: v / world for k, v in zip(keys, vec.tolist())}
+    node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None,
+                            level)
+    dist.barrier()
+    numels, opt_clock = list(pieces.param_numels(ps).values()), \
+        time.thread_time if cpu else time.perf_counter
+    opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock, flat=True)
+    peer_opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock)
+    if world > 1:
+        net = sweep_ops(comm, spec["net_repeats"])
+        eta = overlap_factor(comm, spec["net_repeats"])
+    else:   # nothing is communicated at world size 1 (compiler/lower.py)
+        net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
+        eta = 1.0
+    ids = ps.embed.inputs[0]
+    # the one-layer model's graph runs less the composed pieces run next to them: what the
+    # composition misses ([Note: what the pieces miss]), where its graphs hold no
+    # collective: at world size 1, and at N on a copy whose group is this rank alone, every
+    # rank at once
+    one = pieces_once(graphs, time.thread_time if cpu else time.perf_counter)
+    if world > 1:
+        alone_group = [dist.new_group([r]) for r in range(world)][rank]
         dist.barrier()
-        level = None
-        if not cpu:   # the graphs' level: their runs back to back, every rank at once; the
-            # ranks' mean (the maximum of noisy means over ranks would be biased high)
-            level = window_runs(graphs)
-            keys = sorted(level)
-            vec = torch.tensor([level[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(vec)
-            level = {k: v / world for k, v in zip(keys, vec.tolist())}
-        node_s = profile_pieces(graphs, spec["repeats"], time.thread_time if cpu else None,
-                                level)
+        alone = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
+                                   one, group=alone_group)
         dist.barrier()
-        numels, opt_clock = list(pieces.param_numels(ps).values()), \
-            time.thread_time if cpu else time.perf_counter
-        opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock, flat=True)
-        peer_opt_s = time_optimizer(numels, world, spec["repeats"], opt_clock)
-        if world > 1:
-            net = sweep_ops(comm, spec["net_repeats"])
-            eta = overlap_factor(comm, spec["net_repeats"])
-        else:   # nothing is communicated at world size 1 (compiler/lower.py)
-            net = {k: [0.0] * len(SWEEP) for k in _NET_KEYS}
-            eta = 1.0
-        ids = ps.embed.inputs[0]
-        # the one-layer model's graph runs less the composed pieces run next to them: what the
-        # composition misses ([Note: what the pieces miss]), where its graphs hold no
-        # collective: at world size 1, and at N on a copy whose group is this rank alone, every
-        # rank at once
-        one = pieces_once(graphs, time.thread_time if cpu else time.perf_counter)
-        if world > 1:
-            alone_group = [dist.new_group([r]) for r in range(world)][rank]
-            dist.barrier()
-            alone = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
-                                       one, group=alone_group)
-            dist.barrier()
-            # and with its asynchronous collectives ([Note: the asynchronous collectives
-            # checked in a step] in plan.py)
-            ovl = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
-                                     passes=ASYNC_PASSES)
-            dist.barrier()
-        fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
-                                one if world == 1 else None)  # last: it shards the model
-        over, step_over = fo.micro_s, fo.step_s
-        over_async = None   # at one rank nothing is asynchronous
-        if world > 1:   # [Note: the framework's time with async collectives]: the ranks' mean
-            # (a mean over steps of a figure the ranks' preemptions move; their maximum is
-            # biased high)
-            over_async = torch.tensor([ovl.micro_s], dtype=torch.float64)
-            dist.all_reduce(over_async)
-            over_async = over_async.item() / world
-        # the one-layer model's synchronous collectives as its graphs run them in a step: its
-        # graphs' runs less those of the copy without collectives ([Note: the sweep checked
-        # in a step])
-        missed, in_step = (alone.missed_s, fo.runs_s - alone.runs_s) if world > 1 \
-            else (fo.missed_s, 0.0)
-        runs = (fo.runs_s, ovl.runs_s) if world > 1 else (0.0, 0.0)
-        # the cost model the runtime's passes plan with (agreed across ranks inside)
-        plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
-        keys = list(net)
-        flat = [t for d in node_s.values() for t in d.values()] + \
-            [opt_s, peer_opt_s, over, step_over, missed, in_step, *runs, -eta] + \
-            [t for k in keys for t in net[k]]
-        vec = torch.tensor(flat, dtype=torch.float64)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            vals = iter(vec.tolist())
-            node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
-            if level is not None:   # each node's maximum over ranks, the graph at its level
-                node_s = {k: {n: t * level[k] / total for n, t in d.items()}
-                          if (total := sum(d.values())) > 0 else d for k, d in node_s.items()}
-            (opt_s, peer_opt_s, over, step_over, missed, in_step, z3_runs,
-             ovl_runs) = (next(vals) for _ in range(8))
-            eta = -next(vals)
-            net = {k: [next(vals) for _ in net[k]] for k in keys}
-            queue.put(("ok", {"node_s": node_s, "optimizer_s": opt_s + step_over,
-                              "peer_optimizer_s": peer_opt_s + step_over,
-                              "overhead_s": over, "overhead_async_s": over_async,
-                              "missed_s": missed,
-                              "in_step": {"s": in_step, "comm": fo.comm,
-                                          "z3_runs_s": z3_runs, "overlap_runs_s": ovl_runs},
-                              "overlap": eta, "net": net, "plan_cost": plan_cost,
-                              "sched": sched}))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 -- the parent reports it
-        import traceback
-
-        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        # and with its asynchronous collectives ([Note: the asynchronous collectives
+        # checked in a step] in plan.py)
+        ovl = framework_overhead(copy.deepcopy(ps.model), ids, spec["repeats"], cpu,
+                                 passes=ASYNC_PASSES)
+        dist.barrier()
+    fo = framework_overhead(ps.model, ids, spec["repeats"], cpu,
+                            one if world == 1 else None)  # last: it shards the model
+    over, step_over = fo.micro_s, fo.step_s
+    over_async = None   # at one rank nothing is asynchronous
+    if world > 1:   # [Note: the framework's time with async collectives]: the ranks' mean
+        # (a mean over steps of a figure the ranks' preemptions move; their maximum is
+        # biased high)
+        over_async = torch.tensor([ovl.micro_s], dtype=torch.float64)
+        dist.all_reduce(over_async)
+        over_async = over_async.item() / world
+    # the one-layer model's synchronous collectives as its graphs run them in a step: its
+    # graphs' runs less those of the copy without collectives ([Note: the sweep checked
+    # in a step])
+    missed, in_step = (alone.missed_s, fo.runs_s - alone.runs_s) if world > 1 \
+        else (fo.missed_s, 0.0)
+    runs = (fo.runs_s, ovl.runs_s) if world > 1 else (0.0, 0.0)
+    # the cost model the runtime's passes plan with (agreed across ranks inside)
+    plan_cost = calibrate(comm, torch.device("cpu")).to_dict()
+    keys = list(net)
+    flat = [t for d in node_s.values() for t in d.values()] + \
+        [opt_s, peer_opt_s, over, step_over, missed, in_step, *runs, -eta] + \
+        [t for k in keys for t in net[k]]
+    vec = torch.tensor(flat, dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        vals = iter(vec.tolist())
+        node_s = {k: {n: next(vals) for n in d} for k, d in node_s.items()}
+        if level is not None:   # each node's maximum over ranks, the graph at its level
+            node_s = {k: {n: t * level[k] / total for n, t in d.items()}
+                      if (total := sum(d.values())) > 0 else d for k, d in node_s.items()}
+        (opt_s, peer_opt_s, over, step_over, missed, in_step, z3_runs,
+         ovl_runs) = (next(vals) for _ in range(8))
+        eta = -next(vals)
+        net = {k: [next(vals) for _ in net[k]] for k in keys}
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"node_s": node_s, "optimizer_s": opt_s + step_over,
+            "peer_optimizer_s": peer_opt_s + step_over,
+            "overhead_s": over, "overhead_async_s": over_async, "missed_s": missed,
+            "in_step": {"s": in_step, "comm": fo.comm,
+                        "z3_runs_s": z3_runs, "overlap_runs_s": ovl_runs},
+            "overlap": eta, "net": net, "plan_cost": plan_cost, "sched": sched}
 
 
 def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int = 5,
@@ -709,35 +703,15 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     (`time.thread_time`), not wall time: on a machine shared with other work a node's wall
     time holds whatever other processes took of the core meanwhile; the network stays in wall
     time (waiting for peers is part of it)."""
-    import multiprocessing as mp
+    from deepcompile.tools import spawn
 
-    from deepcompile.tools.demo import _free_port, _terminate
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
     spec = {"model": model, "batch": batch, "seq": seq, "repeats": repeats,
             "net_repeats": net_repeats, "seed": seed, "clock": clock}
     load = list(os.getloadavg())
-    saved = dict(os.environ)
-    procs = []
     try:
-        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        for r in range(world):
-            p = ctx.Process(target=_rank, args=(r, world, port, spec, queue), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    try:
-        status, data = queue.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-        _terminate(procs)
-    if status != "ok":
-        raise RuntimeError(f"deepcompile plan: measuring on this machine failed:\n{data}")
+        data = spawn.launch(_rank, world, spec, timeout_s=timeout_s, cpu=True, sched=True)[0]
+    except spawn.LaunchError as e:
+        raise RuntimeError(f"measuring on this machine failed:\n{e}") from None
     net = data["net"]
     kinds = ("all_gather", "reduce_scatter", "all_gather_async", "reduce_scatter_async")
     launch = {k: statistics.median(net[f"launch_{k}"]) for k in kinds[:2]}

@@ -57,6 +57,13 @@ def apply() -> str:
     return "batch"
 
 
+def policy() -> str:
+    """The policy this thread runs under: "batch" (`apply`'s) or "normal"."""
+    if hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(0) == os.SCHED_BATCH:
+        return "batch"
+    return "normal"
+
+
 def threads() -> dict[str, tuple[str, int, int]]:
     """This process's threads: tid -> (name, ns run on a CPU, ns waited on a run queue);
     {} where /proc has no schedstat ([Note: where a step's core time goes])."""

@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from . import spawn
 
 LOSS_TOLERANCE = 1e-4
 # how long the parent waits for the ranks before terminating them (seconds)
@@ -194,9 +195,8 @@ def format_comm_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(local_rank))
+def _worker(local_rank: int, world: int, args: DemoArgs) -> dict | None:
+    """One rank's training; rank 0 returns its losses and the full state, on the CPU."""
     import torch.distributed as dist
 
     import deepcompile
@@ -254,6 +254,7 @@ def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> Non
                 print(f"[demo] step {step + 1:4d}/{args.steps}  loss {loss:.5f}  "
                       f"{dt * 1000:8.1f} ms{note}", flush=True)
         state = engine.full_state_dict()
+        result = None
         if rank == 0:
             print("\n[demo] what the compiler did (engine.report()):", flush=True)
             print(engine.report(), flush=True)
@@ -261,8 +262,9 @@ def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> Non
             print(format_comm_stats(engine.comm_stats()), flush=True)
             state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
                      for k, v in state.items()}
-            torch.save({"losses": losses, "state": state}, result_path)
+            result = {"losses": losses, "state": state}
         dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
@@ -270,55 +272,12 @@ def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> Non
 # ----------------------------------------------------------------------------------------------
 # the parent
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _default_inductor_cache() -> tuple[str, bool]:
     """(directory, whether we created a temporary one that should be removed afterwards)."""
     build = os.path.join(os.getcwd(), "build")
     if os.path.isdir(build):
         return os.path.join(build, "inductor-cache"), False
     return tempfile.mkdtemp(prefix="deepcompile-inductor-"), True
-
-
-def _spawn(args: DemoArgs, result_path: str) -> int:
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.start_processes(_worker, args=(args, port, result_path), nprocs=args.nproc,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                print(f"[demo] error: the ranks did not finish within {JOIN_TIMEOUT_S:g} s; "
-                      "terminating them", file=sys.stderr, flush=True)
-                _terminate(ctx.processes)
-                return 1
-    except mp.ProcessRaisedException as e:  # a rank raised: its traceback is in the message
-        print(f"[demo] error: a rank failed (the others were stopped):\n{e}", file=sys.stderr,
-              flush=True)
-        return 1
-    except mp.ProcessExitedException as e:  # a rank died (signal, os._exit, ...)
-        print(f"[demo] error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        _terminate(ctx.processes)
-        raise
-    return 0
-
-
-def _terminate(processes) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
 
 
 def _compare(args: DemoArgs, result: dict, device: str) -> int:
@@ -380,23 +339,19 @@ def run(args: DemoArgs) -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         cache_tmp = cache if created else None
 
-    tmp = tempfile.mkdtemp(prefix="deepcompile-demo-")
     try:
-        result_path = os.path.join(tmp, "rank0.pt")
         t0 = time.perf_counter()
-        rc = _spawn(args, result_path)
-        if rc != 0:
-            return rc
-        if not os.path.exists(result_path):
-            print("[demo] error: rank 0 finished without writing its results", file=sys.stderr)
+        try:
+            result = spawn.launch(_worker, args.nproc, args, timeout_s=JOIN_TIMEOUT_S,
+                                  cpu=args.device == "cpu")[0]
+        except spawn.LaunchError as e:   # the others were stopped
+            print(f"[demo] error: every rank was stopped:\n{e}", file=sys.stderr, flush=True)
             return 1
         print(f"[demo] distributed run done in {time.perf_counter() - t0:.1f} s", flush=True)
-        result = torch.load(result_path, weights_only=False)
         return _compare(args, result, "cuda:0" if args.device == "cuda" else "cpu")
     except Exception:
         traceback.print_exc()
         return 1
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         if cache_tmp:
             shutil.rmtree(cache_tmp, ignore_errors=True)

@@ -18,16 +18,12 @@ launch. Children write their output to a log file; its tail goes into the failur
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue as queue_mod
 import statistics
-import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
-from .. import demo as _demo
+from .. import spawn
 
 # ours: profile, measure and judge each pass; every pass is 4 x (1 profiled + 2 x (1 settling +
 # 3 timed)) = 36 steps at the default Config, then the final compile (30 was too few for it)
@@ -152,102 +148,40 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     }
 
 
-def _child(rank: int, world: int, port: int, spec: LaunchSpec, results) -> None:
-    log = open(spec.log_path, "a", buffering=1)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
+def _child(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
+    """One rank of a launch (`spawn.launch`: CPU ranks under SCHED_BATCH, [Note: gloo's
+    spinning loop] in cpu_sched.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import cpu_sched
+    from . import systems
+
+    if not systems.get(spec.system).single_process:
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        if spec.device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
     try:
-        import torch
-        import torch.distributed as dist
-
-        from . import systems
-
-        sched = None
-        if spec.device == "cpu":
-            torch.set_num_threads(1)  # one core per rank
-            from .. import cpu_sched
-            sched = cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
-        if not systems.get(spec.system).single_process:
-            backend = "nccl" if spec.device == "cuda" else "gloo"
-            if spec.device == "cuda":
-                torch.cuda.set_device(rank)
-            dist.init_process_group(backend, timeout=timedelta(seconds=spec.pg_timeout_s))
-        try:
-            out = _train(rank, world, spec)
-            out["cpu_sched"] = sched
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 -- everything goes back to the parent
-        traceback.print_exc()
-        results.put((rank, "error", f"rank {rank}: {traceback.format_exc()}"))
+        out = _train(rank, world, spec)
+        out["cpu_sched"] = cpu_sched.policy()
+        return out
     finally:
-        sys.stdout.flush()
-
-
-def child_env(rank: int, world: int, port: int, device: str) -> dict[str, str]:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "TOKENIZERS_PARALLELISM": "false", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    if device == "cpu":
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    return env
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
     """Run one launch; the ranks' results, or a string saying why it failed."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _demo._free_port()
-    procs = []
-    saved = dict(os.environ)
+    cpu = spec.device == "cpu"
+    env = {"TORCHINDUCTOR_CACHE_DIR": spec.inductor_cache}
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
     try:
-        for r in range(world):
-            # a spawned child copies the parent's environment when it starts
-            os.environ.update(child_env(r, world, port, spec.device),
-                              TORCHINDUCTOR_CACHE_DIR=spec.inductor_cache)
-            p = ctx.Process(target=_child, args=(r, world, port, spec, results), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    got: dict[int, Any] = {}
-    error: str | None = None
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < world and error is None:
-            if time.monotonic() > deadline:
-                error = f"timed out after {timeout_s:.0f} s"
-                break
-            try:
-                rank, status, data = results.get(timeout=0.5)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
-                if dead:
-                    try:
-                        rank, status, data = results.get(timeout=2.0)
-                    except queue_mod.Empty:
-                        error = (f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                 "without a result")
-                        break
-                else:
-                    continue
-            if status == "ok":
-                got[rank] = data
-            else:
-                error = data
-    finally:
-        for p in procs:
-            p.join(timeout=0 if error else 30)
-        _demo._terminate(procs)
-        results.close()
-    if error is not None:
-        return _reason(error, spec.log_path)
-    return [got[r] for r in range(world)]
+        return spawn.launch(_child, world, spec, timeout_s=timeout_s, cpu=cpu, sched=cpu,
+                            env=env, log_path=spec.log_path)
+    except spawn.LaunchError as e:
+        return _reason(str(e), spec.log_path)
 
 
 def _reason(error: str, log_path: str) -> str:
