@@ -206,19 +206,19 @@ def test_demo_without_transformers_says_how_to_install():
 
 def test_demo_data_is_deterministic_and_sliced_by_rank():
     torch = pytest.importorskip("torch")
-    from deepcompile.tools import demo as _demo
+    from deepcompile.tools import workloads
 
-    windows = _demo.make_windows(32)
+    windows = workloads.text_windows(32)
     assert windows.dtype == torch.long and windows.shape[1] == 32
     assert int(windows.max()) < 256
-    b0 = _demo.global_batch(windows, 0, 8)
-    assert torch.equal(b0, _demo.global_batch(windows, 0, 8))
-    assert not torch.equal(b0, _demo.global_batch(windows, 1, 8))
-    slices = [_demo.rank_slice(b0, r, 4) for r in range(2)]
+    b0 = workloads.text_batch(windows, 0, 8)
+    assert torch.equal(b0, workloads.text_batch(windows, 0, 8))
+    assert not torch.equal(b0, workloads.text_batch(windows, 1, 8))
+    slices = [workloads.rank_slice(b0, r, 4) for r in range(2)]
     assert torch.equal(torch.cat(slices), b0)
     # wraps around the end of the text
     n = windows.shape[0]
-    assert torch.equal(_demo.global_batch(windows, n, 1)[0], windows[0])
+    assert torch.equal(workloads.text_batch(windows, n, 1)[0], windows[0])
 
 
 # ---- optional dependencies ------------------------------------------------------------------------

@@ -5,13 +5,13 @@ The job, end to end:
 1. spawn ``nproc`` local ranks (gloo on CPU, NCCL on GPUs);
 2. every rank builds the same tiny Hugging Face ``LlamaForCausalLM`` from a config (random
    weights from a fixed seed, nothing downloaded) and trains it with ``deepcompile.initialize``
-   on byte-level windows of a built-in English text, each rank on its slice of a deterministic
-   global batch;
+   on byte-level windows of a built-in English text (``workloads.text_windows``), each rank on
+   its slice of a deterministic global batch;
 3. rank 0 prints progress, what the compiler did (``engine.report()``) and the communication
    counters (``engine.comm_stats()``), and hands its losses and ``engine.full_state_dict()`` to
    the parent;
 4. the parent trains the same model with eager PyTorch on the whole global batch in one process
-   and compares losses step by step and the final parameters.
+   (``workloads.train_reference``) and compares losses step by step and the final parameters.
 
 The exit status is 0 when the two agree (max |Δloss| below ``LOSS_TOLERANCE``), 1 otherwise.
 """
@@ -31,46 +31,11 @@ from typing import Any
 
 import torch
 
-from . import spawn
+from . import spawn, workloads
 
 LOSS_TOLERANCE = 1e-4
 # how long the parent waits for the ranks before terminating them (seconds)
 JOIN_TIMEOUT_S = float(os.environ.get("DEEPCOMPILE_DEMO_TIMEOUT", 30 * 60))
-
-# A few paragraphs of plain English, tokenized as bytes (vocabulary 256).
-TEXT = """\
-Training a large neural network on one device is limited by the memory of that device. The
-parameters, their gradients and the state of the optimizer all have to fit, and for a model with
-billions of parameters trained with Adam they take sixteen bytes or more per parameter before a
-single activation is stored. Data parallel training copies the model to every device and gives each
-device a different slice of the batch. It makes training faster, but it does not make the model
-any smaller: every device still holds every parameter.
-
-Sharded data parallelism removes that redundancy. Each device keeps only its own shard of the
-parameters, of the gradients and of the optimizer state. Just before a layer runs, the devices
-exchange their shards with an all-gather so that every device briefly holds the full weights of
-that layer; as soon as the layer is done the full copy is freed again. In the backward pass the
-gradients of a layer are summed across devices with a reduce-scatter, which leaves each device
-with the gradient of exactly the shard it owns, and the optimizer updates that shard locally.
-
-The cost of this scheme is communication. A naive schedule waits for every all-gather before it
-computes, and the devices sit idle while bytes cross the network. Good schedules start each
-gather early enough to overlap it with the computation of earlier layers, keep small parameters
-resident, and release large ones as soon as their last use has passed. Finding such a schedule by
-hand means rewriting the model around hooks and wrappers.
-
-A compiler can do it instead. When the whole training step is captured as a graph, every use of
-every parameter is visible at once. A pass can insert the gather right before the first use, the
-release right after the last one, and the reduce-scatter right where the gradient is produced.
-Later passes can move those operations to hide their latency, or decide that some parameters are
-worth keeping whole. The model code stays exactly as it was written, and the same graph can be
-profiled, rewritten and measured again until the schedule is good.
-
-Small experiments are the best place to check such a system. A model with a hundred thousand
-parameters, a short text and two processes on one machine are enough to compare the sharded run
-against a single process that trains the same model on the same data. If the compiler is right,
-the two runs agree to the last few digits, step after step.
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,44 +66,9 @@ def require_transformers(command: str = "demo"):
 
 
 def build_model(seed: int) -> torch.nn.Module:
-    """A tiny Llama with random weights; the same `seed` gives the same weights everywhere."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=256,  # byte-level tokens
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.train()
-    return model
-
-
-def make_windows(seq_len: int, text: str = TEXT) -> torch.Tensor:
-    """The text as bytes, cut into non-overlapping windows: int64 tensor [num_windows, seq_len]."""
-    data = list(text.encode())
-    n = len(data) // seq_len
-    if n == 0:
-        raise ValueError(f"text of {len(data)} bytes is shorter than one window of {seq_len}")
-    return torch.tensor(data[: n * seq_len], dtype=torch.long).view(n, seq_len)
-
-
-def global_batch(windows: torch.Tensor, micro_step: int, global_size: int) -> torch.Tensor:
-    """The `micro_step`-th global batch: `global_size` consecutive windows, wrapping around."""
-    n = windows.shape[0]
-    idx = [(micro_step * global_size + i) % n for i in range(global_size)]
-    return windows[idx]
-
-
-def rank_slice(batch: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
-    return batch[rank * per_rank:(rank + 1) * per_rank]
+    """A tiny Llama with random weights (the bench's tiny-llama); the same `seed` gives the same
+    weights everywhere."""
+    return workloads.build("tiny-llama", seed=seed)
 
 
 def make_optimizer_factory(lr: float):
@@ -151,24 +81,17 @@ def make_optimizer_factory(lr: float):
 def train_reference(args: DemoArgs, device: torch.device | str = "cpu"):
     """Returns (per-step losses, {name: final parameter on CPU})."""
     model = build_model(args.seed).to(device)
-    opt = make_optimizer_factory(args.lr)(model.parameters())
-    windows = make_windows(args.seq_len)
+    windows = workloads.text_windows(args.seq_len)
     global_size = args.per_rank_batch * args.nproc
-    losses = []
-    micro = 0
-    for _ in range(args.steps):
-        total = 0.0
-        for _ in range(args.grad_accum):
-            x = global_batch(windows, micro, global_size).to(device)
-            micro += 1
-            loss = model(input_ids=x, labels=x).loss
-            (loss / args.grad_accum).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / args.grad_accum)
+
+    def batch(micro: int) -> dict[str, torch.Tensor]:
+        x = workloads.text_batch(windows, micro, global_size).to(device)
+        return {"input_ids": x, "labels": x}
+
+    ref = workloads.train_reference(model, make_optimizer_factory(args.lr)(model.parameters()),
+                                    batch, steps=args.steps, gas=args.grad_accum)
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    return losses, params
+    return ref.losses, params
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +140,7 @@ def _worker(local_rank: int, world: int, args: DemoArgs) -> dict | None:
             config=deepcompile.Config(compiler=args.compiler, passes=args.passes,
                                       gradient_accumulation_steps=args.grad_accum),
         )
-        windows = make_windows(args.seq_len)
+        windows = workloads.text_windows(args.seq_len)
         global_size = args.per_rank_batch * world
         if rank == 0:
             print(f"[demo] {world} ranks ({'nccl' if args.device == 'cuda' else 'gloo'}), "
@@ -233,8 +156,8 @@ def _worker(local_rank: int, world: int, args: DemoArgs) -> dict | None:
             t0 = time.perf_counter()
             total = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
-                x = rank_slice(global_batch(windows, micro, global_size), rank,
-                               args.per_rank_batch).to(device)
+                x = workloads.rank_slice(workloads.text_batch(windows, micro, global_size),
+                                         rank, args.per_rank_batch).to(device)
                 micro += 1
                 out = engine(input_ids=x, labels=x)
                 engine.backward(out.loss)

@@ -279,11 +279,11 @@ def run(args: BenchArgs, log=print) -> dict[str, Any]:
         w = W.get(wname)
         if any(e["workload"] == wname for e in runnable):
             t0 = time.perf_counter()
-            refs[(wname, "global")] = W.train_reference(w, args.nproc, total_steps,
-                                                        device=args.device)
+            refs[(wname, "global")] = W.reference_losses(w, args.nproc, total_steps,
+                                                         device=args.device)
             if any(e["workload"] == wname and e["system"] == "compile-1proc" for e in runnable):
-                refs[(wname, "rank0")] = W.train_reference(w, args.nproc, total_steps,
-                                                           rank_slice=0, device=args.device)
+                refs[(wname, "rank0")] = W.reference_losses(w, args.nproc, total_steps, rank=0,
+                                                            device=args.device)
             log(f"[bench] {wname}: eager reference, {total_steps} steps, "
                 f"{time.perf_counter() - t0:.1f} s")
     if args.device == "cuda":

@@ -44,10 +44,10 @@ BUILTIN: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _bench_models() -> dict[str, tuple[str, dict[str, Any]]]:
-    from ..workloads import _MODELS
+    from ..workloads import MODELS
 
     return {name: (arch, dict(cfg, tie_word_embeddings=False))
-            for name, (arch, cfg) in _MODELS.items()}
+            for name, (arch, cfg) in MODELS.items()}
 
 
 def builtin_names() -> list[str]:
