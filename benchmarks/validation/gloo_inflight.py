@@ -1,6 +1,6 @@
 """How often a rank dies with N functional all-gathers in flight on a gloo group.
 
-    python benchmarks/gloo_inflight.py --launches 10 --rounds 300 --inflight 16 [--out DIR]
+    python benchmarks/validation/gloo_inflight.py --launches 10 --rounds 300 --inflight 16 [--out DIR]
 
 Each launch starts 2 ranks (gloo, 127.0.0.1) that run `rounds` rounds of `inflight`
 back-to-back `_c10d_functional.all_gather_into_tensor` launches followed by their waits, on

@@ -1,6 +1,7 @@
 """The latency distribution of small gloo collectives on this machine (issue 15, stop 36).
 
-    python benchmarks/gloo_latency.py --world 2 --calls 200 [--pin] [--sched normal|batch] [--out DIR]
+    python benchmarks/validation/gloo_latency.py --world 2 --calls 200 [--pin] \
+        [--sched normal|batch] [--out DIR]
 
 `world` ranks (gloo, 127.0.0.1, one thread each) run, `calls` times each: a barrier, then one
 timed collective: an all-reduce of 9 floats (the size of the engine's step checks) and the

@@ -1,13 +1,13 @@
 """`deepcompile plan`'s predictions against measured step times on this machine (CPU, gloo).
 
-    python benchmarks/plan_validate.py --workloads tiny-llama tiny-llama-gas4 --worlds 1 2 4 \
-        --systems ours-z3 ours-z3+overlap ours-z3-auto --launches 3
+    python benchmarks/validation/plan_validate.py --workloads tiny-llama tiny-llama-gas4 \
+        --worlds 1 2 4 --systems ours-z3 ours-z3+overlap ours-z3-auto --launches 3
     # on a machine with one H100 (the bench's GPU workload, world size 1):
-    python benchmarks/plan_validate.py --device cuda --gpu h100 --workloads llama-1b \
+    python benchmarks/validation/plan_validate.py --device cuda --gpu h100 --workloads llama-1b \
         --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 3
 
 For every round, world size and workload, interleaved (the machine's load drifts): the
-planner's profiles of this machine (`deepcompile plan --gpu cpu`: the pieces profiled, the
+planner's profiles of this machine (a host profile, host_profile.py: the pieces profiled, the
 runtime's ops, the optimizer and the framework's overhead timed, at that many gloo ranks), then
 per system one launch of the bench (`deepcompile bench`'s own worker, compiler "fx": the
 graphs the plan profiled, run as FX code) and the plan of that system. The passes in the plan
@@ -43,6 +43,11 @@ WORLD1 = ("ours-z3",)
 
 def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
              gpu: str = "cpu", replay: dict | None = None) -> dict:
+    """The plan of one cell: from `host` (a host profile; None with a GPU), its passes planning
+    with `plan_cost` (the launch's runtime's, from its plan cache) where given."""
+    import dataclasses
+
+    from deepcompile.compiler.cost import LinearCostModel
     from deepcompile.tools.bench import systems as S
     from deepcompile.tools.plan import plan as P
 
@@ -51,14 +56,38 @@ def _predict(workload, world: int, system: str, host, plan_cost: dict | None,
                     seq=workload.seq, batch=workload.batch, gas=workload.gas,
                     passes=[] if peer else [tuple(replay["passes"]) if replay
                                             else S.resolved_passes(S.get(system))],
-                    peers=(system,) if peer else (), plan_cost=plan_cost, replay=replay)
-    pl = P.make_plan(pa, log=lambda *a: None, host=host)
+                    peers=(system,) if peer else ())
+    if host is not None and plan_cost is not None:
+        host = dataclasses.replace(host, plan_cost=LinearCostModel.from_dict(plan_cost))
+    pl = P.make_plan(pa, host=host, replay=replay)
     r = pl.results[0]
-    # at N ranks: the asynchronous collectives checked in a step (planner/plan.py)
-    checked = (pl.setting.get("host") or {}).get("in_step") or {}
+    # at N ranks: the asynchronous collectives checked in a step (host_profile.py)
+    checked = (host.record.get("in_step") or {}) if host is not None else {}
     return {"step_s": r.result.step_s, "exposed_comm_s": r.result.exposed_comm_s,
             "collectives": r.schedule.collectives, "plan_cost": plan_cost is not None,
             "async_check": checked.get("async")}
+
+
+def replay_of(cached: dict) -> dict:
+    """The decisions of a run (its plan cache's JSON) in the form the planner replays
+    (`make_plan(replay=...)`, `Setting.replay`): the passes the run kept, in its order
+    (`passes`), prefetch groups per graph, bucket_reduce buckets, selective_unshard's choice,
+    by name."""
+    out: dict = {"passes": [e["pass"] for e in cached.get("passes", [])
+                            if e.get("kept", True) is not False]}
+    for entry in cached.get("passes", []):
+        if entry.get("kept", True) is False:   # reverted by the run: not in its graphs
+            continue
+        d = entry["decisions"]
+        if entry["pass"] == "prefetch":
+            out["prefetch"] = {key.rsplit(".", 1)[1]: [g["params"] for g in v.get("groups", [])]
+                               for key, v in d.items()}
+        elif entry["pass"] == "bucket_reduce":
+            out["bucket_reduce"] = [b["params"] for v in d.values() for b in v.get("buckets", [])]
+        elif entry["pass"] == "selective_unshard":
+            out["selective_unshard"] = {"keep": [i["param"] for i in d["keep"]],
+                                        "accumulate": list(d["accumulate"])}
+    return out
 
 
 _FRESH = [10_000_000]
@@ -116,7 +145,7 @@ def _measure(workload, world: int, system: str, steps: int, tmp: Path, n: int,
         cpu = statistics.median(r0["step_cpu_s"])
         share = statistics.median(c / t for c, t in zip(r0["step_cpu_s"], r0["step_s"]))
     # the plan predicts a step's expected time (every collective's mean, stalls included:
-    # [Note: gloo's stalls] in planner/measure.py); the bench's figure is the median step
+    # [Note: gloo's stalls] in host_profile.py); the bench's figure is the median step
     steps = rec.get("step_s") if rec["ok"] else None
     return {"ok": rec["ok"], "step_s": rec.get("step_s_median"), "load": load,
             "step_s_mean": statistics.fmean(steps) if steps else None, "steps_s": steps,
@@ -170,7 +199,7 @@ def main(argv=None) -> int:
     from host_profile import measure_host
 
     date = datetime.date.today().isoformat()
-    out_dir = Path(args.out or Path(__file__).parent / "results" / f"{date}-cpu{os.cpu_count()}")
+    out_dir = Path(args.out or Path(__file__).parents[1] / "results" / f"{date}-cpu{os.cpu_count()}")
     out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = out_dir / "plan_validation.jsonl"
     tmp = Path(tempfile.mkdtemp(prefix="deepcompile-planval-"))
@@ -194,8 +223,8 @@ def _rounds(args, W, measure_host, probe, tmp: Path, raw_path: Path, rows: list)
                 pred = {"wall_s": round(time.perf_counter() - t0, 1),
                         # the machine's speed while the plan measured it
                         "speed_s": None if host is None else probe.over(w0, time.time()),
-                        "load": list(os.getloadavg()) if host is None else host.load,
-                        "host": None if host is None else host.to_dict(),
+                        "load": list(os.getloadavg()) if host is None else host.record["load"],
+                        "host": None if host is None else host.summary(),
                         "network": None if host is None else host.network.describe(),
                         "systems": {}}
                 rec = {"round": round_, "world": world, "workload": wname, "prediction": pred,
@@ -220,8 +249,6 @@ def _rounds(args, W, measure_host, probe, tmp: Path, raw_path: Path, rows: list)
                         p["at_launch_speed_s"] = (p["plan_step_s"] * p["speed_ratio"]
                                                   + p["harness_s"])
                     if host and m.get("plan") and system != "ours-z3":
-                        from deepcompile.tools.plan.ours import replay_of
-
                         r = _predict(w, world, system, host, m["plan_cost"],
                                      replay=replay_of(m["plan"]))
                         p["replayed_step_s"] = r["step_s"] + p["harness_s"]
@@ -303,7 +330,7 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                     summary.append({"workload": wname, "world": world, "system": s, **c})
     meta = {"date": date, "machine": platform.node(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "command": shlex.join(["python", "benchmarks/plan_validate.py",
+            "command": shlex.join(["python", "benchmarks/validation/plan_validate.py",
                                    *(argv or sys.argv[1:])]),
             "load_end": list(os.getloadavg())}
     (out_dir / "plan_validation.json").write_text(json.dumps(
@@ -329,8 +356,8 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
              "(the bench's figure is the median step): the plan predicts a step's expected "
              "time, and a launch's steps are skewed where a gloo collective stalls for a "
              "scheduler tick (stop 36; rare since the ranks run SCHED_BATCH: [Note: gloo's "
-             "spinning loop] in _bench/cpu_sched.py).",
-             "- machine speed ([Note: the machine's speed] in _bench/speed.py): per launch, a "
+             "spinning loop] in deepcompile/tools/cpu_sched.py).",
+             "- machine speed ([Note: the machine's speed] in speed.py): per launch, a "
              "fixed reference's CPU time while its timed steps ran, over the same while the "
              "plan measured (x1.20: the machine ran the steps 20% slower than it ran the "
              "plan's measurements); \"at the launch's speed\": each round's prediction (less "
@@ -353,9 +380,9 @@ def write_summary(rows: list, args, out_dir: Path, date: str, argv, note: str = 
                      f"{ratios} | {_f(r['at_launch_speed_ms'], '.1f')} | "
                      f"{_pct(r['error_at_launch_speed'])} |")
     lines += ["", "Where the timed steps' core time went ([Note: where a step's core time "
-              "goes] in _bench/cpu_sched.py), per step, median over the launches: rank 0's "
-              "main-thread CPU ms (`time.thread_time`) and its share of the step's wall time (at "
-              "one rank nothing waits on communication, so it is the step an idle core would "
+              "goes] in deepcompile/tools/cpu_sched.py), per step, median over the launches: "
+              "rank 0's main-thread CPU ms (`time.thread_time`) and its share of the step's "
+              "wall time (at one rank nothing waits on communication, so it is the step an idle core would "
               "take; at 2 and 4 ranks it leaves out the waits for peers); every thread of "
               "every rank (/proc schedstat); the share of the machine's core time that was idle "
               "and that the hypervisor stole (/proc/stat, 10 ms ticks, over rank 0's timed "

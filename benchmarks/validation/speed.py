@@ -16,8 +16,8 @@ every `period_s` in the thread's CPU time: a thread that waits for a core (the r
 accumulates none, so the figure is how fast the core runs, not how busy the machine is; about
 0.5 ms of CPU each time (0.5% of a core at 0.1 s). `over(t0, t1)` is the median of the samples
 taken in that window (`time.time()`); a launch reports its timed steps' window
-(`_bench/worker.py`), benchmarks/plan_validate.py the plan's. The ratio of the two says how much
-slower or faster the machine ran the steps than when the plan measured it.
+(`deepcompile/tools/bench/worker.py`), plan_validate.py the plan's. The ratio of the two says
+how much slower or faster the machine ran the steps than when the plan measured it.
 """
 
 from __future__ import annotations

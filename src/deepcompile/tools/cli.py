@@ -11,7 +11,7 @@
     deepcompile plan --model M [--nodes N] [--gpus-per-node G] [--gpu h100|h200|...|cpu]
                      [--seq S] [--batch B] [--gas K ...] [--stage 1|2|3] [--passes P1,P2 ...]
                      [--memory-budget X] [--activation-checkpointing] [--assume K=V ...]
-                     [--json] [--out DIR]
+                     [--host-profile FILE] [--json] [--out DIR]
 
 Each subcommand is a function `_cmd_<name>(args) -> int` plus an `_add_<name>(subparsers)` that
 declares its options; add both and list the adder in `_SUBCOMMANDS`. Nothing heavy (torch,
@@ -260,7 +260,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description=(
             "Profile one decoder layer, the embedding and the head of the model's shape "
             "(traced on fake tensors and timed by a roofline of the target GPU; with --gpu cpu, "
-            "built for real and timed on this machine's cores), compose the full model's "
+            "built for real and timed by a measured host profile), compose the full model's "
             "graphs, plan deepcompile's passes with their own planners at the given scale, "
             "and simulate one optimizer step of each system (ours with each pass set; FSDP2; "
             "DeepSpeed ZeRO-3 eager) on a compute lane and communication lanes, with memory. "
@@ -275,8 +275,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=_positive_int, default=8,
                    help="GPUs per node, or gloo ranks with --gpu cpu (default: %(default)s)")
     p.add_argument("--gpu", default="h100",
-                   help="h100, h200, a100, a100-40gb, b200, or cpu (this machine's cores, "
-                        "measured) (default: %(default)s)")
+                   help="h100, h200, a100, a100-40gb, b200, or cpu (gloo ranks of a machine "
+                        "measured in --host-profile) (default: %(default)s)")
     p.add_argument("--seq", type=_positive_int, default=1024, help="tokens per sequence")
     p.add_argument("--batch", type=_positive_int, default=1, help="sequences per GPU per "
                    "micro-step")
@@ -299,8 +299,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--assume", type=_assumption, action="append", default=[], metavar="K=V",
                    help="override an assumed figure, e.g. net.nic_bw=25e9, gpu.mm_eff=0.6, "
                         "net.launch_host_s=15e-6, peer.ds_hook_s=5e-4 (repeatable)")
-    p.add_argument("--repeats", type=_positive_int, default=5,
-                   help="with --gpu cpu: profile repeats per rank (default: %(default)s)")
+    p.add_argument("--host-profile", default=None, metavar="FILE",
+                   help="with --gpu cpu: the host profile to plan with (JSON written by "
+                        "benchmarks/validation/host_profile.py in a source checkout)")
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON only")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write plan.md, plan.json and plan.png (per GAS) into DIR")
@@ -328,8 +329,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                             stage=args.stage, passes=passes,
                             peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
                             memory_budget=args.memory_budget, ac=args.activation_checkpointing,
-                            assume=dict(args.assume), repeats=args.repeats)
-            plans.append(P.make_plan(pa, log=log))
+                            assume=dict(args.assume), host_profile=args.host_profile)
+            plans.append(P.make_plan(pa))
     except P.PlanError as e:
         print(str(e), file=sys.stderr)
         return 2

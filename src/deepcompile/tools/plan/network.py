@@ -28,9 +28,9 @@ Achievable link bandwidth is the datasheet figure times an efficiency (NCCL reac
 NVLink4 in all-gather, ~90% of InfiniBand). Every figure is printed with a plan and can be
 overridden (`--assume net.nic_bw=25e9`).
 
-On the CPU (gloo, this machine) there is no datasheet: `Fitted` is `latency + bytes x seconds
-per byte` per kind, fitted to a sweep measured at N ranks (measure.py), like the runtime's own
-`compiler/cost.calibrate`.
+On the CPU (gloo ranks of one machine) there is no datasheet: `Measured` reads a collective's
+time off a sweep of sizes measured at N ranks, which a host profile carries (host.py; the
+harness that measures it is benchmarks/validation/host_profile.py).
 """
 
 from __future__ import annotations
@@ -125,17 +125,17 @@ class Fabric:
 
 
 @dataclasses.dataclass
-class Fitted:
-    """A measured network (gloo on this machine): per kind, a synchronous op's time over the
-    sweep's sizes, and the host time of launching an asynchronous one. A collective is then
+class Measured:
+    """A measured network (gloo ranks on one machine): per kind, a synchronous op's time over
+    the sweep's sizes, and the host time of launching an asynchronous one. A collective is then
     `launch_s` on the host and `collective_s` (the rest) on its lane: a synchronous one costs
     its measured time in all.
 
     [Note: a sweep is read, not fitted] A collective's time is read off the sweep's points
     (`samples`: made non-decreasing in size by `monotone`, then interpolated linearly;
     beyond the largest size, the last segment's slope), and `coeffs` (latency + bytes x
-    seconds/byte, least squares) only summarize them (`describe`) or stand in where there are no
-    points. Until stop 37 the line was the time: its least squares are dominated by the largest
+    seconds/byte, least squares, fitted by the harness) only summarize them (`describe`) or
+    stand in where there are no points. Until stop 37 the line was the time: its least squares are dominated by the largest
     sizes (4 MiB takes 10x what 1 KiB does), and on the 2-core VM it put a 19 KB all-gather at
     88 us and a reduce-scatter at 93 us where the sweep measured 108-139 and 149-222 us at
     1-64 KiB. tiny-llama's parameters are all of that size, 62 of them a step at ZeRO-3."""
@@ -173,15 +173,6 @@ class Fitted:
     def wait_s(self, kind: str) -> float:
         return self.wait.get(kind, 0.0)
 
-    def scaled(self, kinds: tuple[str, ...], factor: float) -> "Fitted":
-        """This network with the times of `kinds` (their sweep's points and line) x `factor`."""
-        return dataclasses.replace(
-            self,
-            coeffs={k: (a * factor, b * factor) if k in kinds else (a, b)
-                    for k, (a, b) in self.coeffs.items()},
-            samples={k: [(x, y * factor) for x, y in v] if k in kinds else list(v)
-                     for k, v in self.samples.items()})
-
     def describe(self) -> str:
         parts = [f"{k}: {a * 1e6:.0f} us + {1 / b / 1e9 if b else float('inf'):.2f} GB/s "
                  f"(launch {self.launch_s(k) * 1e6:.0f} us, wait {self.wait_s(k) * 1e6:.0f} us)"
@@ -191,6 +182,16 @@ class Fitted:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Measured":
+        """`to_dict`'s output, read back from JSON (lists where it wrote tuples)."""
+        return cls(int(d["world"]),
+                   {k: (float(a), float(b)) for k, (a, b) in d["coeffs"].items()},
+                   launch=dict(d.get("launch", {})), copy=tuple(d.get("copy", (0.0, 0.0))),
+                   samples={k: [(int(x), float(y)) for x, y in v]
+                            for k, v in d.get("samples", {}).items()},
+                   overlap=float(d.get("overlap", 1.0)), wait=dict(d.get("wait", {})))
 
 
 def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -220,14 +221,3 @@ def interpolate(points: list[tuple[int, float]], nbytes: float) -> float:
     (x0, y0), (x1, y1) = points[-2], points[-1]
     return y1 + (y1 - y0) / (x1 - x0) * (nbytes - x1)
 
-
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares `latency + bytes x per_byte` (both >= 0) over measured (bytes, s) points."""
-    n = len(points)
-    if n == 1:
-        return points[0][1], 0.0
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx else 0.0
-    return max(my - b * mx, 0.0), b

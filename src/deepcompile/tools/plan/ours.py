@@ -56,8 +56,8 @@ from .simulate import Event
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
-# the passes whose collectives are asynchronous; the one-layer model also runs with them at N ranks
-# (planner/measure.py: the asynchronous check, the framework's time with them)
+# the passes whose collectives are asynchronous: a host profile measures the framework's time
+# with them apart (`Setting.framework_async_s`; benchmarks/validation/host_profile.py)
 ASYNC_PASSES = ("prefetch", "bucket_reduce")
 REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
 
@@ -614,27 +614,6 @@ def _prefuse(colls: list, groups: list[list[str]], s: Setting, first: bool) -> l
     return sorted(out, key=lambda c: c.index)
 
 
-def replay_of(cached: dict) -> dict:
-    """The decisions of a run (its plan cache's JSON) in the form `Setting.replay` takes:
-    the passes the run kept, in its order (`passes`), prefetch groups per graph, bucket_reduce
-    buckets, selective_unshard's choice, by name."""
-    out: dict[str, Any] = {"passes": [e["pass"] for e in cached.get("passes", [])
-                                      if e.get("kept", True) is not False]}
-    for entry in cached.get("passes", []):
-        if entry.get("kept", True) is False:   # reverted by the run: not in its graphs
-            continue
-        d = entry["decisions"]
-        if entry["pass"] == "prefetch":
-            out["prefetch"] = {key.rsplit(".", 1)[1]: [g["params"] for g in v.get("groups", [])]
-                               for key, v in d.items()}
-        elif entry["pass"] == "bucket_reduce":
-            out["bucket_reduce"] = [b["params"] for v in d.values() for b in v.get("buckets", [])]
-        elif entry["pass"] == "selective_unshard":
-            out["selective_unshard"] = {"keep": [i["param"] for i in d["keep"]],
-                                        "accumulate": list(d["accumulate"])}
-    return out
-
-
 @dataclasses.dataclass
 class _Entry:   # what `kept.refresh_groups` reads of a registry entry
     padded_numel: int
@@ -896,7 +875,7 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
 def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -> Schedule:
     """One optimizer step of deepcompile with `passes`, as simulator events."""
     if s.framework_async_s is not None and s.world > 1 and set(ASYNC_PASSES) & set(passes):
-        # [Note: the framework's time with async collectives] in planner/measure.py
+        # the framework's time with async collectives, measured apart (host.py)
         s = dataclasses.replace(s, framework_s=s.framework_async_s)
     pl = plan(s, passes)
     events: list[Event] = []

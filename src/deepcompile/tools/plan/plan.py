@@ -1,6 +1,6 @@
 """`deepcompile plan`: what a model will do on a cluster, from profiles we can take here.
 
-    profile (pieces.py, trace.py; roofline.py or measure.py)
+    profile (pieces.py, trace.py; roofline.py, or host.py: a measured host profile)
       -> compose the full model's graphs (compose.py)
       -> per system, a schedule (ours.py: the passes' own planners; peers.py: FSDP2, DeepSpeed)
       -> simulate one optimizer step (simulate.py) -> table, JSON, picture (report.py)
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from . import compose, network, ours, peers, pieces, roofline, shapes, simulate, trace
+from . import host as hostprof
 from ...compiler.autoplan import fusion_policy
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Schedule, Setting)
 
@@ -62,7 +63,8 @@ class PlanArgs:
     model: str
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu: str = "h100"            # a GPU of roofline.GPUS, or "cpu": this machine, measured
+    gpu: str = "h100"            # a GPU of roofline.GPUS, or "cpu": gloo ranks, from a host
+                                 # profile (host.py)
     seq: int = 1024
     batch: int = 1
     gas: int = 1
@@ -73,11 +75,7 @@ class PlanArgs:
     memory_budget: float | None = None   # bytes, a fraction (<= 1) of GPU memory, or None (0.9)
     ac: bool = False             # activation checkpointing of every decoder layer
     assume: dict[str, float] = dataclasses.field(default_factory=dict)
-    repeats: int = 5             # CPU: profile repeats
-    plan_cost: dict | None = None   # CPU: the cost model the passes plan with (a runtime's
-                                    # LinearCostModel.to_dict()); None: calibrated here
-    replay: dict | None = None      # a run's decisions to replay instead of planning
-                                    # (ours.replay_of(a plan cache's JSON); validation)
+    host_profile: str | None = None   # CPU: the host profile's JSON (host.py)
 
     @property
     def world(self) -> int:
@@ -199,8 +197,10 @@ def _budget(args: PlanArgs, device_memory: float) -> float:
     return float(b)
 
 
-def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
-    """`host`: a measure.HostProfile taken already (CPU), else measured here."""
+def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
+              replay: dict | None = None) -> Plan:
+    """`host` (CPU): the host profile to plan with, else read from `args.host_profile`.
+    `replay`: a run's decisions to replay instead of planning them (`Setting.replay`)."""
     if args.stage not in (1, 2, 3):
         raise PlanError(f"deepcompile plan: --stage {args.stage}: 1, 2 or 3")
     _check_assume(args.assume)
@@ -222,27 +222,23 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
             raise PlanError(f"deepcompile plan: unknown pass(es) {', '.join(unknown)}; known: "
                             f"{', '.join(ours.PASSES)}")
     if cpu:
-        from . import measure
-
-        if host is None:
-            log(f"[plan] measuring {args.model} at {args.world} gloo rank(s) on this machine "
-                f"({os.cpu_count()} cores)...")
-            host = measure.measure_host(args.model, world=args.world, batch=args.batch,
-                                        seq=args.seq, repeats=args.repeats)
-        measured = host   # with the cost model its own ranks calibrated
-        if args.plan_cost is not None:
-            from ...compiler.cost import LinearCostModel
-
-            host = dataclasses.replace(host, plan_cost=LinearCostModel.from_dict(args.plan_cost))
-        ps = pieces.build(shape, batch=args.batch, seq=args.seq, dtype=torch.float32, fake=False)
-        graphs = trace.trace_all(ps)
-        _check_measured(graphs, host)
+        try:
+            if host is None:
+                host = _read_host_profile(args)
+            host.check(args.model, args.world, args.batch, args.seq,
+                       args.host_profile or "given")
+            ps = pieces.build(shape, batch=args.batch, seq=args.seq, dtype=torch.float32,
+                              fake=False)
+            graphs = trace.trace_all(ps)
+            host.check_graphs(graphs, roofline.is_free)
+        except hostprof.ProfileError as e:
+            raise PlanError(str(e)) from None
         net = host.network
         fused_times = unfused_times = host.times
         device_memory = float("inf")
         gpu = None
-        mem_bw = _host_copy_bw()
-        setting_info = {"host": host.to_dict(), "network": net.describe(),
+        mem_bw = host.copy_bw
+        setting_info = {"host": host.summary(), "network": net.describe(),
                         "host_copy_bw": mem_bw}
     else:
         gpu = _override(roofline.get_gpu(args.gpu), "gpu", args.assume)
@@ -290,18 +286,11 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
                        host_is_compute=cpu, optimizer_s=opt_s,
                        stage=args.stage,
-                       framework_s=(host.overhead_s + host.missed_s) if cpu
-                       else gpu.framework_host_s,
-                       framework_async_s=(host.overhead_async_s + host.missed_s)
-                       if cpu and host.overhead_async_s is not None else None,
-                       plan_cost=host.plan_cost if cpu else None, replay=args.replay,
+                       framework_s=host.framework_s if cpu else gpu.framework_host_s,
+                       framework_async_s=host.framework_async_s if cpu else None,
+                       plan_cost=host.plan_cost if cpu else None, replay=replay,
                        fusion=fusion_policy("cpu" if cpu else "cuda")[0])
 
-    if cpu and args.world > 1:
-        net, check = check_async_in_step(measured, graphs, args, setting, log)
-        setting_info["host"]["in_step"] = {**host.in_step, "async": check}
-        setting_info["host"]["network"] = net.to_dict()
-        setting_info["network"] = net.describe()
     results = []
     for name, ps_ in ladder:
         auto = None
@@ -334,86 +323,6 @@ def make_plan(args: PlanArgs, log=print, host=None) -> Plan:
     return Plan(args, shape, model_f.numel, setting_info, results, model_f, memory, _machine())
 
 
-# [Note: the asynchronous collectives checked in a step] The sweep's asynchronous kinds
-# (`measure.sweep_ops`: a collective launched, ~0.1 ms of matmuls, its wait, the same size again
-# and again) and the share of them compute hides (`overlap_factor`, at 1 MiB; 0-0.1 on 2 cores)
-# give what a step's asynchronous collectives cost only as far as the sweep's loop is a step,
-# as for the synchronous kinds ([Note: the sweep checked in a step] in measure.py). With the
-# pieces' level measured over a window (stop 39), three 4-rank plans of tiny-llama on a 2-core
-# Intel VM put +overlap at 23.4-26.0 ms against 29.5-31.1 measured (run A of that stop), while
-# their ZeRO-3 figure was within 5%. So at N ranks the one-layer model also runs with
-# `ours.ASYNC_PASSES` (prefetch + bucket_reduce: its gathers prefetched, its gradients
-# bucketed, both asynchronous), and the time its graphs take beyond its insertion-only run (both
-# measured, the slowest rank's, per micro-step) is the figure: the asynchronous kinds' sweep is
-# scaled by the factor under which the planner's own schedules of the one-layer model (the same
-# passes, one micro-step; the simulator) differ by as much. The schedules' decisions do not
-# depend on the factor (the passes plan with the cost model the measuring ranks calibrated, as
-# the one-layer engine's did: one factor per host profile, whatever a run's `--plan-cost`;
-# before stop 39's review they planned with the latter, and the factor differed between the
-# systems of one validation round), so the difference grows with it, and
-# the factor is found by bisection in [1/64, 64]; a measured difference outside what that range
-# gives is recorded as such (`bound`) and logged, with the factor at the bound. Measured on
-# that VM: x1.34-1.72 at 4 ranks, x0.98-1.87 at 2 (three CLI plans and the validation's run D;
-# `benchmarks/results/2026-11-27-cpu2-intel-plan-async/`), never at the range's ends.
-ASYNC_FACTOR_RANGE = (1 / 64, 64.0)
-
-
-def check_async_in_step(host, graphs, args: PlanArgs, setting, log=print):
-    """`host.network` with its asynchronous kinds scaled to what the one-layer model's
-    asynchronous collectives took in a step, and the record of it ([Note: the asynchronous
-    collectives checked in a step]). `host`: as measured (its own `plan_cost`)."""
-    from .measure import ASYNC_KINDS
-
-    rec = host.in_step or {}
-    if "overlap_runs_s" not in rec:
-        raise PlanError("deepcompile plan: this host profile has no one-layer run with "
-                        "asynchronous collectives (taken before stop 39?): measure it again")
-    one = compose.compose(graphs, 1, host.times, name="one layer", batch=args.batch,
-                          seq=args.seq, dtype=torch.float32)
-    first = setting(one)
-    # the passes plan as the one-layer engine's did: with the cost model the measuring ranks
-    # calibrated (not a run's given with --plan-cost), and not the one being scaled
-    base = dataclasses.replace(first, gas=1, replay=None,
-                               plan_cost=first.planner_cost if host.plan_cost is None
-                               else host.plan_cost,
-                               # the runs compared hold the graphs only: one framework time
-                               # for both schedules
-                               framework_async_s=None)
-
-    def step_s(passes, net) -> float:
-        sch = ours.schedule(dataclasses.replace(base, cost=net), passes, "check", "")
-        return simulate.simulate(sch.events, host_is_compute=True, keep_segments=False).step_s
-
-    z3 = step_s((), host.network)
-
-    def diff(f: float) -> float:
-        return step_s(ours.ASYNC_PASSES, host.network.scaled(ASYNC_KINDS, f)) - z3
-
-    measured = rec["overlap_runs_s"] - rec["z3_runs_s"]
-    lo, hi = ASYNC_FACTOR_RANGE
-    at_one, d_lo, d_hi = diff(1.0), diff(lo), diff(hi)
-    bound = None
-    if measured <= d_lo:
-        factor, bound = lo, "low"
-    elif measured >= d_hi:
-        factor, bound = hi, "high"
-    else:
-        a, b = math.log(lo), math.log(hi)
-        for _ in range(40):
-            m = (a + b) / 2
-            a, b = (m, b) if diff(math.exp(m)) < measured else (a, m)
-        factor = math.exp((a + b) / 2)
-    log(f"[plan] asynchronous collectives checked in a step: the one-layer model with "
-        f"{' + '.join(ours.ASYNC_PASSES)} took {measured * 1e3:+.2f} ms a micro-step against "
-        f"insertion only (measured), {at_one * 1e3:+.2f} ms by the sweep: its asynchronous "
-        f"kinds x {factor:.2f}" + (f" (at the range's {bound} end: the measured difference is "
-                                    f"outside [{d_lo * 1e3:+.2f}, {d_hi * 1e3:+.2f}] ms)"
-                                    if bound else ""))
-    return host.network.scaled(ASYNC_KINDS, factor), {
-        "measured_s": measured, "sweep_s": at_one, "factor": factor, "bound": bound,
-        "range_s": [d_lo, d_hi]}
-
-
 def _is_auto(ps) -> bool:
     return ps == ours.AUTO or tuple(ps) == (ours.AUTO,)
 
@@ -440,16 +349,15 @@ def resolve_auto(s: Setting, device_memory: float, cpu: bool) -> tuple[tuple[str
                   "passes": list(kept)}
 
 
-def _check_measured(graphs, host) -> None:
-    """Every node that moves data has a measured time (the ranks traced the same graphs)."""
-    for name, pg in graphs.items():
-        for phase in ("fw", "bw"):
-            got = host.node_s.get(f"{name}.{phase}", {})
-            missing = [n.name for n in getattr(pg, phase).graph.nodes
-                       if n.op == "call_function" and not roofline.is_free(n) and n.name not in got]
-            if missing:
-                raise RuntimeError(f"deepcompile plan: no measured time for {name}.{phase} "
-                                   f"nodes {missing[:5]}: the measuring ranks traced other graphs")
+def _read_host_profile(args: PlanArgs) -> hostprof.HostProfile:
+    if args.host_profile is None:
+        raise hostprof.ProfileError(
+            "deepcompile plan: --gpu cpu plans from a host profile of this machine: its gloo "
+            "ranks' node times, optimizer step and network, measured by the validation harness "
+            "in a source checkout: "
+            f"{hostprof.command(args.model, args.world, args.batch, args.seq)}; then plan with "
+            "--host-profile host.json")
+    return hostprof.load(args.host_profile)
 
 
 def _run(sch: Schedule, device_memory: float, cpu: bool) -> SystemResult:
@@ -492,20 +400,6 @@ def _host_step_ns(numel: int = 1 << 24, repeats: int = 3) -> float:
         opt.step()
         ts.append(time.perf_counter() - t0)
     return min(ts) / numel * 1e9
-
-
-def _host_copy_bw() -> float:
-    """Host memory copy bandwidth (bytes/s, read + write counted once each), measured."""
-    import time
-
-    a = torch.empty(1 << 23)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        ts.append(time.perf_counter() - t0)
-    return 2 * a.numel() * a.element_size() / sorted(ts)[len(ts) // 2]
 
 
 def _machine() -> dict[str, Any]:
