@@ -4,7 +4,7 @@
     python benchmarks/bench.py --device cuda           # GPU mode: 1 GPU, ~1B Llama, bf16
     python benchmarks/bench.py --list                  # workloads and systems
 
-The code is in src/deepcompile/_bench/; results go to benchmarks/results/<date>-<machine>/.
+The code is in src/deepcompile/tools/bench/; results go to benchmarks/results/<date>-<machine>/.
 """
 
 import sys

@@ -452,7 +452,6 @@ def test_gpu_acceptance_commands_are_valid():
     assert proc.returncode == 0, proc.stderr
     lines = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.strip()]
     assert len(lines) >= 10, proc.stdout
-    sys.path.insert(0, str(root / "benchmarks"))
     checked = set()
     for argv in lines:
         assert argv[0] == "python3", argv
@@ -462,8 +461,10 @@ def test_gpu_acceptance_commands_are_valid():
             args = build_parser().parse_args(argv[3:])
             name = argv[3]
         else:
-            name = Path(argv[1]).stem
-            assert (root / argv[1]).is_file(), argv[1]
+            script = root / argv[1]
+            name = script.stem
+            assert script.is_file(), argv[1]
+            sys.path.insert(0, str(script.parent))
             args = importlib.import_module(name).parser().parse_args(argv[2:])
         for s in getattr(args, "systems", None) or ():
             if name in ("bench", "plan_validate"):

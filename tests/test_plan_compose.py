@@ -1,5 +1,5 @@
-"""Composing a model's graphs from its pieces (planner/pieces.py, trace.py, compose.py) and the
-roofline's counts (planner/roofline.py), against the whole model traced at once."""
+"""Composing a model's graphs from its pieces (tools/plan/pieces.py, trace.py, compose.py) and
+the roofline's counts (tools/plan/roofline.py), against the whole model traced at once."""
 
 from __future__ import annotations
 

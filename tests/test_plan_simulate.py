@@ -1,4 +1,4 @@
-"""The planner's step simulator (planner/simulate.py) on synthetic event lists."""
+"""The planner's step simulator (tools/plan/simulate.py) on synthetic event lists."""
 
 from __future__ import annotations
 

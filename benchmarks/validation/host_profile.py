@@ -304,7 +304,7 @@ def _funcol(comm):
 
 # [Note: gloo's stalls] On the 2-core VM of stops 31-36 (torch 2.13, kernel 6.18, HZ=250) a
 # small gloo collective between 2 ranks takes ~0.2 ms, or a scheduler tick more (3.3-4 ms,
-# sometimes two), in 4-14% of its calls (`benchmarks/gloo_latency.py`, 200 calls after a
+# sometimes two), in 4-14% of its calls (`gloo_latency.py`, 200 calls after a
 # barrier; 25-40% in an earlier 60-call probe), with each rank pinned to a core of its own
 # too; a pipe round trip between two processes takes 7-10 us there, so it is not the VM waking
 # a core. A step adds up its collectives' times, stalls included, and its time varies with

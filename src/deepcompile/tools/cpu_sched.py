@@ -3,7 +3,7 @@
 [Note: gloo's spinning loop]
 On a machine with no core to spare (the 2-core VM of stops 31-37: 2 ranks or more), a small
 gloo collective took a scheduler tick (4 ms at HZ=250) or two longer in 4-18% of its calls,
-where it otherwise takes ~0.2 ms (benchmarks/gloo_latency.py). Per-thread schedstat over each
+where it otherwise takes ~0.2 ms (benchmarks/validation/gloo_latency.py). Per-thread schedstat over each
 call (stop 37) shows what happens in a slow one: gloo's device thread (`gloo_tcp_loop`) *runs*
 for the whole stall while the worker thread that runs the collective (`pt_gloo_runloop`) waits
 on the run queue for as long. The device thread takes a pair's lock with `try_lock` and, when
@@ -31,8 +31,9 @@ of this process from /proc schedstat (ns run on a CPU, ns waited on a run queue)
 `machine()` the machine's CPU time from /proc/stat (busy, idle and steal, in clock ticks of
 10 ms), `process()` the process's user and system time and its minor page faults, so that a launch can say over its timed steps how much core time its ranks used, how
 long their threads waited for a core, and how much core time was idle and how much stolen
-(each rank reads both around its timed steps in `_bench/worker.py`; `_bench/run.py`'s
-`_core_time` sums the ranks per step; benchmarks/plan_validate.py tables it per cell).
+(each rank reads both around its timed steps in `bench/worker.py`; `bench/run.py`'s
+`_core_time` sums the ranks per step; benchmarks/validation/plan_validate.py tables it per
+cell).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def _header(meta: dict[str, Any]) -> list[str]:
 
 
 _NOTES = """\
-How to read this (details in `deepcompile bench --help` and src/deepcompile/_bench/):
+How to read this (details in `deepcompile bench --help` and src/deepcompile/tools/bench/):
 - step ms: median over launches of each launch's median step time (a step = one optimizer step,
   all micro-steps; the slowest rank's time), [min, max] over launches. Depends on the machine's
   load; the columns after it do not.

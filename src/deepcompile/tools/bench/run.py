@@ -138,7 +138,7 @@ def _launch_record(ranks: list[dict] | str, wall_s: float, load: list) -> dict[s
             statistics.fmean(r["step_batch_s"][i] for r in ranks) for i in range(nsteps))
         if all(r.get("step_batch_s") for r in ranks) else None,
         "core_time": _core_time(ranks, step_s),
-        # when the ranks' timed steps ran (time.time()): [Note: the machine's speed] (speed.py)
+        # when the ranks' timed steps ran (time.time()): benchmarks/validation/speed.py
         "timed_window": [min(r["timed_window"][0] for r in ranks),
                          max(r["timed_window"][1] for r in ranks)]
         if all(r.get("timed_window") for r in ranks) else None,

@@ -112,7 +112,7 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
     # the timed steps' core time, this rank's threads and the machine's ([Note: where a
     # step's core time goes] in cpu_sched.py)
     threads0, machine0, process0 = cpu_sched.threads(), cpu_sched.machine(), cpu_sched.process()
-    window = [time.time()]   # when the timed steps ran: [Note: the machine's speed] (speed.py)
+    window = [time.time()]   # when the timed steps ran (benchmarks/validation/speed.py)
     for _ in range(spec.steps):
         dt, loss = one_step()
         times.append(dt)

@@ -5,7 +5,7 @@ from profiles we can take here (see plan.py for the pipeline and the assumed fig
     pieces.py    the embedding, one decoder layer and the head, built fake or for real
     trace.py     their forward/backward graphs (AOTAutograd, min-cut partitioner)
     roofline.py  a node's FLOPs, bytes and time on a target GPU (fused like Inductor, or eager)
-    measure.py   profiles taken on this machine (CPU, gloo ranks): nodes, ops, optimizer
+    host.py      a host profile (CPU, gloo ranks), measured by benchmarks/validation
     compose.py   the full model's graphs and the step's live-bytes curve
     network.py   collective times at N x G ranks (NCCL ring/tree; gloo measured)
     schedule.py  what schedules share: sizes, persistent state, the optimizer step

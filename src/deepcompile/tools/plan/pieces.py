@@ -3,7 +3,7 @@
 A one-layer copy of the model is built from its Hugging Face config — under a `FakeTensorMode`
 for a shape too large to hold (a Llama-3-70B layer is 0.86 G parameters: 1.7 GB in bf16,
 3.4 GB in fp32, plus its activations), or with real random weights for a shape small enough to
-run here (then its graphs can be timed: measure.py). Each piece is a pure function of its
+run here (then its graphs can be timed: a host profile, host.py). Each piece is a pure function of its
 parameters and inputs, called through `torch.func.functional_call`, so that AOTAutograd can
 trace it (trace.py):
 
