@@ -151,6 +151,8 @@ def test_planning_for_gloo_ranks_reads_a_saved_host_profile(capsys, tmp_path):
     code, _, err = _plan(capsys, other)
     assert code == 2 and "measured for tiny-llama at 1 rank(s)" in err
     assert "host_profile.py --model tiny-llama --world 2 --batch 1 --seq 16" in err
+    code, _, err = _plan(capsys, TINY + ["--host-profile", str(path)])
+    assert code == 2 and "--host-profile times gloo ranks (--gpu cpu)" in err
     path.write_text("{}")
     code, _, err = _plan(capsys, argv)
     assert code == 2 and "is not a host profile" in err

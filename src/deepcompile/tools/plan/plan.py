@@ -241,6 +241,9 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
         setting_info = {"host": host.summary(), "network": net.describe(),
                         "host_copy_bw": mem_bw}
     else:
+        if args.host_profile is not None:
+            raise PlanError(f"deepcompile plan: --host-profile times gloo ranks (--gpu cpu); "
+                            f"--gpu {args.gpu} is timed by its roofline")
         gpu = _override(roofline.get_gpu(args.gpu), "gpu", args.assume)
         ps = pieces.build(shape, batch=args.batch, seq=args.seq, dtype=torch.bfloat16, fake=True)
         graphs = trace.trace_all(ps)
