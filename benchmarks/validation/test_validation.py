@@ -95,7 +95,8 @@ def test_the_pieces_level_is_a_window_of_runs_back_to_back(monkeypatch):
         return [torch.ones(1), torch.ones(1)], prof
 
     monkeypatch.setattr(profiler, "profile_run", fake_run)
-    got = measure.profile_pieces({"layer": pg}, repeats=3, level={"layer.fw": 8e-3, "layer.bw": 1e-4})
+    got = measure.profile_pieces({"layer": pg}, repeats=3,
+                                 level={"layer.fw": 8e-3, "layer.bw": 1e-4})
     assert got["layer.fw"] == pytest.approx({"a": 2e-3, "b": 6e-3}, rel=1e-12)
     assert got["layer.bw"] == pytest.approx({"c": 1e-4}, rel=1e-12)
 
@@ -241,7 +242,7 @@ def test_the_sweeps_synchronous_collectives_are_scaled_to_a_steps():
     assert m.collective_s("reduce_scatter", 1 << 16) == pytest.approx(300 * us)
     assert m.coeffs["reduce_scatter"] == pytest.approx(
         tuple(1.5 * c for c in net.coeffs["reduce_scatter"]))   # the line, scaled alike
-    assert net.samples["all_gather"][0][1] == 100 * us       # the measured network is left as it was
+    assert net.samples["all_gather"][0][1] == 100 * us   # the measured network is left as it was
     for bad in (0.0, -1e-4):
         with pytest.raises(RuntimeError, match="measurement failed"):
             measure.check_in_step(net, bad, comm)
