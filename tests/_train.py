@@ -1,5 +1,6 @@
 """The one training loop of the test suite, distributed (`run_training`) and reference
-(`reference_training`), plus the comparison helpers the test files share.
+(`reference_training`, on the tools' eager loop), plus the comparison helpers the test files
+share.
 
 A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
 
@@ -125,34 +126,24 @@ def clip_of(sc: dict) -> float | None:
 # ------------------------------------------------------------------------------- reference
 @functools.lru_cache(maxsize=None)
 def _reference(key: str) -> dict:
+    from deepcompile.tools.workloads import train_reference
+
     sc = json.loads(key)
     name, (opt_name, opt_kwargs) = sc["model"], sc["optim"]
-    gas, clip = gas_of(sc), clip_of(sc)
     model = _models.build_model(name)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = OPTIMIZERS[opt_name](params, **opt_kwargs)
+    opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
     initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    losses, norms = [], []
-    micro = 0
-    for _step in range(sc["steps"]):
-        for _m in range(gas):
-            loss = _models.loss_of(model(**_models.global_batch(name, micro)))
-            (loss / gas).backward()
-            losses.append(loss.item())
-            micro += 1
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        else:
-            norms.append(float(torch.nn.utils.get_total_norm(
-                [p.grad for p in params if p.grad is not None])))
-        opt.step()
-        opt.zero_grad()
+    ref = train_reference(model, opt, functools.partial(_models.global_batch, name),
+                          steps=sc["steps"], gas=gas_of(sc), loss_of=_models.loss_of,
+                          max_grad_norm=clip_of(sc))
     final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": final}
+    return {"losses": ref.micro_losses, "grad_norms": ref.grad_norms, "initial": initial,
+            "params": final}
 
 
 def reference_training(sc: dict) -> dict:
-    """Plain eager training of `sc` in this process on the whole global batch (cached).
+    """Plain eager training of `sc` in this process on the whole global batch (cached; the
+    tools' one reference loop, `deepcompile.tools.workloads.train_reference`).
 
     Returns losses (one per micro-step, on the global batch), the pre-clipping global gradient
     norm of every optimizer step, and the initial and final parameters by fqn (tied weights

@@ -289,7 +289,7 @@ def _auto_job(rank, world, noise_seed, outdir):
         # after it is slower than every step before, a chance of 1 in 252 (1 in 20 with the
         # default 3, which failed this test in one CI run of stop 36, when gloo's collectives
         # here stalled a scheduler tick in some calls; the test's ranks run SCHED_BATCH since
-        # stop 37, which removes most of that: [Note: gloo's spinning loop] in _bench/cpu_sched.py)
+        # stop 37, which removes most of that: [Note: gloo's spinning loop] in tools/cpu_sched.py)
         config={"compiler": "fx", "measure_steps": 5})
     if noise_seed is not None:   # ±20% on every profiled node time of this rank
         rng = random.Random(noise_seed * 100 + rank)
@@ -399,7 +399,7 @@ def test_metrics(auto_runs):
 
 def test_pictures(auto_runs, tmp_path):
     pytest.importorskip("matplotlib")
-    from deepcompile import cli
+    from deepcompile.tools import cli
 
     _, _, out = auto_runs
     plain = auto_runs[0]

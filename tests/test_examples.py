@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from deepcompile.tools.spawn import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(script: str, *args: str, timeout: float = 600) -> str:
@@ -27,7 +22,7 @@ def _torchrun(script: str, *args: str, timeout: float = 600) -> str:
                TORCHINDUCTOR_CACHE_DIR=str(ROOT / "build" / "inductor-cache"),
                TORCHINDUCTOR_COMPILE_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "examples" / script), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"

@@ -42,7 +42,7 @@ def group_name(group) -> str:
 # gloo's `allgather_into_tensor_coalesced` -- the path `_c10d_functional.all_gather_into_tensor`
 # takes -- then corrupts the heap: the rank dies with SIGSEGV or SIGABRT ("malloc(): unaligned
 # tcache chunk"). Seen on CI (stops 18 and 19); reproduced on torch 2.13 by
-# benchmarks/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
+# benchmarks/validation/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
 # launches on a default gloo group, in 0 of 10 on one worker thread
 # (benchmarks/results/2026-11-23-cpu2-gloo-inflight). `dist.all_gather_into_tensor`, which takes
 # `_allgather_base`, survived the same load in 5 of 5 ad-hoc launches.

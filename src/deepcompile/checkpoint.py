@@ -58,22 +58,11 @@ import torch
 import torch.distributed as dist
 
 from . import _dcp
+from ._ckpt_format import (CLIENT, COMMIT, FORMAT, HF_CONFIG, HF_GENERATION, POINTER, STATE,
+                           TMP_PREFIX, CheckpointError, hf_config_dicts, persistent_buffers,
+                           resolve, validate)
 
 log = logging.getLogger("deepcompile")
-
-FORMAT = 2
-POINTER = "deepcompile-checkpoint.json"
-STATE = "state.json"
-CLIENT = "client_state.pt"
-COMMIT = "commit.json"
-HF_CONFIG = "hf_config.json"
-HF_GENERATION = "hf_generation_config.json"
-TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or loaded; the same message on every rank."""
-
 
 def _dcp_errors() -> tuple[type[BaseException], ...]:
     """What a failed DCP call raises (its CheckpointException is a BaseException)."""
@@ -164,15 +153,6 @@ def _params(engine) -> list[list]:
     return [[list(e.names), list(e.shape)] for e in engine._registry]
 
 
-def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for prefix, m in module.named_modules():
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out
-
-
 def _optimizer_index(engine) -> list:
     """Registry entry of every parameter of `optimizer.state_dict()`, in its index order."""
     by_shard = {id(e.shard): e for e in engine._registry}
@@ -212,7 +192,7 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
             local = local.clone()
         sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
     if rank == 0:
-        for name, b in _persistent_buffers(engine.module).items():
+        for name, b in persistent_buffers(engine.module).items():
             sd[f"buffer/{name}"] = b.detach().to("cpu")
     osd = engine.optimizer.state_dict()
     index = _optimizer_index(engine)
@@ -271,8 +251,6 @@ def _client_bytes(client_state: Any) -> bytes:
 
 
 def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module) -> None:
-    from .export import hf_config_dicts
-
     tmp.mkdir(parents=True, exist_ok=False)
     _dcp.write_json_atomic(tmp / STATE, state)
     if client is not None:
@@ -343,7 +321,7 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
                      "optimizer_steps": engine._optimizer_steps, "params": _params(engine),
                      "dtypes": {e.name: str(e.shard.dtype).removeprefix("torch.")
                                 for e in engine._registry},
-                     "buffers": sorted(_persistent_buffers(engine.module)),
+                     "buffers": sorted(persistent_buffers(engine.module)),
                      "optimizer": optim, "client_state": client is not None,
                      "loss_scaler": engine._scaler.state_dict() if engine._scaler else None,
                      "config": engine.config.to_dict()}
@@ -378,66 +356,6 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
 
 
 # ---- load ----------------------------------------------------------------------------------------
-def resolve(root: Path) -> Path:
-    """The complete version directory a checkpoint path names (its pointer, or itself)."""
-    pointer = root / POINTER
-    if pointer.exists():
-        try:
-            data = json.loads(pointer.read_text())
-            current = data["current"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"load_checkpoint: {root} is damaged: {POINTER} is unreadable "
-                                  f"({type(e).__name__})") from None
-        if data.get("format") != FORMAT:
-            raise CheckpointError(f"load_checkpoint: {root} has format {data.get('format')!r}; "
-                                  f"this deepcompile reads format {FORMAT}")
-        version = root / current
-        if not version.is_dir():
-            raise CheckpointError(f"load_checkpoint: {root} is damaged: its pointer names "
-                                  f"{current}, which is missing")
-        return version
-    if (root / COMMIT).exists():
-        return root
-    if (root / "meta.json").exists():
-        raise CheckpointError(f"load_checkpoint: {root} is a checkpoint of the older format 1 "
-                              "(one file per rank), which this deepcompile does not read; load it "
-                              "with the deepcompile that wrote it and save again")
-    if not root.exists():
-        raise CheckpointError(f"load_checkpoint: no checkpoint at {root} (it does not exist)")
-    raise CheckpointError(f"load_checkpoint: {root} holds no complete checkpoint (no {POINTER}: "
-                          "a save interrupted before its first commit leaves none)")
-
-
-def validate(version: Path) -> dict:
-    """Every file of the version's commit marker, with its size; returns its state.json."""
-    try:
-        commit = json.loads((version / COMMIT).read_text())
-        files = commit["files"]
-    except FileNotFoundError:
-        raise CheckpointError(f"load_checkpoint: {version} is not a complete checkpoint (no "
-                              f"{COMMIT})") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"load_checkpoint: {version} is damaged: {COMMIT} is unreadable "
-                              f"({type(e).__name__})") from None
-    for name, size in sorted(files.items()):
-        p = version / name
-        if not p.is_file():
-            raise CheckpointError(f"load_checkpoint: {version} is damaged: {name} is missing")
-        actual = p.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"load_checkpoint: {version} is damaged: {name} has {actual} "
-                                  f"bytes, the save wrote {size} (truncated or overwritten)")
-    try:
-        state = json.loads((version / STATE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"load_checkpoint: {version} is damaged: {STATE} is unreadable "
-                              f"({type(e).__name__})") from None
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"load_checkpoint: {version} has format {state.get('format')!r}; "
-                              f"expected {FORMAT}")
-    return state
-
-
 def _check_matches(engine, state: dict, version: Path) -> None:
     saved, mine = state["params"], _params(engine)
     if saved != mine:
@@ -467,7 +385,7 @@ def _targets(engine, state: dict, mesh) -> dict[str, Any]:
             torch.empty(_valid(e, rank), dtype=e.shard.dtype), e.numel, mesh)
     for name in state.get("buffers", []):
         targets[f"buffer/{name}"] = None   # filled below from the module's buffer
-    buffers = _persistent_buffers(engine.module)
+    buffers = persistent_buffers(engine.module)
     for name in state.get("buffers", []):
         if name not in buffers:
             raise CheckpointError(f"load_checkpoint: the checkpoint has buffer {name}, which this "
@@ -494,7 +412,7 @@ def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
             valid = _valid(e, rank)
             e.shard[:valid].copy_(targets[f"model/{e.name}"].to_local())
             e.shard[valid:].zero_()
-        buffers = _persistent_buffers(engine.module)
+        buffers = persistent_buffers(engine.module)
         for name in state.get("buffers", []):
             buffers[name].copy_(targets[f"buffer/{name}"])
     engine._shards_changed(frozen_too=True)
