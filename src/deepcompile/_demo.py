@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from ._local import spawn, train_eager
 
 LOSS_TOLERANCE = 1e-4
 # how long the parent waits for the ranks before terminating them (seconds)
@@ -153,19 +154,11 @@ def train_reference(args: DemoArgs, device: torch.device | str = "cpu"):
     opt = make_optimizer_factory(args.lr)(model.parameters())
     windows = make_windows(args.seq_len)
     global_size = args.per_rank_batch * args.nproc
-    losses = []
-    micro = 0
-    for _ in range(args.steps):
-        total = 0.0
-        for _ in range(args.grad_accum):
-            x = global_batch(windows, micro, global_size).to(device)
-            micro += 1
-            loss = model(input_ids=x, labels=x).loss
-            (loss / args.grad_accum).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / args.grad_accum)
+    gas = args.grad_accum
+    batches = ([global_batch(windows, step * gas + m, global_size).to(device) for m in range(gas)]
+               for step in range(args.steps))
+    steps = train_eager(model, opt, batches, lambda m, x: m(input_ids=x, labels=x).loss)
+    losses = [sum(s.losses) / len(s.losses) for s in steps]
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
     return losses, params
 
@@ -194,9 +187,7 @@ def format_comm_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(local_rank))
+def _worker(local_rank: int, args: DemoArgs, result_path: str) -> None:
     import torch.distributed as dist
 
     import deepcompile
@@ -270,55 +261,12 @@ def _worker(local_rank: int, args: DemoArgs, port: int, result_path: str) -> Non
 # ----------------------------------------------------------------------------------------------
 # the parent
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _default_inductor_cache() -> tuple[str, bool]:
     """(directory, whether we created a temporary one that should be removed afterwards)."""
     build = os.path.join(os.getcwd(), "build")
     if os.path.isdir(build):
         return os.path.join(build, "inductor-cache"), False
     return tempfile.mkdtemp(prefix="deepcompile-inductor-"), True
-
-
-def _spawn(args: DemoArgs, result_path: str) -> int:
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.start_processes(_worker, args=(args, port, result_path), nprocs=args.nproc,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                print(f"[demo] error: the ranks did not finish within {JOIN_TIMEOUT_S:g} s; "
-                      "terminating them", file=sys.stderr, flush=True)
-                _terminate(ctx.processes)
-                return 1
-    except mp.ProcessRaisedException as e:  # a rank raised: its traceback is in the message
-        print(f"[demo] error: a rank failed (the others were stopped):\n{e}", file=sys.stderr,
-              flush=True)
-        return 1
-    except mp.ProcessExitedException as e:  # a rank died (signal, os._exit, ...)
-        print(f"[demo] error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        _terminate(ctx.processes)
-        raise
-    return 0
-
-
-def _terminate(processes) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
 
 
 def _compare(args: DemoArgs, result: dict, device: str) -> int:
@@ -384,7 +332,8 @@ def run(args: DemoArgs) -> int:
     try:
         result_path = os.path.join(tmp, "rank0.pt")
         t0 = time.perf_counter()
-        rc = _spawn(args, result_path)
+        rc = spawn(_worker, args.nproc, (args, result_path), timeout_s=JOIN_TIMEOUT_S,
+                   name="demo")
         if rc != 0:
             return rc
         if not os.path.exists(result_path):

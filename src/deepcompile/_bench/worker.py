@@ -27,7 +27,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from .. import _demo
+from .. import _local
 
 # ours: profile, measure and judge each pass; every pass is 4 x (1 profiled + 2 x (1 settling +
 # 3 timed)) = 36 steps at the default Config, then the final compile (30 was too few for it)
@@ -200,7 +200,7 @@ def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _demo._free_port()
+    port = _local.free_port()
     procs = []
     saved = dict(os.environ)
     try:
@@ -242,7 +242,7 @@ def launch(spec: LaunchSpec, world: int, timeout_s: float) -> list[dict] | str:
     finally:
         for p in procs:
             p.join(timeout=0 if error else 30)
-        _demo._terminate(procs)
+        _local.terminate(procs)
         results.close()
     if error is not None:
         return _reason(error, spec.log_path)

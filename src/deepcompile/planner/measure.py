@@ -711,11 +711,11 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     time (waiting for peers is part of it)."""
     import multiprocessing as mp
 
-    from .._demo import _free_port, _terminate
+    from .._local import free_port, terminate
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     spec = {"model": model, "batch": batch, "seq": seq, "repeats": repeats,
             "net_repeats": net_repeats, "seed": seed, "clock": clock}
     load = list(os.getloadavg())
@@ -735,7 +735,7 @@ def measure_host(model: str, *, world: int, batch: int, seq: int, repeats: int =
     finally:
         for p in procs:
             p.join(timeout=30)
-        _terminate(procs)
+        terminate(procs)
     if status != "ok":
         raise RuntimeError(f"deepcompile plan: measuring on this machine failed:\n{data}")
     net = data["net"]
