@@ -128,6 +128,14 @@ def compile_module(module, backend):
     return torch.compile(module, backend=backend)
 
 
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason (each counted when a frame is
+    traced, not each time it runs). Private in 2.11-2.15 (`torch._dynamo.utils.counters`)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
 def never_a_dynamo_frame(code) -> None:
     """Dynamo never compiles `code` as a frame of its own (it still inlines it into a frame it
     traces). Eager code inside a compiled model — a frame Dynamo gave up on, e.g. torch 2.11's
