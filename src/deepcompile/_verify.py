@@ -50,7 +50,6 @@ from .config import Config
 RTOL = 1e-5              # the default tolerance, relative (see [Note: what verify compares])
 DEFAULT_STEPS = 4         # the default config reaches its steady phase in the 4th step
 COMM_KINDS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"))
-_FILE_NAMES = ("build_model", "make_batch", "loss_fn", "optimizer", "CONFIG")
 
 
 class VerifyError(ValueError):
@@ -84,7 +83,8 @@ def default_optimizer(params) -> torch.optim.Optimizer:
 class Job:
     """One model to verify; pickled to every rank. Either the callables themselves (importable
     by name: module-level functions or functools.partial of them) or `path`, a Python file that
-    defines them under the names of `_FILE_NAMES`, loaded in every process."""
+    defines them (build_model, make_batch, optionally loss_fn and optimizer), loaded in every
+    process."""
     name: str
     config: Config
     steps: int = DEFAULT_STEPS
@@ -119,7 +119,11 @@ def load_file(path: str):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     missing = [n for n in ("build_model", "make_batch") if not callable(getattr(module, n, None))]
     if missing:
         raise VerifyError(f"{path} defines no {' and no '.join(missing)}: a verify file "
@@ -290,7 +294,8 @@ class StepResult:
 @dataclasses.dataclass
 class VerifyResult:
     """What `deepcompile.verify` found; `ok` is False on a mismatch beyond the tolerance or an
-    error. str() is the report."""
+    error. str() is the report; `engine_report` is rank 0's `str(engine.report())` at the end
+    (what the compiler did: graphs, passes and why)."""
     name: str
     ranks: int
     device: str
@@ -419,23 +424,28 @@ def format_result(res: VerifyResult) -> str:
     if res.error is not None:
         lines.append(f"ERROR: the engine's run failed:\n{res.error}")
         return "\n".join(lines)
+    rows = []
+    for s in res.steps:   # one micro-step's collectives, or each's where they differ
+        micro = {_comm(c) for c in s.micro_comm}
+        text = micro.pop() if len(micro) == 1 else " / ".join(_comm(c) for c in s.micro_comm)
+        rows.append((s, f"{text} | {_comm(s.step_comm)}"))
+    width = max([len("collectives per micro-step | step")] + [len(t) for _, t in rows])
     lines.append(f"{'step':>4} {'phase':<8} {'loss':>11} {'|Δloss|':>9} {'max |Δparam|':>12} "
-                 f"{'(relative)':>10}  {'parameter':<36} {'no grad':>7} {'breaks':>6} "
-                 f"{'eager':>5}  collectives per micro-step | step")
-    for s in res.steps:
-        micro = sorted({_comm(c) for c in s.micro_comm})
-        micro_text = micro[0] if len(micro) == 1 else " / ".join(_comm(c) for c in s.micro_comm)
+                 f"{'(relative)':>10} {'no grad':>7} {'breaks':>6} {'eager':>5}  "
+                 f"{'collectives per micro-step | step':<{width}}  parameter")
+    for s, text in rows:
         lines.append(
             f"{s.step:>4} {s.phase:<8} {s.loss:>11.6g} {s.loss_diff:>9.2e} {s.param_diff:>12.2e} "
-            f"{s.param_rel:>10.2e}  {s.worst_param[-36:]:<36} {len(s.no_grad):>7} "
-            f"{sum(s.graph_breaks.values()):>6} {len(s.eager_modules):>5}  {micro_text} | "
-            f"{_comm(s.step_comm)}" + ("" if s.ok else "  MISMATCH"))
+            f"{s.param_rel:>10.2e} {len(s.no_grad):>7} {sum(s.graph_breaks.values()):>6} "
+            f"{len(s.eager_modules):>5}  {text:<{width}}  {s.worst_param}"
+            + ("  MISMATCH" if not s.ok else ""))
     no_grad = sorted({n for s in res.steps for n in s.no_grad})
     always = [n for n in no_grad if all(n in s.no_grad for s in res.steps)]
+    some = [n for n in no_grad if n not in always]
     if no_grad:
-        lines.append(f"parameters without a gradient (eager autograd): never: {_names(always, 8)}"
-                     + (f"; in some steps: {_names([n for n in no_grad if n not in always], 8)}"
-                        if len(always) < len(no_grad) else ""))
+        lines.append("parameters without a gradient (eager autograd): " + "; ".join(
+            ([f"never: {_names(always, 8)}"] if always else [])
+            + ([f"in some steps: {_names(some, 8)}"] if some else [])))
     breaks: dict[str, int] = {}
     for s in res.steps:
         for k, v in s.graph_breaks.items():

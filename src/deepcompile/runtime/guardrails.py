@@ -488,9 +488,9 @@ def _safe_check(store, key: str) -> bool:
 # engine: each phase's timeout is Config's or the user's, whichever is shorter; a Config timeout
 # of None means the process group's own. The groups the engine makes for itself (the check
 # group; on gloo the serial copy its collectives run on) start with torch's default and are set
-# to the same timeout. The group's timeout is read the first time an engine
-# is made on it and remembered by group object: engines made later in the process (a sweep, a
-# test's scenarios) see what the user set, not what an earlier engine set.
+# to the same timeout. The group's timeout is read the first time an engine is made on it and
+# remembered by group object: engines made later in the process (a sweep, a test's scenarios)
+# see what the user set, not what an earlier engine set.
 _OWN_TIMEOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
