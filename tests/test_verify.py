@@ -1,10 +1,13 @@
-"""`deepcompile verify` (src/deepcompile/_verify.py) on model families of transformers, and on
-models built to differ from eager, so that it is seen to find what it must find.
+"""`deepcompile verify` (src/deepcompile/_verify.py) on six model families of transformers,
+on models built to show what it reports (parameters without a gradient, graph breaks, modules
+run eagerly, a model that trains differently), and with the optimizer implementation a user
+chose: the engine then trains bitwise as eager PyTorch does ([Note: what verify compares]).
 
-One launch of 2 gloo ranks (tests/_dist.py) runs every model of `JOBS` with the fx compiler for
-3 optimizer steps (warm-up, profile, then the passes "auto" chose) through verify's own rank
-code; the parent runs verify's comparison for each. Small configs built here, nothing
-downloaded, dropout 0. The CLI runs once on a file of its own.
+One launch of 2 gloo ranks (tests/_dist.py) runs every job of `_jobs()` through verify's own
+rank code, the families for 3 optimizer steps with the fx compiler (warm-up, profile, then the
+passes "auto" chose); the parent runs verify's comparison for each. One launch of 1 rank runs
+the implementation jobs. Small configs built here, nothing downloaded, dropout 0. The CLI runs
+once, on a file of its own.
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ def _jobs():
     jobs = [Job(name=n, config=cfg, steps=3, build_model=b, make_batch=m)
             for n, (b, m) in FAMILIES.items()]
     return jobs + _implementation_jobs() + [
-        # ZeRO-1, accumulation and clipping in the reference too; no weight decay, which
-        # steps a parameter without a gradient in torch's AdamW
+        # ZeRO-1, accumulation and clipping in the reference too; weight decay 0: this job
+        # checks that parameters without a gradient are listed, not how the step treats them
         Job(name="unused-zero1-gas2-clip", steps=2, build_model=WithUnused, make_batch=_xy_batch,
             config=Config(compiler="fx", zero_stage=1, gradient_accumulation_steps=2,
                           max_grad_norm=0.05, passes=(), warmup_steps=1),

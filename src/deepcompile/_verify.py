@@ -483,7 +483,12 @@ def format_result(res: VerifyResult) -> str:
 # ----------------------------------------------------------------------------------------------
 # the entry points
 
-def resolve_device(device: str, ranks: int) -> str:
+def resolve_device(device: str, ranks: int, steps: int, rtol: float) -> str:
+    """"cpu" or "cuda" for `device` ("auto": CUDA with one GPU per rank if there are enough);
+    the other arguments checked."""
+    if steps < 1 or ranks < 1 or not rtol >= 0:
+        raise VerifyError(f"steps ({steps}) and ranks ({ranks}) must be >= 1 and rtol ({rtol}) "
+                          ">= 0")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks \
             else "cpu"
@@ -553,9 +558,7 @@ def verify(build_model: Callable[[], nn.Module], make_batch: Callable[[int], Any
     verify under `if __name__ == "__main__":`). Returns a `VerifyResult` (`.ok`; str() is the
     report, printed unless `quiet`). `deepcompile verify FILE` runs the same from a file.
     """
-    if steps < 1 or ranks < 1 or not rtol >= 0:
-        raise VerifyError("steps and ranks must be >= 1 and rtol >= 0")
-    device = resolve_device(device, ranks)
+    device = resolve_device(device, ranks, steps, rtol)
     notes: list[str] = []
     cfg = verify_config(config, device, notes)
     name = getattr(build_model, "__qualname__", None) or getattr(
@@ -574,7 +577,7 @@ def verify_file(path: str, *, steps: int = DEFAULT_STEPS, ranks: int = 2, rtol: 
     """`deepcompile verify FILE`: the file's build_model, make_batch and optional loss_fn,
     optimizer and CONFIG, with the Config keys in `overrides` replacing the file's."""
     module = load_file(path)
-    device = resolve_device(device, ranks)
+    device = resolve_device(device, ranks, steps, rtol)
     notes: list[str] = []
     cfg = verify_config(getattr(module, "CONFIG", None), device, notes)
     if overrides:
