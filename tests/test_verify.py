@@ -119,6 +119,10 @@ def _xy_batch(step: int) -> tuple:
     return torch.randn(BATCH, 13), torch.randn(BATCH, 7)
 
 
+def _odd_batch(step: int) -> tuple:
+    return torch.randn(3, 13), torch.randn(3, 7)
+
+
 # ------------------------------------------------- the optimizer implementation the user chose
 # the user's optimizer -> the implementation keys the flat step must step with (the eager run
 # steps with the user's optimizer as given)
@@ -163,6 +167,9 @@ def _jobs():
             config=Config(compiler="fx", zero_stage=1, gradient_accumulation_steps=2,
                           max_grad_norm=0.05, passes=(), warmup_steps=1),
             optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)),
+        # a global batch 2 ranks cannot share: an error on every rank, reported
+        Job(name="odd-batch", config=quick, steps=1, build_model=WithUnused,
+            make_batch=_odd_batch),
         # a submodule whose forward the user wrapped in torch.compiler.disable: a graph break,
         # and a module that runs eagerly
         Job(name="disabled-forward", config=quick, steps=2,
@@ -221,6 +228,14 @@ def test_parameters_without_a_gradient_are_listed(results):
     assert all(sorted(s.no_grad) == ["unused.bias", "unused.weight"] for s in res.steps)
     assert "never: unused.bias, unused.weight" in str(res)
     assert all(len(s.micro_comm) == 2 for s in res.steps)
+
+
+def test_an_error_in_the_ranks_is_the_result(results):
+    res = results["odd-batch"]
+    print(f"\n{res}")
+    assert not res.ok and not res.steps
+    assert res.error.count("3 rows along dim 0, which 2 ranks cannot share equally") == 2
+    assert "ERROR: the run on the ranks failed" in str(res)
 
 
 def test_graph_breaks_and_eager_modules_are_listed(results):

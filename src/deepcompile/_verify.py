@@ -324,9 +324,12 @@ def compare(job: Job, folder: str, ranks: int, device: str, rtol: float = RTOL,
     res = VerifyResult(job.name, ranks, device, job.config, rtol, notes=list(notes))
     errors = sorted(f for f in os.listdir(folder) if f.startswith("error")) \
         if os.path.isdir(folder) else []
-    if errors:
-        with open(os.path.join(folder, errors[0])) as f:
-            res.error = f"rank {errors[0][5:-4]}: {f.read().strip()}"
+    if errors:   # every failing rank's traceback (the first failure may be any rank's)
+        texts = []
+        for name in errors:
+            with open(os.path.join(folder, name)) as f:
+                texts.append(f"rank {name[5:-4]}: {f.read().strip()}")
+        res.error = "\n".join(texts)
         return res
     summary_path = os.path.join(folder, "summary.pt")
     if not os.path.exists(summary_path):
@@ -422,7 +425,7 @@ def format_result(res: VerifyResult) -> str:
              + (f"; the optimizer steps {impl} (the eager run's too)" if impl else "")]
     lines += [f"note: {n}" for n in res.notes]
     if res.error is not None:
-        lines.append(f"ERROR: the engine's run failed:\n{res.error}")
+        lines.append(f"ERROR: the run on the ranks failed:\n{res.error}")
         return "\n".join(lines)
     rows = []
     for s in res.steps:   # one micro-step's collectives, or each's where they differ
