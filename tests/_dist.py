@@ -145,12 +145,14 @@ def _died(rank: int, code: int | None, fault_log: str) -> str:
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
-                    failures_ok: bool = False, grace: float = _GRACE_S):
+                    failures_ok: bool = False, grace: float = _GRACE_S,
+                    pg_timeout: float | None = None):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return the list of results.
 
     `failures_ok` (fault-injection tests): a rank that raised or died does not fail the job;
     its entry in the returned list is a `DistributedTestError` describing it. `grace`: how long
-    the other ranks may take to report once one rank failed."""
+    the other ranks may take to report once one rank failed. `pg_timeout`: the `timeout` the
+    ranks give `init_process_group` (default: `timeout`)."""
     import torch
 
     INDUCTOR_CACHE.mkdir(parents=True, exist_ok=True)
@@ -159,8 +161,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
     port = spawn.free_port()
     logs = tempfile.mkdtemp(prefix="dist-", dir=INDUCTOR_CACHE.parent)
     fault_logs = [os.path.join(logs, f"rank{r}-faults.txt") for r in range(world_size)]
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, timeout,
-                                              fault_logs[r]),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results,
+                                              pg_timeout or timeout, fault_logs[r]),
                          name=f"rank{r}", daemon=True)
              for r in range(world_size)]
     for p in procs:

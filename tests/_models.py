@@ -257,8 +257,9 @@ def local_batch(name: str, micro_step: int, rank: int, world: int,
             for k, v in global_batch(name, micro_step, seed).items()}
 
 
-def loss_of(output) -> torch.Tensor:
-    """The scalar loss of a model output (a tensor for ours, `.loss` for HF models)."""
+def loss_of(output, batch=None) -> torch.Tensor:
+    """The scalar loss of a model output (a tensor for ours, `.loss` for HF models); `batch`
+    is unused (the reference loop's `loss_of(output, batch)`)."""
     if isinstance(output, torch.Tensor):
         return output
     loss = getattr(output, "loss", None)

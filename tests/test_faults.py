@@ -478,3 +478,54 @@ def _kill_job_rank0(rank, world):
         out["type"], out["message"] = type(e).__name__, str(e)
     out["elapsed"] = time.monotonic() - out.get("t0", time.monotonic())
     return out
+
+
+# ------------------------------------------------- a timeout the user gave the process group
+USER_TIMEOUT = 3.0   # init_process_group(timeout=...) in this job; Config's left at its defaults
+
+
+def _user_timeout_job(rank, world):
+    """Rank 1 stops calling collectives in the steady state: rank 0 stops within the user's
+    timeout (the job's own timeout, 120 s, is far below Config's 600 s)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from deepcompile import Config, _compat
+    from deepcompile.engine import Engine
+
+    def engine(group=None):
+        return Engine(Faulty(), functools.partial(torch.optim.SGD, lr=0.05),
+                      Config(compiler="fx", warmup_steps=1, passes=(), measure_steps=0), group)
+
+    out: dict = {"default_group": engine(dist.new_group())._rails.timeout_s}  # torch's default
+    e = engine()
+    out["startup"] = e._rails.timeout_s
+    step = 0
+    while not e._rails.steady and step < 8:
+        _step(e, step, rank)
+        step += 1
+    out["steady"] = e._rails.timeout_s if e._rails.steady else None
+    store = _compat.default_store()
+    if rank == 1:   # no more collectives until rank 0 has given up
+        store.wait(["user-timeout/done"], timedelta(seconds=100))
+        return out
+    try:
+        _step(e, step, rank)
+    except Exception as exc:  # noqa: BLE001
+        out["type"], out["message"] = type(exc).__name__, str(exc)
+    finally:
+        store.set("user-timeout/done", "1")
+    return out
+
+
+def test_a_shorter_timeout_the_user_gave_the_process_group_is_kept():
+    """[Note: the user's timeout] in runtime/guardrails.py."""
+    r0, r1 = run_distributed(_user_timeout_job, 2, timeout=120, pg_timeout=USER_TIMEOUT)
+    print(f"\n--- rank 1 stopped calling collectives; rank 0:\n{r0.get('message')}")
+    for r in (r0, r1):
+        # Config's 1800 s and 600 s; torch's default timeout is no timeout the user gave
+        assert r["default_group"] == 1800.0
+        assert r["startup"] == r["steady"] == USER_TIMEOUT
+    assert r0["type"] == "DistributedError"
+    assert "rank 1: nothing reported within 3 s" in r0["message"]
+    assert f"A rank waits at most {USER_TIMEOUT:g} s for the others" in r0["message"]

@@ -105,6 +105,26 @@ def default_store():
     return dist.distributed_c10d._get_default_store()
 
 
+def pg_timeout(group) -> tuple[float, float] | None:
+    """(the timeout `group`'s collectives have now, torch's default timeout for its backend), in
+    seconds; None where neither a gloo nor an NCCL backend says. The backend's options hold it
+    (what `init_process_group(timeout=...)` or `new_group(timeout=...)` set); the default is
+    `_get_default_timeout` (30 min; NCCL: 10 min). Private in 2.11-2.15."""
+    c10d = dist.distributed_c10d
+    group = group if group is not None else c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        if torch.device(device) not in group._device_types:
+            continue
+        try:
+            options = group._get_backend(torch.device(device)).options
+            own = options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        default = c10d._get_default_timeout(dist.get_backend(group))
+        return own.total_seconds(), default.total_seconds()
+    return None
+
+
 def set_pg_timeout(group, seconds: float) -> None:
     """Set the timeout of `group`'s collectives (gloo: each operation's timeout; NCCL: the
     watchdog's). Private in 2.11-2.15 (`_set_pg_timeout`, what torchtitan uses to shorten the
@@ -126,6 +146,14 @@ def compile_module(module, backend):
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return torch.compile(module, backend=backend, isolate_recompiles=True)
     return torch.compile(module, backend=backend)
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason (each counted when a frame is
+    traced, not each time it runs). Private in 2.11-2.15 (`torch._dynamo.utils.counters`)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
 
 
 def never_a_dynamo_frame(code) -> None:

@@ -100,7 +100,8 @@ class Config:
         timeout, NCCL's watchdog). None: the process group's own timeout. Default 600.
     startup_timeout_s: the same during warm-up, profiling and the first steady step (ranks
         compile, and Inductor compiles, at different speeds). None: the process group's own.
-        Default 1800.
+        Default 1800. A timeout given to the process group (init_process_group's `timeout`,
+        anything but torch's default) that is shorter than either is kept in its phase.
     divergence_check_every: every this many optimizer steps (0: never), the ranks compare a
         fingerprint of the collectives each ran (which graphs, which parameters, in which order,
         how many micro-steps) and all stop with the first difference if they disagree.

@@ -150,6 +150,34 @@ class EagerFallback:
             entry.shard.grad.add_(shard_grad)
 
 
+class EagerCalls:
+    """How often each module that owns parameters ran its forward eagerly (outside every compiled
+    graph), by module name: a forward pre-hook on each, a no-op while Dynamo traces ([Note: eager
+    hooks run eagerly]). Made before `deepcompile.initialize` (the hooks are then part of what
+    Dynamo traces); `deepcompile verify` reports it per step. The hooks leave the model with
+    this object."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names: list[str] = []
+        self.counts: dict[str, int] = {}
+        handles = []
+        for name, mod in module.named_modules():
+            if any(p is not None for p in mod._parameters.values()):
+                self.names.append(name or type(module).__name__)
+                handles.append(mod.register_forward_pre_hook(
+                    _weak_hook(self._count, len(self.names) - 1)))
+        weakref.finalize(self, _remove_all, handles)
+
+    def _count(self, k: int, mod, args) -> None:
+        name = self.names[k]
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last `take`."""
+        out, self.counts = self.counts, {}
+        return out
+
+
 def _remove_all(handles: list) -> None:
     for h in handles:
         h.remove()

@@ -15,10 +15,15 @@ SGD, Adam, AdamW, ...), a second instance of the user's class (the *inner* optim
 built over the chunks, one parameter group per facade group with the facade group's
 hyperparameters (weight-decay groups keep their meaning: a chunk never mixes groups). The
 update of every element depends only on that element and on per-group scalars, so stepping a
-chunk is stepping its shards: bitwise the same for the same implementation. Where the user
-left the implementation open (`foreach` and `fused` unset) and the class has one, the inner
-optimizer uses torch's fused kernel: one pass over each chunk's master, gradient and state
-(the multi-tensor default makes ~8 passes over hundreds of tensors). Per step the engine:
+chunk is stepping its shards: bitwise the same for the same implementation where it rounds an
+element alike wherever the element sits in its tensor (torch's Adam and AdamW, single-tensor,
+foreach and fused; on the CPU fused SGD with momentum rounds a tensor's last few elements its
+own way). Where the user left the implementation open (`foreach`
+and `fused` unset) and the class has one, the inner optimizer uses torch's fused kernel: one
+pass over each chunk's master, gradient and state (the multi-tensor default makes ~8 passes
+over hundreds of tensors; on the CPU torch's default is the single-tensor loop, so the fused
+kernel rounds differently from an eager run there). An implementation the user chose
+(`foreach=False`, `foreach=True` or `fused=...`) is the inner optimizer's. Per step the engine:
   * folds the shards' gradients (accumulated by autograd, one tensor per shard) into each
     chunk's flat gradient (`fold_grads`: one `_foreach_copy_` per chunk; the shards'
     `.grad` are dropped in C, `map(setattr, ...)`), whose storage exists only during the step;
@@ -122,6 +127,28 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in ELEMENTWISE
 
 
+def implementation_open(optimizer: torch.optim.Optimizer) -> bool:
+    """The user left the implementation to torch (`foreach` and `fused` unset, not
+    differentiable) and the class has a fused kernel: the flat step may take it ([Note: flat
+    step]). An implementation the user chose is kept."""
+    d = optimizer.defaults
+    return ("fused" in inspect.signature(type(optimizer).__init__).parameters
+            and d.get("fused") is None and d.get("foreach") is None
+            and not d.get("differentiable"))
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict],
+                   **implementation) -> torch.optim.Optimizer:
+    """A new optimizer of `optimizer`'s class over `groups` (dicts with "params" and the
+    group's hyperparameters) with `optimizer`'s defaults: the same update rule; the
+    implementation keys (`_IMPL_KEYS`) are `optimizer`'s own defaults, or `implementation`."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [{k: v for k, v in g.items() if k not in _IMPL_KEYS} for g in groups]
+    return cls(groups, **{**kwargs, **implementation})
+
+
 @dataclasses.dataclass
 class _Standalone:     # what FlatState reads of a registry entry, for a bare parameter
     pid: int
@@ -221,31 +248,34 @@ class FlatState:
     # -- the inner optimizer ----------------------------------------------------------------
     def _build_inner(self) -> None:
         facade = self.facade
-        cls = type(facade)
-        accepted = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in facade.defaults.items() if k in accepted}
         groups, pairs = [], []
         for gi, g in enumerate(facade.param_groups):
             params = [c.param for c in self.chunks if c.group == gi]
             if not params:
                 continue
-            groups.append({**{k: v for k, v in g.items() if k != "params"
-                              and k not in _IMPL_KEYS}, "params": params})
+            groups.append({**g, "params": params})
             pairs.append(gi)
         inner = None
-        if "fused" in accepted and kwargs.get("fused") is None and not kwargs.get("foreach") \
-                and not kwargs.get("differentiable"):
+        if implementation_open(facade):
             try:
-                inner = cls(groups, **{**kwargs, "fused": True, "foreach": None})
+                inner = same_optimizer(facade, groups, fused=True, foreach=None)
                 self.fused = True
             except (RuntimeError, ValueError, TypeError):
                 inner = None
         if inner is None:
-            inner = cls(groups, **kwargs)
+            inner = same_optimizer(facade, groups)
         self.inner = inner
         for ig, gi in zip(inner.param_groups, pairs):
             kept = {"params": ig["params"], **{k: ig[k] for k in _IMPL_KEYS if k in ig}}
             self._sync.append((gi, kept))
+
+    def implementation(self) -> dict[str, object]:
+        """The inner optimizer's implementation keys (`fused`, `foreach`, ...) that its class
+        takes: what an eager optimizer needs to step exactly as the flat step does
+        (`same_optimizer(optimizer, groups, **implementation)`); {} without an inner one."""
+        if self.inner is None:
+            return {}
+        return {k: self.inner.defaults[k] for k in _IMPL_KEYS if k in self.inner.defaults}
 
     def sync_hyperparameters(self) -> None:
         """The facade's hyperparameters (the LR scheduler writes there) into the inner groups.

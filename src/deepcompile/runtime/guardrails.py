@@ -59,6 +59,7 @@ import json
 import logging
 import re
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -165,16 +166,23 @@ class Guardrails:
         group = comm.group if comm.group is not None else dist.group.WORLD
         self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                           use_local_synchronization=True)
+        self.own_timeout = own_timeout(comm.user_group)
         self.set_timeout(config.startup_timeout_s)
 
     # -- timeouts -------------------------------------------------------------------------------
     def set_timeout(self, seconds: float | None) -> None:
-        """The process group's (and the check group's) collective timeout, and the store waits'."""
+        """The process group's (and the check group's) collective timeout, and the store waits':
+        `seconds` (a Config timeout; None: the process group's own), never longer than a timeout
+        the user gave the process group ([Note: the user's timeout])."""
         if not self.active:
             return
-        if seconds is None:   # the process group's own
-            self.timeout_s = None
-            return
+        own, given = self.own_timeout
+        if own is None:       # a backend that does not say (neither gloo nor NCCL)
+            if seconds is None:
+                self.timeout_s = None
+                return
+        else:
+            seconds = own if seconds is None else min(seconds, own) if given else seconds
         self.timeout_s = seconds
         _compat.set_pg_timeout(self.comm.group, seconds)
         if self.check_group is not None:
@@ -243,7 +251,7 @@ class Guardrails:
         return ("The ranks are no longer in step, so this engine stops here (every later call "
                 "raises). Restart from the last checkpoint. A rank waits at most "
                 f"{bound} for the others (Config.collective_timeout_s, "
-                "Config.startup_timeout_s).")
+                "Config.startup_timeout_s, or a shorter timeout given to the process group).")
 
     # -- exceptions escaping the engine ------------------------------------------------------------
     def on_exception(self, exc: BaseException, phase: str, step: int, micro: int) -> BaseException:
@@ -473,6 +481,26 @@ def _safe_check(store, key: str) -> bool:
         return bool(store.check([key]))
     except Exception:  # noqa: BLE001
         return False
+
+
+# [Note: the user's timeout] A timeout the user gave the process group (init_process_group's or
+# new_group's `timeout`, anything but torch's default for the backend) bounds every wait of the
+# engine: each phase's timeout is Config's or the user's, whichever is shorter; a Config timeout
+# of None means the process group's own. The groups the engine makes for itself (the check
+# group; on gloo the serial copy its collectives run on) start with torch's default and are set
+# to the same timeout. The group's timeout is read the first time an engine is made on it and
+# remembered by group object: engines made later in the process (a sweep, a test's scenarios)
+# see what the user set, not what an earlier engine set.
+_OWN_TIMEOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def own_timeout(group) -> tuple[float | None, bool]:
+    """(`group`'s own timeout in seconds, whether the user gave it) before any engine set one;
+    (None, False) where the backend does not say."""
+    if group not in _OWN_TIMEOUTS:
+        read = _compat.pg_timeout(group)
+        _OWN_TIMEOUTS[group] = (None, False) if read is None else (read[0], read[0] != read[1])
+    return _OWN_TIMEOUTS[group]
 
 
 def _store_timeout(store) -> float:

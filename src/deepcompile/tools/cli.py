@@ -2,6 +2,8 @@
 
     deepcompile demo [--nproc N] [--steps N] [--compiler fx|inductor] [--grad-accum N] [--seed S]
                      [--passes P1,P2]
+    deepcompile verify FILE [--steps N] [--ranks N] [--device auto|cpu|cuda] [--rtol X] [--seed S]
+                       [--zero-stage 1|2|3] [--compiler fx|inductor] [--grad-accum N]
     deepcompile report FILE [--plot DIR] [--json]
     deepcompile bench --replot JSON [JSON ...] [--out PNG]
     deepcompile consolidate CKPT OUT [--dtype float32|bfloat16|float16] [--max-shard-size SIZE]
@@ -105,6 +107,66 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _demo.run(_demo.DemoArgs(nproc=nproc, steps=args.steps, compiler=compiler,
                                     grad_accum=args.grad_accum, seed=args.seed, device=device,
                                     passes=passes))
+
+
+# ---- verify ------------------------------------------------------------------------------------
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check your own model: train it with deepcompile and with plain PyTorch, compare",
+        description=(
+            "Train the model FILE defines with deepcompile on N local ranks (gloo on the CPU, or "
+            "one GPU per rank when CUDA has enough), then with plain eager PyTorch in one "
+            "process on the same global batches, and compare after every optimizer step. Per "
+            "step: the loss difference, the largest parameter difference and its parameter, "
+            "parameters without a gradient, graph breaks, modules that ran eagerly, collectives "
+            "per micro-step. Exit status 1 on a difference beyond the tolerance (relative to the "
+            "eager loss and to each parameter's largest eager value) or an error. FILE defines "
+            "build_model() (a fresh fp32 model; torch is seeded before the call) and "
+            "make_batch(step) (the global batch of micro-step `step`: a tensor or a dict, list "
+            "or tuple of them, cut along dim 0 into one slice per rank); optionally "
+            "loss_fn(output, batch) (default: the output if it is a scalar, else output.loss), "
+            "optimizer(params) (default: AdamW, lr 1e-3) and CONFIG (a deepcompile.Config or "
+            "dict; default: ZeRO-3, fx on the CPU, one warm-up step). Runs in fp32. Guide: "
+            "docs/guide/verify.md"),
+    )
+    p.add_argument("file", metavar="FILE", help="a Python file defining build_model and make_batch")
+    p.add_argument("--steps", type=_positive_int, default=4,
+                   help="optimizer steps (default: %(default)s)")
+    p.add_argument("--ranks", type=_positive_int, default=2,
+                   help="local processes (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="'auto' (default): one CUDA GPU per rank if there are enough, else CPU "
+                        "ranks over gloo")
+    p.add_argument("--rtol", type=float, default=None, metavar="X",
+                   help="tolerance, relative (default: 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of build_model and make_batch")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
+                   help="override CONFIG's zero_stage")
+    p.add_argument("--compiler", choices=("fx", "inductor"), default=None,
+                   help="override CONFIG's compiler")
+    p.add_argument("--grad-accum", type=_positive_int, default=None, metavar="N",
+                   help="override CONFIG's gradient_accumulation_steps")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import RTOL, verify_file
+
+    overrides = {k: v for k, v in (("zero_stage", args.zero_stage),
+                                   ("compiler", args.compiler),
+                                   ("gradient_accumulation_steps", args.grad_accum))
+                 if v is not None}
+    try:
+        res = verify_file(args.file, steps=args.steps, ranks=args.ranks, device=args.device,
+                          rtol=RTOL if args.rtol is None else args.rtol, seed=args.seed,
+                          overrides=overrides)
+    except ValueError as e:   # VerifyError, or an invalid Config
+        print(f"deepcompile verify: {e}", file=sys.stderr)
+        return 2
+    print(res, flush=True)
+    return 0 if res.ok else 1
 
 
 # ---- bench -------------------------------------------------------------------------------------
@@ -477,7 +539,7 @@ launched with e.g. `torchrun --nproc-per-node 8 train.py` (README: "Launching").
 """
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_bench, _add_report, _add_consolidate, _add_plan)
+    _add_demo, _add_verify, _add_bench, _add_report, _add_consolidate, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

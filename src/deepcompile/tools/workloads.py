@@ -226,14 +226,59 @@ def rank_slice(batch: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
+# ------------------------------------------------------------------------------------ batches
+def split_batch(batch: Any, parts: int) -> list:
+    """`batch` cut into `parts` equal slices along dim 0 of every tensor of at least one
+    dimension (dicts, lists and tuples recursively; anything else, 0-d tensors included, is the
+    same object in every slice). A dimension `parts` does not divide raises ValueError."""
+    def cut(x: Any, where: str) -> list:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % parts:
+                raise ValueError(f"the batch's {where or 'tensor'} has {x.shape[0]} rows along "
+                                 f"dim 0, which {parts} ranks cannot share equally; make the "
+                                 f"global batch a multiple of {parts}")
+            return [t.contiguous() for t in x.chunk(parts)]
+        if isinstance(x, dict):
+            per = {k: cut(v, f"{where}[{k!r}]") for k, v in x.items()}
+            return [type(x)((k, v[i]) for k, v in per.items()) for i in range(parts)]
+        if isinstance(x, (list, tuple)):
+            per = [cut(v, f"{where}[{j}]") for j, v in enumerate(x)]
+            return [type(x)(v[i] for v in per) if not hasattr(x, "_fields")
+                    else type(x)(*(v[i] for v in per)) for i in range(parts)]
+        return [x] * parts
+    return cut(batch, "")
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def call(model: Callable, batch: Any) -> Any:
+    """`model(**batch)` for a dict, `model(*batch)` for a list or tuple, else `model(batch)`."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
 # --------------------------------------------------------------------- the eager reference loop
 @dataclasses.dataclass
 class Reference:
-    """What `train_reference` measured: the loss of every micro-step and the global gradient
-    norm of every optimizer step (before clipping)."""
+    """What `train_reference` measured: the loss of every micro-step (the mean over its
+    slices), the global gradient norm of every optimizer step (before clipping), and the
+    trainable parameters autograd gave no gradient in each optimizer step."""
     micro_losses: list[float]
     grad_norms: list[float]
     gas: int
+    no_grad: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def losses(self) -> list[float]:
@@ -242,35 +287,50 @@ class Reference:
         return [sum(self.micro_losses[i:i + g]) / g for i in range(0, len(self.micro_losses), g)]
 
 
-def _lm_loss(output) -> torch.Tensor:
+def _lm_loss(output, batch=None) -> torch.Tensor:
     return output.loss
 
 
 def train_reference(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    batch: Callable[[int], dict[str, Any]], *, steps: int, gas: int = 1,
-                    loss_of: Callable[[Any], torch.Tensor] = _lm_loss,
+                    batch: Callable[[int], Any], *, steps: int, gas: int = 1,
+                    loss_of: Callable[..., torch.Tensor] = _lm_loss, slices: int = 1,
                     max_grad_norm: float | None = None,
-                    autocast: torch.dtype | None = None) -> Reference:
+                    autocast: torch.dtype | None = None,
+                    after_step: Callable[[int, torch.nn.Module], None] | None = None) -> Reference:
     """Train `model` with plain eager PyTorch in this process, on one CPU thread: `steps`
-    optimizer steps of `gas` micro-steps, micro-step m on `model(**batch(m))`, its loss
-    (`loss_of` of the output; a Hugging Face model's `.loss` by default) divided by `gas`
-    before its backward; the gradients clipped to `max_grad_norm` where given; under autocast
-    to `autocast` where given. Each distributed run of the tools and the tests is compared
-    with this."""
+    optimizer steps of `gas` micro-steps; micro-step m on the global batch `batch(m)` (a
+    tensor, or a dict / list / tuple of them, passed as `call` passes it), its loss `loss_of(
+    output, batch)` (a Hugging Face model's `.loss` by default) divided by `gas` before its
+    backward; the gradients clipped to `max_grad_norm` where given; under autocast to
+    `autocast` where given; `after_step(step, model)` after each optimizer step.
+
+    [Note: the reference of data parallelism] With `slices` > 1 each global batch is forwarded
+    as that many equal parts (`split_batch`), each loss divided by slices x gas before its
+    backward: the gradient of the mean loss over the parts, which is what data parallelism
+    over `slices` ranks computes (a batch-coupled module such as BatchNorm normalizes each part
+    apart, as it does on each rank). Each distributed run of the tools and the tests is
+    compared with this."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         device = params[0].device.type
         amp = contextlib.nullcontext() if autocast is None else \
             torch.autocast(device, dtype=autocast)
-        losses, norms = [], []
+        parts = slices * gas
+        losses, norms, no_grad = [], [], []
         for step in range(steps):
             for m in range(gas):
-                with amp:
-                    loss = loss_of(model(**batch(step * gas + m)))
-                (loss / gas).backward()
-                losses.append(loss.item())
+                whole = batch(step * gas + m)
+                total = 0.0
+                for part in (split_batch(whole, slices) if slices > 1 else [whole]):
+                    with amp:
+                        loss = loss_of(call(model, part), part)
+                    (loss / parts if parts > 1 else loss).backward()
+                    total += loss.item()
+                losses.append(total / slices)
+            no_grad.append([n for n, p in named if p.grad is None])
             if max_grad_norm is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
             else:
@@ -278,6 +338,8 @@ def train_reference(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     [p.grad for p in params if p.grad is not None])))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return Reference(losses, norms, gas)
+            if after_step is not None:
+                after_step(step, model)
+        return Reference(losses, norms, gas, no_grad)
     finally:
         torch.set_num_threads(threads)
