@@ -128,8 +128,10 @@ class Pipeline:
         self.slots: dict[str, GraphSlot] = {}    # every graph: representatives and members
         # [Note: shape families], [Note: graph structure] in compiler/families.py
         self._families: dict[tuple, int] = {}   # (frame, parameter ids, structure) -> family
-        self._structures: dict[tuple, _families.Structures] = {}   # (frame, parameter ids) ->
-        self._family_structure: dict[int, tuple[int, _families.Structures]] = {}   # family ->
+        # (frame, parameter ids) -> the structures of that code; family -> (its structure, the
+        # structures of its code)
+        self._structures: dict[tuple, _families.Structures] = {}
+        self._family_structure: dict[int, tuple[int, _families.Structures]] = {}
         self.reps: dict[tuple[int, str], GraphSlot] = {}  # (family, kind) -> representative
         # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
         self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
@@ -257,11 +259,12 @@ class Pipeline:
             self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
 
-    def _structured(self, slot: GraphSlot, structure: int, structures) -> None:
+    def _structured(self, slot: GraphSlot, structure: int,
+                    structures: _families.Structures) -> None:
         slot.structure, slot.structures = structure, structures
         slot.checked = structures.checked and slot.kind != "bw"
 
-    def _check_structures(self, structures) -> None:
+    def _check_structures(self, structures: _families.Structures) -> None:
         """[Note: structures are agreed at each call] in runtime/guardrails.py: from now on
         (every rank is here: it agreed on the second structure), each call of a forward or
         inference graph of this code checks that every rank runs the same structure. A
