@@ -61,6 +61,39 @@ JOBS = Jobs({
 }, timeout=1200)
 
 
+def test_the_structure_digest_leaves_sizes_out_and_not_the_unrolled_loop():
+    """A graph recompiled for new sizes (static, then dynamic) has its first graph's structure;
+    an unrolled loop of another count does not."""
+    from deepcompile.compiler.families import structure_digest
+
+    seen: list[tuple[int, int, bool]] = []   # (the call's count, digest, dynamic sizes)
+    count = [0]
+
+    def backend(gm, example_inputs):
+        dynamic = any(not isinstance(v, torch.Tensor) for v in example_inputs)
+        seen.append((count[0], structure_digest(gm), dynamic))
+        return gm.forward
+
+    def f(x, w, n: int):
+        h = x
+        for _ in range(n):
+            h = torch.tanh(h @ w + x[:, : w.shape[1]])
+        return h.sum(-1)
+
+    torch._dynamo.reset()
+    fc = torch.compile(f, backend=backend)
+    w = torch.randn(8, 8)
+    for rows, n in ((4, 1), (6, 1), (7, 1), (4, 2), (5, 2), (9, 2)):
+        count[0] = n
+        fc(torch.randn(rows, 8), w, n)
+    torch._dynamo.reset()
+    assert any(dynamic for *_, dynamic in seen) and len(seen) >= 3, seen
+    by_count: dict[int, set[int]] = {}
+    for n, d, _ in seen:
+        by_count.setdefault(n, set()).add(d)
+    assert len(by_count[1]) == 1 and len(by_count[2]) == 1 and by_count[1] != by_count[2], seen
+
+
 def _structure_checks(results, sc):
     """What every rank compiled and ran for the loop's (or branch's) code."""
     r0, r1 = (r["structures"] for r in results)
@@ -227,3 +260,57 @@ def test_a_second_structure_on_one_rank_ends_within_the_timeout(diverged):
     assert "rank 1 compiled a new graph g2.fw at step 5" in r1["message"]
     assert "ranks [0] did not compile it" in r1["message"]
     assert "graph g2.fw): waits at the agreement" in r0["message"]
+
+
+# ------------------------------------- a structure met after a cross-graph prefetch was planned
+def _late_job(rank, world, counts):
+    import deepcompile
+
+    torch._dynamo.reset()
+    engine = deepcompile.initialize(
+        _models.build_model("loop_count"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        config={"compiler": "fx", "zero_stage": 3, "warmup_steps": 1, "measure_steps": 0,
+                "passes": ("prefetch",)})
+    parked = engine._runtime.parked
+    out = {"losses": [], "held_after_forward": []}
+    for step, n in enumerate(counts):
+        batch = _models.local_batch("loop_count", step, rank, world)
+        batch["k"] = torch.full_like(batch["k"], n)
+        loss = engine(**batch)
+        out["held_after_forward"].append(len(parked.parked))
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+    (entry,) = engine._pipeline.pass_log
+    out["for_next"] = {k: [a["for"] for a in d.get("for_next", [])]
+                       for k, d in entry["decisions"].items()}
+    out["misses"] = dict(parked.misses)
+    out["phases"] = [p for p, _ in engine._pipeline.step_log]
+    out["state"] = engine.full_state_dict()
+    del engine
+    return out
+
+
+def test_a_gather_started_for_a_graph_that_does_not_come_next_is_dropped_at_once():
+    """prefetch planned g0.fw to start g1.fw's first gather (the loop's only structure then);
+    in the steady state the count changes: g2.fw follows g0.fw, and the gather parked for g1.fw
+    is dropped when g2.fw starts, not held through the step."""
+    counts = [1, 1, 1, 1, 2, 1, 2]
+    r0, r1 = run_distributed(_late_job, 2, counts, timeout=600)
+    assert r0["phases"][4] == "steady", r0["phases"]
+    assert r0["for_next"].get("g0.fw") == ["g1.fw"], r0["for_next"]
+    for r in (r0, r1):
+        # a count of 1: g1.fw takes what g0.fw parked (and may park for g1.bw); 2: dropped as
+        # g2.fw starts, nothing held after the forward
+        assert [h for h, n in zip(r["held_after_forward"], counts) if n == 2] == [0, 0], r
+        assert r["misses"] == {"missing": 0, "other_tensors": 0, "unused": 2}, r["misses"]
+    model = _models.build_model("loop_count")   # one process, every rank's batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step, n in enumerate(counts):
+        batch = _models.global_batch("loop_count", step)
+        batch["k"] = torch.full_like(batch["k"], n)
+        model(**batch).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in model.state_dict().items():
+        assert (r0["state"][k] - v).abs().max() <= 1e-5, k
