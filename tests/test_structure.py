@@ -211,9 +211,44 @@ def _diverge(rank, counts, stage, timeout=LONG):
     return out
 
 
+def _eval_job(rank):
+    """ZeRO-1: an evaluation whose count differs between the ranks (each rank's own data) runs
+    no collective: not checked, each rank's loss is its own model's."""
+    import deepcompile
+
+    torch._dynamo.reset()
+    engine = deepcompile.initialize(
+        _models.build_model("loop_count"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        config={"compiler": "fx", "zero_stage": 1, "warmup_steps": 1, "passes": "auto",
+                "measure_steps": 0})
+    out = {}
+    for step, n in enumerate((1, 2, 1, 2, 1)):
+        batch = _models.local_batch("loop_count", step, rank, 2)
+        batch["k"] = torch.full_like(batch["k"], n)
+        engine.backward(engine(**batch))
+        engine.step()
+    batch = _models.local_batch("loop_count", 99, rank, 2)
+    batch["k"] = torch.full_like(batch["k"], 1 + rank)   # rank 0: 1, rank 1: 2
+    engine.module.eval()
+    with torch.no_grad():
+        out["eval"] = engine(**batch).item()
+    engine.module.train()
+    model = _models.build_model("loop_count")
+    model.load_state_dict(engine.full_state_dict())
+    with torch.no_grad():
+        out["expected"] = model.eval()(**batch).item()
+    out["checked"] = sorted(k for k, s in engine._pipeline.slots.items() if s.checked)
+    out["inference"] = sorted(k for k, s in engine._pipeline.slots.items()
+                              if s.kind == "inference")
+    del engine
+    torch._dynamo.reset()
+    return out
+
+
 def _diverge_job(rank, world):
     same = [(c, c) for c in (1, 2, 1, 2, 1, 2, 1)]
     return {
+        "eval": _eval_job(rank),
         # counts 1 and 2 compiled and planned on both ranks; then rank 0 runs 1, rank 1 runs 2
         "known": _diverge(rank, same + [(1, 2)], 3),
         # both ranks meet a new count in the same step, each another one
@@ -226,6 +261,14 @@ def _diverge_job(rank, world):
 @pytest.fixture(scope="module")
 def diverged():
     return run_distributed(_diverge_job, 2, timeout=600)
+
+
+def test_an_evaluation_at_zero1_may_take_another_path_on_each_rank(diverged):
+    for r in diverged:
+        assert abs(r["eval"]["eval"] - r["eval"]["expected"]) <= 1e-6, r["eval"]
+        assert len(r["eval"]["inference"]) == 2, r["eval"]   # g0's and the loop's
+        assert not [k for k in r["eval"]["checked"] if k.endswith(".inference")], r["eval"]
+        assert r["eval"]["checked"], r["eval"]   # the training forwards are
 
 
 def test_known_structures_that_differ_between_ranks_raise_at_once(diverged):

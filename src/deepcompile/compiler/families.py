@@ -47,8 +47,8 @@ a new shape, static or dynamic, keeps its family's structure (tests/test_ragged.
 ragged lengths), and an unrolled loop or another branch does not. One frame over one parameter
 tuple with several structures (`Structures`) may take a different one on each rank in the same
 step (the data differ): from its second structure on, the ranks agree on the structure at every
-call of its forward and inference graphs, before the graph issues any collective ([Note:
-structures are agreed at each call] in runtime/guardrails.py).
+call of its forward graphs, before the graph issues any collective ([Note: structures are
+agreed at each call] in runtime/guardrails.py).
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def structure_digest(gm: fx.GraphModule) -> int:
 @dataclasses.dataclass(eq=False)
 class Structures:
     """The families of one frame over one parameter tuple, one per structure ([Note: graph
-    structure]), in order of appearance; `checked`: the ranks agree on the structure at each
-    call of their forward and inference graphs (from the second structure on)."""
+    structure]), in order of appearance; `checked`: the ranks agree on the structure at calls
+    of their graphs (from the second structure on)."""
     families: list[int] = dataclasses.field(default_factory=list)
     checked: bool = False
 

@@ -262,18 +262,24 @@ class Pipeline:
     def _structured(self, slot: GraphSlot, structure: int,
                     structures: _families.Structures) -> None:
         slot.structure, slot.structures = structure, structures
-        slot.checked = structures.checked and slot.kind != "bw"
+        slot.checked = structures.checked and self._checks(slot)
+
+    def _checks(self, slot: GraphSlot) -> bool:
+        """Whether a call of `slot`, of code with several structures, is agreed across ranks: a
+        forward graph's (the backward graph that runs is the forward's), an inference graph's
+        where it gathers (ZeRO-3; at ZeRO-1/2 it issues no collective, and the ranks may
+        evaluate data that take different paths)."""
+        return slot.kind == "fw" or (slot.kind == "inference" and self.registry.zero_stage == 3)
 
     def _check_structures(self, structures: _families.Structures) -> None:
         """[Note: structures are agreed at each call] in runtime/guardrails.py: from now on
-        (every rank is here: it agreed on the second structure), each call of a forward or
-        inference graph of this code checks that every rank runs the same structure. A
-        backward graph runs for the forward that ran."""
+        (every rank is here: it agreed on the second structure), the calls of this code's
+        graphs that `_checks` names check that every rank runs the same structure."""
         structures.checked = True
         self.guard.open_structure_checks()
         for slot in self.slots.values():
             if slot.structures is structures:
-                slot.checked = slot.kind != "bw"
+                slot.checked = self._checks(slot)
 
     def _follow(self, member: GraphSlot) -> None:
         """The member runs its representative's current plan ([Note: shape families]): checked

@@ -44,7 +44,7 @@ class GraphSlot:
         self.following: int | None = None         # the representative version it runs
         # [Note: graph structure] in compiler/families.py: the digest of its structure, the
         # structures of its code (one family each), and whether the ranks agree on the
-        # structure at each of its calls (a forward or inference graph of code with several)
+        # structure at each of its calls (`Pipeline._checks`)
         self.structure = 0
         self.structures: "Structures | None" = None
         self.checked = False

@@ -57,8 +57,8 @@ issues its own collectives. Where the data take the ranks down different paths i
 rank running one structure would pair its collectives with another structure's on the other
 ranks: a hang, a crash in gloo (sizes differ), or silently wrong gradients (sizes alike). So
 once the ranks agreed on a second structure of one piece of code (its first graph is agreed as
-a new graph, above), every call of a forward or inference graph of that code first all-reduces
-its structure's digest (MAX of it and of its negation: two integers) on a gloo group of its own
+a new graph, above), every call of a forward graph of that code (and of an inference graph, at
+ZeRO-3: at ZeRO-1/2 it issues no collective) first all-reduces its structure's digest (MAX of it and of its negation: two integers) on a gloo group of its own
 (`structure_group`, opened then, on every rank); where they differ, every rank all-gathers which
 graph each one called and raises the same `DivergenceError` naming them, before any of the
 graphs' collectives. A further structure needs no agreement when compiled: its first call is
