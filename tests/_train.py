@@ -242,11 +242,18 @@ def _structures(engine) -> dict:
 
 
 def _one_scenario(rank: int, world: int, sc: dict) -> dict:
-    limit = sc.get("recompile_limit")
-    if limit is None:
-        return _run_scenario(rank, world, sc)
-    with torch._dynamo.config.patch(recompile_limit=limit):
-        return _run_scenario(rank, world, sc)
+    with contextlib.ExitStack() as stack:
+        if sc.get("recompile_limit") is not None:
+            stack.enter_context(torch._dynamo.config.patch(recompile_limit=sc["recompile_limit"]))
+        warnings = _Warnings()
+        if "structures" in sc.get("record", ()):
+            logger = logging.getLogger("deepcompile")
+            logger.addHandler(warnings)
+            stack.callback(logger.removeHandler, warnings)
+        res = _run_scenario(rank, world, sc)
+        if "structures" in res:
+            res["structures"]["warnings"] = warnings.messages
+        return res
 
 
 def _run_scenario(rank: int, world: int, sc: dict) -> dict:
@@ -268,9 +275,6 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
     for k in ("param_dtype", "reduce_dtype"):
         if isinstance(cfg.get(k), str):
             cfg[k] = getattr(torch, cfg[k])
-    warnings = _Warnings()
-    if "structures" in record:
-        logging.getLogger("deepcompile").addHandler(warnings)
     model = _models.build_model(name)
     model_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     with chunk_bytes(sc.get("chunk_bytes")):
@@ -336,8 +340,7 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
     if "report" in record:
         res["report"] = engine.report().to_dict()
     if "structures" in record:
-        logging.getLogger("deepcompile").removeHandler(warnings)
-        res["structures"] = {**_structures(engine), "warnings": warnings.messages}
+        res["structures"] = _structures(engine)
     if "replicas" in record:   # the module's own parameters (ZeRO-1/2: replicated)
         res["replicas"] = {n: p.detach().clone() for n, p in
                            engine.module.named_parameters(remove_duplicate=False)}

@@ -241,8 +241,9 @@ class Engine:
             "the parameters each module uses), but not compiled nor planned, and slower. Code "
             "whose graph depends on data (a loop count, or a branch, read with int() or "
             ".item()) is compiled once per value: raise the limit before the first step (e.g. "
-            "torch._dynamo.config.%s = 64) to compile every value", _compat.describe_frame(function),
-            function, _compat.recompile_limit_name(limit_type), limit_type)
+            "torch._dynamo.config.%s = 64) to compile every value",
+            _compat.describe_frame(function), function, _compat.recompile_limit_name(limit_type),
+            limit_type)
 
     def backward(self, loss: torch.Tensor) -> None:
         if self._rails.stopped is not None:

@@ -116,7 +116,8 @@ class Backend:
         # [Note: shape families] in compiler/families.py: a recompilation of a frame with the
         # same parameters and structure (a new input shape) joins its family and runs the
         # family's plan; another structure ([Note: graph structure]) is a family of its own
-        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm), tuple(e.pid for _, e in params),
+        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm),
+                                         tuple(e.pid for _, e in params),
                                          families.structure_digest(gm))
         record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
                              params=[e.name for _, e in params], family=family)

@@ -58,14 +58,15 @@ rank running one structure would pair its collectives with another structure's o
 ranks: a hang, a crash in gloo (sizes differ), or silently wrong gradients (sizes alike). So
 once the ranks agreed on a second structure of one piece of code (its first graph is agreed as
 a new graph, above), every call of a forward graph of that code (and of an inference graph, at
-ZeRO-3: at ZeRO-1/2 it issues no collective) first all-reduces its structure's digest (MAX of it and of its negation: two integers) on a gloo group of its own
-(`structure_group`, opened then, on every rank); where they differ, every rank all-gathers which
-graph each one called and raises the same `DivergenceError` naming them, before any of the
-graphs' collectives. A further structure needs no agreement when compiled: its first call is
-checked. One all-reduce per call of such graphs only, and none at world size 1. Not covered: a
-rank compiling a piece of code's *second* structure while the others run its first (nothing
-tells them the code has another): the new graph's agreement waits for them and times out,
-naming the graph on every rank, as for any graph compiled on some ranks only.
+ZeRO-3: at ZeRO-1/2 it issues no collective) first all-reduces its structure's digest (MAX of
+it and of its negation: two integers) on a gloo group of its own (`structure_group`, opened
+then, on every rank); where they differ, every rank all-gathers which graph each one called
+and raises the same `DivergenceError` naming them, before any of the graphs' collectives. A
+further structure needs no agreement when compiled: its first call is checked. One all-reduce
+per call of such graphs only, and none at world size 1. Not covered: a rank compiling a piece
+of code's *second* structure while the others run its first (nothing tells them the code has
+another): the new graph's agreement waits for them and times out, naming the graph on every
+rank, as for any graph compiled on some ranks only.
 """
 
 from __future__ import annotations
