@@ -27,6 +27,11 @@ Models:
   disabled_forward  a submodule that reads its own parameter directly, whose forward the
                user wrapped with torch.compiler.disable (the way to run a submodule eagerly):
                Dynamo graph-breaks at its call, and it runs eagerly between compiled graphs.
+  loop_count   code after a graph break that reads data: a loop run `int(k.max())` times
+               (`COUNTS`, the same on every rank, changing from micro-step to micro-step), which
+               Dynamo unrolls: one graph per count, over the same parameters.
+  branch_count the same code with a branch instead of the loop: one of two paths over the same
+               parameters by the parity of the count.
 """
 
 from __future__ import annotations
@@ -171,6 +176,30 @@ class DisabledForwardModel(nn.Module):
         return F.mse_loss(out, y)
 
 
+class DataDependentModel(nn.Module):
+    """`loop_count` / `branch_count` (see the module docstring)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(MLP_IN, 16)
+        self.cell = nn.Linear(32, 16)
+        self.out = nn.Linear(16, MLP_OUT)
+
+    def forward(self, x, y, k):
+        h = torch.tanh(self.inp(x))
+        s = h
+        n = int(k.max())   # a graph break: what follows is compiled once per value
+        if self.kind == "loop":
+            for _ in range(n):
+                s = torch.tanh(self.cell(torch.cat([h, s], -1)))
+        elif n % 2:
+            s = torch.tanh(self.cell(torch.cat([h, s], -1)))
+        else:
+            s = torch.sigmoid(self.cell(torch.cat([s * h, h], -1))) + s
+        return F.mse_loss(self.out(s), y)
+
+
 def _llama(tie: bool, layers: int = 2, checkpointed: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -218,7 +247,13 @@ _BUILDERS = {
     "loop_break": LoopBreakModel,
     "nested_break": NestedBreakModel,
     "disabled_forward": DisabledForwardModel,
+    "loop_count": lambda: DataDependentModel("loop"),
+    "branch_count": lambda: DataDependentModel("branch"),
 }
+
+# the count `loop_count` and `branch_count` read at each micro-step (cycled): 4 and 5 first come
+# late, after the passes planned (the steady state, with the tests' schedules)
+COUNTS = (1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 4, 3, 2, 1, 4, 2, 1, 3, 2, 5, 1, 5, 2, 3)
 
 MODEL_NAMES = tuple(_BUILDERS)
 LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "mixtral", "mixtral_eager")
@@ -245,6 +280,9 @@ def global_batch(name: str, micro_step: int, seed: int = SEED) -> dict[str, torc
         return {"input_ids": ids, "labels": ids.clone()}
     x = torch.randn(GLOBAL_BATCH, MLP_IN, generator=g)
     y = torch.randn(GLOBAL_BATCH, MLP_OUT, generator=g)
+    if name in ("loop_count", "branch_count"):   # every row (so every rank) reads one count
+        return {"x": x, "y": y,
+                "k": torch.full((GLOBAL_BATCH,), COUNTS[micro_step % len(COUNTS)])}
     return {"x": x, "y": y}
 
 

@@ -12,9 +12,11 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "record": ("comm", "memory"),          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
-                                            # "replicas", "unshard"
-     "profile_seed": 3}                     # optional: profiled times randomized
+                                            # "replicas", "unshard", "structures" (the graph
+                                            # slots, the pass log, deepcompile's warnings)
+     "profile_seed": 3,                     # optional: profiled times randomized
                                             # (`random_times`)
+     "recompile_limit": 2}                  # optional: Dynamo's, for the run
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -212,7 +215,48 @@ def _graph_stats() -> dict:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
+class _Warnings(logging.Handler):
+    """deepcompile's warnings during a scenario."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _structures(engine) -> dict:
+    """Every graph slot: its structure, whether its code has several and each call of it is
+    agreed, its representative, plan version and profiles ([Note: graph structure])."""
+    pipe = engine._pipeline
+    return {"slots": {k: {"structure": s.structure, "varies": s.varies, "checked": s.checked,
+                          "rep": s.rep.key if s.rep is not None else None,
+                          "version": s.version, "profiled": bool(s.history),
+                          "calls": s.calls, "kind": s.kind}
+                      for k, s in pipe.slots.items()},
+            "passes": [(e["pass"], list(e["changed"]), e.get("kept", True))
+                       for e in pipe.pass_log],
+            "phases": [phase for phase, _ in pipe.step_log],
+            "structure_group": engine._rails.structure_group is not None}
+
+
 def _one_scenario(rank: int, world: int, sc: dict) -> dict:
+    with contextlib.ExitStack() as stack:
+        if sc.get("recompile_limit") is not None:
+            stack.enter_context(torch._dynamo.config.patch(recompile_limit=sc["recompile_limit"]))
+        warnings = _Warnings()
+        if "structures" in sc.get("record", ()):
+            logger = logging.getLogger("deepcompile")
+            logger.addHandler(warnings)
+            stack.callback(logger.removeHandler, warnings)
+        res = _run_scenario(rank, world, sc)
+        if "structures" in res:
+            res["structures"]["warnings"] = warnings.messages
+        return res
+
+
+def _run_scenario(rank: int, world: int, sc: dict) -> dict:
     import deepcompile
     from torch._dynamo.utils import counters
 
@@ -295,6 +339,8 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
     res["graphs"] = _graph_stats()
     if "report" in record:
         res["report"] = engine.report().to_dict()
+    if "structures" in record:
+        res["structures"] = _structures(engine)
     if "replicas" in record:   # the module's own parameters (ZeRO-1/2: replicated)
         res["replicas"] = {n: p.detach().clone() for n, p in
                            engine.module.named_parameters(remove_duplicate=False)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -163,6 +164,14 @@ class Engine:
         # what Dynamo holds] in compiler/backend.py), so that a released engine is freed
         self._compiled = _compat.compile_module(module, WeakBackend(self._backend))
         self._warned_uncompiled = False
+        # a frame of this model Dynamo stops compiling (while this engine's forward runs) runs
+        # eagerly: one warning each. Held weakly, removed with the engine (Dynamo's logger
+        # lives as long as the process)
+        self._fell_back: set[str] = set()
+        self._in_forward = False
+        hit = weakref.WeakMethod(self._recompile_limit_hit)
+        weakref.finalize(self, _compat.on_recompile_limit(
+            lambda *a: None if (m := hit()) is None else m(*a)))
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
         self._guard = ModelGuard(module, self._registry, config.zero_stage)
         self._compiled = self._guard.wrap(self._compiled)
@@ -203,12 +212,15 @@ class Engine:
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
         if torch.is_grad_enabled():
             self._metrics.count_tokens(args, kwargs)
+        self._in_forward = True   # Dynamo compiles this model's frames now
         try:
             out = self._compiled(*args, **kwargs)
         except BaseException as e:
             if isinstance(e, RuntimeError) and any(m in str(e) for m in _FREED_STORAGE):
                 e.add_note(_EAGER_PARAMETER_READ)
             raise self._rails.on_exception(e, "forward", self._optimizer_steps, self._micro_steps)
+        finally:
+            self._in_forward = False
         if not self._backend.records and not self._warned_uncompiled and torch.is_grad_enabled():
             self._warned_uncompiled = True
             log.warning(
@@ -218,6 +230,20 @@ class Engine:
                 "earlier in this process count against torch._dynamo.config.recompile_limit: "
                 "call torch._dynamo.reset() between engines")
         return out
+
+    def _recompile_limit_hit(self, limit_type: str, function: str) -> None:
+        if not self._in_forward or function in self._fell_back:
+            return
+        self._fell_back.add(function)
+        log.warning(
+            "deepcompile: Dynamo stopped compiling %s (%s): it reached %s. Calls it has no "
+            "graph for run eagerly from now on: trained correctly (the eager fallback gathers "
+            "the parameters each module uses), but not compiled nor planned, and slower. Code "
+            "whose graph depends on data (a loop count, or a branch, read with int() or "
+            ".item()) is compiled once per value: raise the limit before the first step (e.g. "
+            "torch._dynamo.config.%s = 64) to compile every value",
+            _compat.describe_frame(function), function, _compat.recompile_limit_name(limit_type),
+            limit_type)
 
     def backward(self, loss: torch.Tensor) -> None:
         if self._rails.stopped is not None:

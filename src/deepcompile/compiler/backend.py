@@ -42,6 +42,7 @@ from torch import fx
 from .. import _compat
 from ..runtime import ops
 from ..runtime.registry import ParamEntry, ParamRegistry, lookup
+from . import families
 from . import graph as G
 from . import replicated
 from .pipeline import Pipeline
@@ -113,8 +114,11 @@ class Backend:
                 params.append((i, entry))
 
         # [Note: shape families] in compiler/families.py: a recompilation of a frame with the
-        # same parameters (a new input shape) joins its family and runs the family's plan
-        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm), tuple(e.pid for _, e in params))
+        # same parameters and structure (a new input shape) joins its family and runs the
+        # family's plan; another structure ([Note: graph structure]) is a family of its own
+        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm),
+                                         tuple(e.pid for _, e in params),
+                                         families.structure_digest(gm))
         record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
                              params=[e.name for _, e in params], family=family)
         self.records.append(record)

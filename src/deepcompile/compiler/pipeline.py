@@ -126,8 +126,12 @@ class Pipeline:
         self.device = device
         self.fingerprint = engine_fingerprint
         self.slots: dict[str, GraphSlot] = {}    # every graph: representatives and members
-        # [Note: shape families] in compiler/families.py
-        self._families: dict[tuple, int] = {}           # (frame, parameter ids) -> family index
+        # [Note: shape families], [Note: graph structure] in compiler/families.py
+        self._families: dict[tuple, int] = {}   # (frame, parameter ids, structure) -> family
+        # (frame, parameter ids) -> the structures of that code; family -> (its structure, the
+        # structures of its code)
+        self._structures: dict[tuple, _families.Structures] = {}
+        self._family_structure: dict[int, tuple[int, _families.Structures]] = {}
         self.reps: dict[tuple[int, str], GraphSlot] = {}  # (family, kind) -> representative
         # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
         self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
@@ -194,17 +198,23 @@ class Pipeline:
         return self.planner.entries
 
     # -- slots ------------------------------------------------------------------------------
-    def family_of(self, frame_id: int | None, pids: tuple[int, ...]) -> int:
+    def family_of(self, frame_id: int | None, pids: tuple[int, ...], structure: int) -> int:
         """The family index of a Dynamo graph traced from frame `frame_id` over the parameters
-        `pids` (in its input order): a recompilation with the same parameters (a new input
-        shape, or another guard) joins the family of the first graph."""
-        key = (frame_id, pids)
-        if key not in self._families:
-            self._families[key] = len(self._families)
-        return self._families[key]
+        `pids` (in its input order) with the structure `structure` ([Note: graph structure] in
+        compiler/families.py): a recompilation with the same parameters and structure (a new
+        input shape, or another guard) joins the family of the first graph."""
+        key = (frame_id, pids, structure)
+        family = self._families.get(key)
+        if family is None:
+            family = self._families[key] = len(self._families)
+            structures = self._structures.setdefault((frame_id, pids), _families.Structures())
+            structures.families.append(family)
+            self._family_structure[family] = (structure, structures)
+        return family
 
     def add_slot(self, family: int, kind: str, gm: fx.GraphModule,
                  params: list[str] | tuple[str, ...] = ()) -> GraphSlot:
+        structure, structures = self._family_structure[family]
         rep = self.reps.get((family, kind))
         if rep is not None:
             # another shape of a graph the family has: it runs the family's plan
@@ -212,6 +222,7 @@ class Pipeline:
             slot = GraphSlot(key, family, kind, gm, self.run)
             slot.rep, slot.training = rep, rep.training
             slot.original = _families.snapshot(gm)
+            self._structured(slot, structure, structures)
             rep.members.append(slot)
             self.slots[key] = slot
             self._follow(slot)
@@ -227,18 +238,48 @@ class Pipeline:
         self.reps[(family, kind)] = slot
         self.slots[key] = slot
         names = list(params)
-        self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
-            f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
-            f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
-            {"phase": "compile", "step": self.runtime.step.optimizer_steps,
-             "micro": self.runtime.step.micro_step, "graph": key})
+        if not structures.checked:
+            self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
+                f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x}; "
+                f"structure {structure:x})",
+                {"phase": "compile", "step": self.runtime.step.optimizer_steps,
+                 "micro": self.runtime.step.micro_step, "graph": key})
+            if len(structures.families) > 1:   # every rank compiled a second structure
+                self._check_structures(structures)
+        self._structured(slot, structure, structures)
+        if len(structures.families) > 1:
+            log.info("deepcompile: graph %s compiled: structure %x of the code of %s", key,
+                     structure, ", ".join(f"g{f}" for f in structures.families))
         kept = [e["pass"] for e in self.planner.current() if e.get("kept", True)]
         if self.phase is Phase.STEADY and kept and slot.training:
-            log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
-                        "parameters); it runs with insertion only, without the passes %s", key,
-                        ", ".join(kept))
+            log.warning("deepcompile: graph %s was compiled after planning (new code, new "
+                        "parameters, or another structure of a graph's code); it runs with "
+                        "insertion only, without the passes %s", key, ", ".join(kept))
             self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
+
+    def _structured(self, slot: GraphSlot, structure: int,
+                    structures: _families.Structures) -> None:
+        slot.structure, slot.structures = structure, structures
+        slot.checked = structures.checked and self._checks(slot)
+
+    def _checks(self, slot: GraphSlot) -> bool:
+        """Whether a call of `slot`, of code with several structures, is agreed across ranks: a
+        forward graph's (the backward graph that runs is the forward's), an inference graph's
+        where it gathers (ZeRO-3; at ZeRO-1/2 it issues no collective, and the ranks may
+        evaluate data that take different paths)."""
+        return slot.kind == "fw" or (slot.kind == "inference" and self.registry.zero_stage == 3)
+
+    def _check_structures(self, structures: _families.Structures) -> None:
+        """[Note: structures are agreed at each call] in runtime/guardrails.py: from now on
+        (every rank is here: it agreed on the second structure), the calls of this code's
+        graphs that `_checks` names check that every rank runs the same structure."""
+        structures.checked = True
+        self.guard.open_structure_checks()
+        for slot in self.slots.values():
+            if slot.structures is structures:
+                slot.checked = self._checks(slot)
 
     def _follow(self, member: GraphSlot) -> None:
         """The member runs its representative's current plan ([Note: shape families]): checked
@@ -269,6 +310,9 @@ class Pipeline:
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if slot.checked:   # [Note: structures are agreed at each call] in runtime/guardrails.py
+            self.guard.agree_structure(slot.key, slot.structure, rt.step.optimizer_steps,
+                                       rt.step.micro_step)
         if slot.rep is not None and slot.following != slot.rep.version:
             self._follow(slot)   # its representative's plan changed
         if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
@@ -297,6 +341,8 @@ class Pipeline:
         tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
         tr.calls.append(low)
         full, accs = low.prepare(args)
+        if rt.parked.parked:   # started for a graph that did not come next ([Note: cross-graph
+            rt.drop_parked()   # prefetch] in runtime/runtime.py)
         args.clear()   # boxed calling convention: the list is ours; inputs die at last use
         if self.phase is Phase.PROFILE and slot.training:
             target = slot.rep or slot   # a member's runs are its representative's
@@ -636,7 +682,12 @@ class Pipeline:
         return summary
 
     def _context(self) -> PassContext:
-        return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
+        # the profiles of the graphs as they are: a graph a pass rewrote whose structure did not
+        # run in the re-profile that followed ([Note: graph structure] in compiler/families.py)
+        # has none, and the later passes leave it as it is
+        current = {k: p for k, p in self.latest_profiles().items()
+                   if p.version == self.slots[k].version}
+        return PassContext(slots=self._planning(), profiles=current, order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
                            decisions=self.planner.decisions(), fusion=self.fusion)

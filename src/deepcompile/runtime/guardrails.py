@@ -49,6 +49,24 @@ before it runs: the ranks compare its description (kind and parameters in order)
 each other; a rank that never arrives leaves the others with a report after the timeout. A new
 *shape* of a graph every rank has is not a new graph: it is planned like its family's first
 graph (compiler/families.py) and needs no agreement (ragged inputs are the normal case).
+
+[Note: structures are agreed at each call] Code whose graph depends on data (a loop count or a
+branch read with `int()` / `.item()` after a graph break: [Note: graph structure] in
+compiler/families.py) compiles to one graph per structure, each planned on its own, so each
+issues its own collectives. Where the data take the ranks down different paths in one step, a
+rank running one structure would pair its collectives with another structure's on the other
+ranks: a hang, a crash in gloo (sizes differ), or silently wrong gradients (sizes alike). So
+once the ranks agreed on a second structure of one piece of code (its first graph is agreed as
+a new graph, above), every call of a forward graph of that code (and of an inference graph, at
+ZeRO-3: at ZeRO-1/2 it issues no collective) first all-reduces its structure's digest (MAX of
+it and of its negation: two integers) on a gloo group of its own (`structure_group`, opened
+then, on every rank); where they differ, every rank all-gathers which graph each one called
+and raises the same `DivergenceError` naming them, before any of the graphs' collectives. A
+further structure needs no agreement when compiled: its first call is checked. One all-reduce
+per call of such graphs only, and none at world size 1. Not covered: a rank compiling a piece
+of code's *second* structure while the others run its first (nothing tells them the code has
+another): the new graph's agreement waits for them and times out, naming the graph on every
+rank, as for any graph compiled on some ranks only.
 """
 
 from __future__ import annotations
@@ -156,6 +174,7 @@ class Guardrails:
         self.checks = 0
         self.store = None
         self.check_group = None
+        self.structure_group = None   # [Note: structures are agreed at each call]
         seq = next(_ENGINES)
         if not self.active:
             return
@@ -185,8 +204,9 @@ class Guardrails:
             seconds = own if seconds is None else min(seconds, own) if given else seconds
         self.timeout_s = seconds
         _compat.set_pg_timeout(self.comm.group, seconds)
-        if self.check_group is not None:
-            _compat.set_pg_timeout(self.check_group, seconds)
+        for group in (self.check_group, self.structure_group):
+            if group is not None:
+                _compat.set_pg_timeout(group, seconds)
 
     def enter_steady(self) -> None:
         """After the first steady optimizer step (the final compiles are done)."""
@@ -341,6 +361,48 @@ class Guardrails:
              "What the other ranks reported:", *self._others(), self._closing()]))
         self.stopped = err
         return err
+
+    # -- structures ------------------------------------------------------------------------------
+    def open_structure_checks(self) -> None:
+        """[Note: structures are agreed at each call] Open the checks' group, once (every rank
+        calls this at the same point: the agreement on a second structure)."""
+        if not self.active or self.structure_group is not None:
+            return
+        group = self.comm.group if self.comm.group is not None else dist.group.WORLD
+        self.structure_group = dist.new_group(dist.get_process_group_ranks(group),
+                                              backend="gloo", use_local_synchronization=True)
+        if self.timeout_s is not None:
+            _compat.set_pg_timeout(self.structure_group, self.timeout_s)
+
+    def agree_structure(self, graph: str, structure: int, step: int, micro: int) -> None:
+        """[Note: structures are agreed at each call] Every rank calls a graph of this structure
+        now, or every rank raises the same DivergenceError."""
+        if not self.active:
+            return
+        vec = torch.tensor([structure, -structure], dtype=torch.int64)
+        self.failed_graph = graph   # named in the report where a rank never comes
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.structure_group)
+        self.failed_graph = None
+        hi, neg_lo = vec.tolist()
+        if hi == -neg_lo:
+            return
+        calls: list[Any] = [None] * self.world
+        dist.all_gather_object(calls, (self.rank, graph, structure), group=self.structure_group)
+        groups: dict[tuple[str, int], list[int]] = {}
+        for rank, key, digest_ in calls:
+            groups.setdefault((key, digest_), []).append(rank)
+        ran = "; ".join(f"ranks {ranks}: {key} (structure {d:x})"
+                        for (key, d), ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        err = DivergenceError(
+            f"deepcompile: the ranks ran different structures of one piece of code in optimizer "
+            f"step {step} (micro-step {micro}): {ran}. The code reads data to decide what it "
+            "computes (a loop count or a branch taken on a value read with int(), .item() or "
+            "bool() of a tensor), and the ranks' data took different paths in the same step: each "
+            "path is a graph of its own with its own collectives. Take the same path on every "
+            "rank in each step (decide from data every rank shares, or all-reduce the value "
+            "first). The engine stops on every rank; restart from the last checkpoint.")
+        self.stopped = err
+        raise err
 
     # -- the divergence check ---------------------------------------------------------------------
     def end_step(self, step: int, micro: int, request: bool | None = None) -> bool:

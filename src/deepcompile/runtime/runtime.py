@@ -41,8 +41,10 @@ class ParkedGathers:
     waits for it. B takes it only if it was started for exactly the shards B is called with
     (Dynamo may reuse one graph for several layers); otherwise, or if A did not run, B's group
     is gathered synchronously here. Every rank runs the same graphs in the same order, so every
-    rank takes the same path. Whatever is parked and not taken is waited for and dropped before
-    the optimizer changes the shards (`drop_unused`)."""
+    rank takes the same path. Whatever is parked and not taken by the next graph is waited for
+    and dropped when that graph starts (the plan counts its memory up to B's use only; another
+    graph came instead: one of another structure of B's code, compiled after planning), and
+    before the optimizer changes the shards (`drop_unused`)."""
 
     def __init__(self) -> None:
         self.parked: dict[tuple[int, ...], torch.Tensor] = {}
@@ -165,15 +167,20 @@ class EngineRuntime:
         return out
 
     # -- around the optimizer step -------------------------------------------------------------
-    def before_optimizer_step(self) -> None:
-        """Gathers started for a graph that did not run are dropped before the shards change;
-        gradients still held locally are reduced into the shard gradients."""
+    def drop_parked(self) -> None:
+        """Gathers started for a graph that did not run next are dropped ([Note: cross-graph
+        prefetch])."""
         dropped = self.parked.drop_unused()
         if dropped and not self._warned_unused:
             self._warned_unused = True
-            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
-                        "(the graphs ran in another order than when profiled); they are dropped",
+            log.warning("deepcompile: %d gathers started for a next graph were not used (the "
+                        "graphs ran in another order than when profiled); they are dropped",
                         dropped)
+
+    def before_optimizer_step(self) -> None:
+        """Gathers started for a graph that did not run are dropped before the shards change;
+        gradients still held locally are reduced into the shard gradients."""
+        self.drop_parked()
         self.accum.flush()
 
     def shards_changed(self, frozen_too: bool = False) -> None:
