@@ -116,6 +116,15 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
     }
 
 
+class _ReusedCall:
+    """A reused graph's call as the divergence check records it (runtime/guardrails.py)."""
+    graph_key = "reuse"
+
+    def __init__(self, describe: str) -> None:
+        self.describe = describe
+        self.digest = digest(describe)
+
+
 class Pipeline:
     def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict,
                  guard: Guardrails | None = None):
@@ -132,6 +141,8 @@ class Pipeline:
         # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
         self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
         self.trace = self.guard.trace
+        self.registry.reuse_call_listeners.append(self._reused_call)
+        self._reused: dict[tuple[int, int], _ReusedCall] = {}
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
@@ -350,6 +361,20 @@ class Pipeline:
             raise
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
+
+    def _reused_call(self, compiled_for, actual) -> None:
+        """A graph runs for `actual` where it was compiled for `compiled_for` ([Note: graph
+        reuse] in compiler/backend.py): its digest names the compile-time parameter, so the
+        fingerprint takes the actual one too ([Note: divergence check]: ranks that run one
+        graph for different parameters, an experts loop skipping an expert on some ranks,
+        reduce one's gradient with the other's)."""
+        call = self._reused.get((compiled_for.pid, actual.pid))
+        if call is None:
+            call = self._reused[(compiled_for.pid, actual.pid)] = _ReusedCall(
+                f"a graph compiled for {compiled_for.name} ran for {actual.name}")
+        tr = self.trace
+        tr.fp = (tr.fp * FP_MUL + call.digest) & FP_MASK
+        tr.calls.append(call)
 
     def _profile_lead(self, slot: GraphSlot) -> float:
         """[Note: profiling ahead of the device] in compiler/profiler.py: how long to keep the
