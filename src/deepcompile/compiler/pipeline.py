@@ -60,6 +60,7 @@ from . import cache as _cache
 from . import families as _families
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .coverage import Coverage
 from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .planner import Planner, copy_graph
@@ -223,6 +224,7 @@ class Pipeline:
             slot = GraphSlot(key, family, kind, gm, self.run)
             slot.rep, slot.training = rep, rep.training
             slot.original = _families.snapshot(gm)
+            slot.coverage = Coverage.of(gm)
             rep.members.append(slot)
             self.slots[key] = slot
             self._follow(slot)
@@ -235,6 +237,7 @@ class Pipeline:
         slot = GraphSlot(key, family, kind, gm, self.run)
         slot.training = kind != "inference"   # eval / no_grad graphs are never planned for
         slot.original = _families.snapshot(gm)
+        slot.coverage = Coverage.of(gm)
         self.reps[(family, kind)] = slot
         self.slots[key] = slot
         names = list(params)
@@ -267,6 +270,8 @@ class Pipeline:
                     f"{rep.key} would issue other collectives. Report this with the model; as a "
                     "workaround, give every rank inputs of one shape (pad), or leave out the "
                     "passes.") from e
+            if member.coverage is not None:   # [Note: gradient coverage]
+                member.coverage.check(gm, f"the plan of {rep.key} transplanted", member.key)
             face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
         member.swap(face[0], face[2])
         member.to_rep, member.following = face[1], rep.version
@@ -395,7 +400,7 @@ class Pipeline:
         key = (last, slot.version)
         low = slot.lowered.get(key)
         if low is None:
-            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last)
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, key=slot.key)
             # what one run issues, for the cross-rank fingerprint and its messages
             low.digest = _families.comm_digest(slot.gm, last)
             low.graph_key = slot.key
