@@ -11,7 +11,7 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "record": ("comm", "memory"),          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
-                                            # "replicas", "unshard"
+                                            # "replicas", "unshard", "optim_state"
      "profile_seed": 3}                     # optional: profiled times randomized
                                             # (`random_times`)
 
@@ -148,7 +148,10 @@ def _reference(key: str) -> dict:
         opt.step()
         opt.zero_grad()
     final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": final}
+    state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+             for n, p in model.named_parameters(remove_duplicate=False) if opt.state.get(p)}
+    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": final,
+            "optim_state": state}
 
 
 def reference_training(sc: dict) -> dict:
@@ -213,6 +216,29 @@ def _unshard_check(engine) -> dict:
     return {"kept": [e.name for e in rt.kept.entries],
             "accumulate": sorted(e.name for e in rt.registry if e.pid in rt.accum.by_pid),
             "stale": rt.kept.stale()}
+
+
+def _full_optim_state(engine) -> dict:
+    """{parameter fqn: its optimizer state, state tensors gathered to full size} (collective;
+    a parameter without state is absent, as in torch's optimizer)."""
+    osd = engine.optimizer.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in engine.optimizer.param_groups
+                                             for p in g["params"])}
+    out = {}
+    for e in engine._registry:
+        st = osd["state"].get(index.get(id(e.shard)))
+        if not st:
+            continue
+        full = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.shape == e.shard.shape:
+                full[k] = engine._comm.all_gather(v.detach().contiguous(), count=False)[
+                    : e.numel].view(e.shape).cpu()
+            else:
+                full[k] = v.item() if isinstance(v, torch.Tensor) else v
+        for name in e.names:
+            out[name] = full
+    return out
 
 
 def _graph_stats() -> dict:
@@ -309,6 +335,8 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
                            engine.module.named_parameters(remove_duplicate=False)}
     res["opt_param_dtypes"] = sorted({str(p.dtype) for g in engine.optimizer.param_groups
                                       for p in g["params"]})
+    if "optim_state" in record:
+        res["optim_state"] = _full_optim_state(engine)
     res["seconds"] = time.perf_counter() - t0
     del engine, model
     torch._dynamo.reset()
