@@ -49,6 +49,10 @@ def first_user(node: fx.Node) -> fx.Node | None:
     return min(node.users, key=order.__getitem__, default=None)
 
 
+# the calls by which Dynamo records a change of the gradient mode in a graph
+_GRAD_MODE = ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode")
+
+
 def grad_disabled_regions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Every node of a Dynamo graph that runs with gradients disabled (under `no_grad`,
     `set_grad_enabled(False)` or `inference_mode`) -> the node that disabled them (Dynamo
@@ -74,5 +78,3 @@ def grad_disabled_regions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             out[n] = start
     return out
 
-
-_GRAD_MODE = ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode")
