@@ -229,6 +229,38 @@ def test_no_gradient_no_step_under_every_offload_tier(group, tier):
                                   rtol=0, atol=1e-6), (n, k)
 
 
+@pytest.mark.parametrize("chunk", [None, 256], ids=["one-chunk", "small-chunks"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_no_gradient_no_step_as_torch(group, optim, chunk):
+    """World size 1, fp32, against torch's optimizer on the unsharded model: `aux` first steps
+    at step 2, split off its chunk's other parameters (one chunk) or a chunk of its own stepped
+    with chunks that have state (small chunks; torch's fused SGD takes its momentum buffers all
+    made or all to make)."""
+    import deepcompile
+
+    make = (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9) if optim == "sgd"
+            else functools.partial(torch.optim.AdamW, lr=0.01))
+    ref = _OddHead()
+    ref_opt = make(ref.parameters())
+    with chunk_bytes(chunk):
+        engine = deepcompile.initialize(_OddHead(), optimizer=make,
+                                        config={"compiler": "fx", "passes": ()})
+    assert (len(engine._flat.chunks) == 1) == (chunk is None)
+    for step in range(6):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x, step in _AUX_STEPS).square().mean())
+        engine.step()
+        ref(x, step in _AUX_STEPS).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = engine.full_state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(got[name], p.detach(), rtol=0, atol=1e-6), name
+    assert torch.equal(got["never"], torch.ones(6))
+    state = _optim_state(engine)
+    assert sorted(state) == sorted(n for n, p in ref.named_parameters() if ref_opt.state.get(p))
+
+
 def test_split_units_survive_a_checkpoint(group, tmp_path):
     """A chunk split into units (parameters with other step counts, one without state) saves
     and loads: the resumed run is the uninterrupted one, bitwise."""

@@ -143,8 +143,9 @@ class Coverage:
                 have = provided(arg)
                 if have is not None:
                     got.add(have[0])
-            for pid in sorted(pids - got):
-                raise fail(f"node {name} reads {param_name(pid)} without its gather")
+            missing = sorted(pids - got)
+            if missing:
+                raise fail(f"node {name} reads {param_name(missing[0])} without its gather")
         for n in gm.graph.nodes:
             have = provided(n)
             if have is not None and isinstance(have[1], fx.Node) and \
@@ -152,11 +153,14 @@ class Coverage:
                 raise fail(f"{param_name(have[0])} is gathered from another parameter's shard "
                            f"({have[1].name})")
         got = collections.Counter(reductions(gm))
-        for pid, grad in sorted(got - self.reduces):
-            twice = (pid, grad) in self.reduces
-            raise fail(f"the gradient of {param_name(pid)} is reduced twice" if twice else
+        extra, lost = sorted(got - self.reduces), sorted(self.reduces - got)
+        if extra:
+            pid, grad = extra[0]
+            raise fail(f"the gradient of {param_name(pid)} is reduced twice"
+                       if (pid, grad) in self.reduces else
                        f"node {grad} is reduced as the gradient of {param_name(pid)}")
-        for pid, grad in sorted(self.reduces - got):
+        if lost:
+            pid, grad = lost[0]
             raise fail(f"the gradient of {param_name(pid)} (node {grad}) is no longer reduced")
         outs = _outputs(gm)
         for i, pid in sorted(self.outputs.items()):
@@ -166,5 +170,5 @@ class Coverage:
         for n in gm.graph.nodes:   # ops on a reduced gradient (offload's grad_to_host)
             if n.op == "call_function" and n.target in ops.FOLLOWERS and len(n.args) > 1 \
                     and isinstance(n.args[1], int) and reduced(n.args[0]) != n.args[1]:
-                raise fail(f"the gradient {n.name} handles as {param_name(n.args[1])}'s is not that "
-                           "parameter's reduction")
+                raise fail(f"{n.name} handles a value that is not the reduction of "
+                           f"{param_name(n.args[1])}'s gradient as that gradient")

@@ -360,7 +360,7 @@ class FlatState:
         if not units:
             return
         state = self.inner.state
-        fresh = [(c, u) for c, u in units if len(c.units) > 1 and not state.get(u.param)]
+        fresh = [(c, u) for c, u in units if not state.get(u.param)]
         # units stepped for the first time step apart from those with state (torch's fused SGD
         # takes a list of momentum buffers all made or all to make)
         calls = [[(c, u) for c, u in units if state.get(u.param)], fresh] if fresh else [units]
@@ -373,7 +373,8 @@ class FlatState:
             for _c, u in call:
                 u.param.grad = None
         for c, u in fresh:
-            self._adopt(c, u)
+            if len(c.units) > 1:
+                self._adopt(c, u)
         self.show_state(chunks)
 
     def show_state(self, chunks: Iterable[Chunk]) -> None:
@@ -483,12 +484,11 @@ class FlatState:
         index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
         flat_state: dict[int, dict] = {}
         for c, per in loaded:
-            first = next((st for st in per if st), None)
-            if first is None:
+            i0 = next((i for i, st in enumerate(per) if st), None)
+            if i0 is None:
                 continue
-            n0 = c.shards[per.index(first)].numel()
             flats = {k: torch.zeros(c.numel, dtype=v.dtype, device=self.device)
-                     for k, v in _flat_values(first, n0).items()}
+                     for k, v in _flat_values(per[i0], c.shards[i0].numel()).items()}
             for st, off, s in zip(per, c.offsets, c.shards):
                 for k, flat in flats.items():
                     if st:

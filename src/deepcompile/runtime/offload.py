@@ -825,7 +825,9 @@ class Offloader:
         self._reloaded()
         for s in self.slots:   # a host gradient's shards: those some graph wrote this window
             if self.grad_tier(s):
-                flat.mark(s.chunk, [i in s.written for i in range(len(s.chunk.shards))])
+                n = len(s.chunk.shards)
+                flat.mark(s.chunk, None if len(s.written) == n
+                          else [i in s.written for i in range(n)])
         # a chunk with no gradient in this step does not step ([Note: steps without a
         # gradient] in runtime/flat.py): nothing of it moves
         stepping = [s for s in self.slots if flat.live_units(s.chunk)]
