@@ -31,7 +31,8 @@ Models:
                `use_aux`), with a parameter `never` that is never used.
   nograd_read  `fc2.weight` first read under no_grad (a statistic), then by `fc2` with
                gradients; `inference_read` under inference_mode, `detach_read` through .detach().
-  mean_teacher a teacher forward under no_grad before the student's; they share `stem`.
+  mean_teacher a teacher forward under no_grad before the student's; they share `stem`
+               (`mean_teacher_apart`: they share no parameter).
   vq           a VQ codebook: distances under no_grad, then the lookup of the nearest codes.
   moe_skip     an experts loop over an nn.ModuleList that skips an expert with no token; the
                data routes the two halves of the batch to different experts on some micro-steps
@@ -228,17 +229,19 @@ class NoGradRead(nn.Module):
 
 class MeanTeacher(nn.Module):
     """A teacher forward under `no_grad` before the student's: `stem` is shared by both (first
-    read by the teacher), the teacher's own layers never get a gradient."""
+    read by the teacher; `shared=False`: the teacher has a stem of its own), the teacher's own
+    layers never get a gradient."""
 
-    def __init__(self):
+    def __init__(self, shared: bool = True):
         super().__init__()
         self.stem = nn.Linear(MLP_IN, 17)
+        self.teacher_stem = self.stem if shared else nn.Linear(MLP_IN, 17)
         self.student = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
         self.teacher = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
 
     def forward(self, x, y):
         with torch.no_grad():
-            t = self.teacher(self.stem(x))
+            t = self.teacher(self.teacher_stem(x))
         s = self.student(self.stem(x))
         return F.mse_loss(s, y) + 0.5 * F.mse_loss(s, t)
 
@@ -353,6 +356,7 @@ _BUILDERS = {
     "inference_read": lambda: NoGradRead("inference_mode"),
     "detach_read": lambda: NoGradRead("detach"),
     "mean_teacher": MeanTeacher,
+    "mean_teacher_apart": lambda: MeanTeacher(shared=False),
     "vq": VQ,
     "moe_skip": MoESkip,
     "moe_skip_disabled": lambda: MoESkip(disabled=True),

@@ -55,6 +55,7 @@ _UNUSED = [_sc("odd_head", 1, "adamw", 2, CLIP), _sc("odd_head", 2, "adamw", 2),
 # parameters first read without gradients (ZeRO-3; ZeRO-2 once, where nothing is gathered)
 _NOGRAD = [_sc("nograd_read", 3, "adamw", 2), _sc("inference_read", 3, "adamw", 1),
            _sc("detach_read", 3, "adamw", 1), _sc("mean_teacher", 3, "adamw", 2, CLIP),
+           _sc("mean_teacher_apart", 3, "adamw", 1),
            _sc("vq", 3, "adamw", 2), _sc("nograd_read", 2, "adamw", 1)]
 # modules run on some ranks only, eagerly, trained (ZeRO-1/2); the agreement with no
 # divergence check rides a reduction of its own
