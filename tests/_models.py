@@ -32,6 +32,17 @@ Models:
                Dynamo unrolls: one graph per count, over the same parameters.
   branch_count the same code with a branch instead of the loop: one of two paths over the same
                parameters by the parity of the count.
+  odd_head     an MLP whose head `aux` is used only on some optimizer steps (the batch's
+               `use_aux`), with a parameter `never` that is never used.
+  nograd_read  `fc2.weight` first read under no_grad (a statistic), then by `fc2` with
+               gradients; `inference_read` under inference_mode, `detach_read` through .detach().
+  mean_teacher a teacher forward under no_grad before the student's; they share `stem`
+               (`mean_teacher_apart`: they share no parameter).
+  vq           a VQ codebook: distances under no_grad, then the lookup of the nearest codes.
+  moe_skip     an experts loop over an nn.ModuleList that skips an expert with no token; the
+               data routes the two halves of the batch to different experts on some micro-steps
+               (then two ranks run different experts; `moe_skip_early`: from the first one);
+               `moe_skip_disabled`: each expert's forward wrapped with torch.compiler.disable.
 """
 
 from __future__ import annotations
@@ -200,6 +211,127 @@ class DataDependentModel(nn.Module):
         return F.mse_loss(self.out(s), y)
 
 
+class OddHead(nn.Module):
+    """`aux` is used only where the batch says `use_aux` (some optimizer steps have no gradient
+    for it); `never` is never used. AdamW's weight decay moves a parameter that a step steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(MLP_IN, 21)
+        self.never = nn.Parameter(torch.randn(5))
+        self.fc2 = nn.Linear(21, MLP_OUT)
+        self.aux = nn.Linear(21, MLP_OUT)
+
+    def forward(self, x, y, use_aux: bool = False):
+        h = torch.tanh(self.fc1(x))
+        out = self.fc2(h)
+        if use_aux:
+            out = out + self.aux(h)
+        return F.mse_loss(out, y)
+
+
+class NoGradRead(nn.Module):
+    """`fc2.weight` is first read without a gradient (under `no_grad`, `inference_mode`, or
+    through `.detach()`), then by `fc2` itself: it trains through the second use."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.fc1 = nn.Linear(MLP_IN, 19)
+        self.fc2 = nn.Linear(19, 19)
+        self.fc3 = nn.Linear(19, MLP_OUT)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x))
+        if self.mode == "no_grad":
+            with torch.no_grad():
+                s = self.fc2.weight.std()
+        elif self.mode == "inference_mode":
+            with torch.inference_mode():
+                s = self.fc2.weight.std()
+        else:
+            s = self.fc2.weight.detach().std()
+        h = torch.tanh(self.fc2(h) / (s * 4.0))
+        return F.mse_loss(self.fc3(h), y)
+
+
+class MeanTeacher(nn.Module):
+    """A teacher forward under `no_grad` before the student's: `stem` is shared by both (first
+    read by the teacher; `shared=False`: the teacher has a stem of its own), the teacher's own
+    layers never get a gradient."""
+
+    def __init__(self, shared: bool = True):
+        super().__init__()
+        self.stem = nn.Linear(MLP_IN, 17)
+        self.teacher_stem = self.stem if shared else nn.Linear(MLP_IN, 17)
+        self.student = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
+        self.teacher = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            t = self.teacher(self.teacher_stem(x))
+        s = self.student(self.stem(x))
+        return F.mse_loss(s, y) + 0.5 * F.mse_loss(s, t)
+
+
+class VQ(nn.Module):
+    """Vector quantization: distances to the codebook under `no_grad`, then the lookup of the
+    nearest codes (their gradient trains the codebook), straight-through to the decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(MLP_IN, 6)
+        self.codebook = nn.Embedding(11, 6)
+        self.dec = nn.Linear(6, MLP_OUT)
+
+    def forward(self, x, y):
+        z = self.enc(x)
+        with torch.no_grad():
+            idx = torch.cdist(z, self.codebook.weight).argmin(-1)
+        q = self.codebook(idx)
+        out = self.dec(z + (q - z).detach())
+        return F.mse_loss(out, y) + F.mse_loss(q, z.detach()) + 0.25 * F.mse_loss(z, q.detach())
+
+
+class _Expert(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return torch.tanh(self.fc(h))
+
+
+class MoESkip(nn.Module):
+    """The classic loop over an `nn.ModuleList` of experts that skips an expert no token is
+    routed to. The route is the sign of the first feature (the data gives the two halves of a
+    batch opposite signs on some micro-steps: then two ranks run different experts); the gate
+    weights train the router. `disabled`: each expert's forward wrapped with
+    `torch.compiler.disable` (it runs eagerly)."""
+
+    def __init__(self, disabled: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 12)
+        self.router = nn.Linear(12, 2)
+        self.experts = nn.ModuleList(_Expert(12) for _ in range(2))
+        if disabled:
+            for e in self.experts:
+                e.forward = torch.compiler.disable(e.forward)
+        self.out = nn.Linear(12, MLP_OUT)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        gate = torch.softmax(self.router(h), -1)
+        choice = (x[:, 0] > 0).long()
+        mixed = h
+        for i, expert in enumerate(self.experts):
+            idx = (choice == i).nonzero().squeeze(-1)
+            if idx.numel() == 0:
+                continue
+            mixed = mixed.index_add(0, idx, expert(h[idx]) * gate[idx, i:i + 1])
+        return F.mse_loss(self.out(mixed), y)
+
+
 def _llama(tie: bool, layers: int = 2, checkpointed: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -249,6 +381,16 @@ _BUILDERS = {
     "disabled_forward": DisabledForwardModel,
     "loop_count": lambda: DataDependentModel("loop"),
     "branch_count": lambda: DataDependentModel("branch"),
+    "odd_head": OddHead,
+    "nograd_read": lambda: NoGradRead("no_grad"),
+    "inference_read": lambda: NoGradRead("inference_mode"),
+    "detach_read": lambda: NoGradRead("detach"),
+    "mean_teacher": MeanTeacher,
+    "mean_teacher_apart": lambda: MeanTeacher(shared=False),
+    "vq": VQ,
+    "moe_skip": MoESkip,
+    "moe_skip_disabled": lambda: MoESkip(disabled=True),
+    "moe_skip_early": MoESkip,
 }
 
 # the count `loop_count` and `branch_count` read at each micro-step (cycled): 4 and 5 first come
@@ -283,6 +425,18 @@ def global_batch(name: str, micro_step: int, seed: int = SEED) -> dict[str, torc
     if name in ("loop_count", "branch_count"):   # every row (so every rank) reads one count
         return {"x": x, "y": y,
                 "k": torch.full((GLOBAL_BATCH,), COUNTS[micro_step % len(COUNTS)])}
+    if name.startswith("moe_skip"):
+        # every rank's rows go to both experts, but in micro-steps 2, 6, 10, ... (`early`: also
+        # 0, 4, 8, ...) the first half of the batch goes to expert 1 only and the second half to
+        # expert 0 only
+        sign = torch.ones(GLOBAL_BATCH)
+        if micro_step % 4 == 2 or (name == "moe_skip_early" and micro_step % 4 == 0):
+            sign[GLOBAL_BATCH // 2:] = -1
+        else:
+            sign[1::2] = -1
+        x[:, 0] = sign * (x[:, 0].abs() + 0.1)
+    if name == "odd_head":   # `aux` used in micro-steps 2, 3, 6, 7, ...
+        return {"x": x, "y": y, "use_aux": (micro_step // 2) % 2 == 1}
     return {"x": x, "y": y}
 
 
@@ -291,7 +445,7 @@ def local_batch(name: str, micro_step: int, rank: int, world: int,
     """Rank `rank`'s slice (GLOBAL_BATCH / world rows) of the global batch."""
     assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
     per = GLOBAL_BATCH // world
-    return {k: v[rank * per:(rank + 1) * per].contiguous()
+    return {k: v[rank * per:(rank + 1) * per].contiguous() if isinstance(v, torch.Tensor) else v
             for k, v in global_batch(name, micro_step, seed).items()}
 
 

@@ -13,7 +13,8 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
                                             # "replicas", "unshard", "structures" (the graph
-                                            # slots, the pass log, deepcompile's warnings)
+                                            # slots, the pass log, deepcompile's warnings),
+                                            # "optim_state"
      "profile_seed": 3,                     # optional: profiled times randomized
                                             # (`random_times`)
      "recompile_limit": 2}                  # optional: Dynamo's, for the run
@@ -140,8 +141,10 @@ def _reference(key: str) -> dict:
                           steps=sc["steps"], gas=gas_of(sc), loss_of=_models.loss_of,
                           max_grad_norm=clip_of(sc))
     final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+             for n, p in model.named_parameters(remove_duplicate=False) if opt.state.get(p)}
     return {"losses": ref.micro_losses, "grad_norms": ref.grad_norms, "initial": initial,
-            "params": final}
+            "params": final, "optim_state": state}
 
 
 def reference_training(sc: dict) -> dict:
@@ -207,6 +210,29 @@ def _unshard_check(engine) -> dict:
     return {"kept": [e.name for e in rt.kept.entries],
             "accumulate": sorted(e.name for e in rt.registry if e.pid in rt.accum.by_pid),
             "stale": rt.kept.stale()}
+
+
+def _full_optim_state(engine) -> dict:
+    """{parameter fqn: its optimizer state, state tensors gathered to full size} (collective;
+    a parameter without state is absent, as in torch's optimizer)."""
+    osd = engine.optimizer.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in engine.optimizer.param_groups
+                                             for p in g["params"])}
+    out = {}
+    for e in engine._registry:
+        st = osd["state"].get(index.get(id(e.shard)))
+        if not st:
+            continue
+        full = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.shape == e.shard.shape:
+                full[k] = engine._comm.all_gather(v.detach().contiguous(), count=False)[
+                    : e.numel].view(e.shape).cpu()
+            else:
+                full[k] = v.item() if isinstance(v, torch.Tensor) else v
+        for name in e.names:
+            out[name] = full
+    return out
 
 
 def _graph_stats() -> dict:
@@ -346,6 +372,8 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
                            engine.module.named_parameters(remove_duplicate=False)}
     res["opt_param_dtypes"] = sorted({str(p.dtype) for g in engine.optimizer.param_groups
                                       for p in g["params"]})
+    if "optim_state" in record:
+        res["optim_state"] = _full_optim_state(engine)
     res["seconds"] = time.perf_counter() - t0
     del engine, model
     torch._dynamo.reset()

@@ -133,7 +133,10 @@ class Engine:
         self._registry.reuse_listeners.append(self._check_reuse)
         self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
         self._runtime.offload = self._offload
-        self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
+        self._fallback = EagerFallback(
+            module, self._runtime, gather=config.zero_stage == 3,
+            agree=self._rails.agree_eager if self._rails.eager_group is not None else None,
+            agree_mask=self._rails.agree_mask)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
                                   engine_fingerprint=self._fingerprint(), guard=self._rails)
         if "offload_optimizer" in config.pass_list:
@@ -286,9 +289,11 @@ class Engine:
         steady = self._pipeline.phase is Phase.STEADY
         # [Note: divergence check] first: before this step's own collectives; it carries the
         # ranks' re-plan agreement ([Note: agreed re-planning] in compiler/drift.py)
-        self._pipeline.agree_replan(
-            self._rails.end_step(step, micro, self._pipeline.replan_request()))
+        self._pipeline.agree_replan(self._rails.end_step(
+            step, micro, self._pipeline.replan_request(), held=bool(self._fallback.held)))
         self._runtime.before_optimizer_step()   # parked gathers dropped, local gradients reduced
+        # eager code's gradients, by agreement ([Note: eager gradients are agreed])
+        self._fallback.flush(self._rails.held_anywhere)
         flat = self._flat
         if flat.inner is not None:   # the flat step ([Note: flat step] in runtime/flat.py)
             self._offload.begin_step()

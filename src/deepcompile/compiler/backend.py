@@ -165,13 +165,20 @@ class Backend:
 
 
 def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
-    """Insertion pass (ZeRO-3): `shard -> allgather_param -> uses`, just in time."""
+    """Insertion pass (ZeRO-3): `shard -> allgather_param -> uses`, just in time.
+
+    [Note: gathers with gradients] Every use of a parameter reads the one gather, so the gather
+    runs with gradients enabled, or no use sends a gradient to the shard: a parameter first read
+    under `no_grad` or `inference_mode` (a weight statistic, a codebook's distances, a teacher's
+    forward) and then used with gradients would never train. Where the first use is in a
+    region with gradients disabled, the gather goes before the node that disabled them."""
     graph = gm.graph
+    disabled = G.grad_disabled_regions(graph)
     for node, entry, shard_value in params:
         user = G.first_user(node)
         if user is None:
             continue  # unused parameter: nothing to gather
-        with graph.inserting_before(user):
+        with graph.inserting_before(disabled.get(user, user)):
             gathered = graph.call_function(
                 ops.ALLGATHER, (node, entry.pid, list(entry.shape), entry.compute_dtype))
         node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)

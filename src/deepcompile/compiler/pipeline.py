@@ -60,6 +60,7 @@ from . import cache as _cache
 from . import families as _families
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .coverage import Coverage
 from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .planner import Planner, copy_graph
@@ -116,6 +117,15 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
     }
 
 
+class _ReusedCall:
+    """A reused graph's call as the divergence check records it (runtime/guardrails.py)."""
+    graph_key = "reuse"
+
+    def __init__(self, describe: str) -> None:
+        self.describe = describe
+        self.digest = digest(describe)
+
+
 class Pipeline:
     def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict,
                  guard: Guardrails | None = None):
@@ -136,6 +146,8 @@ class Pipeline:
         # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
         self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
         self.trace = self.guard.trace
+        self.registry.reuse_call_listeners.append(self._reused_call)
+        self._reused: dict[tuple[int, int], _ReusedCall] = {}
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
@@ -223,6 +235,7 @@ class Pipeline:
             slot.rep, slot.training = rep, rep.training
             slot.original = _families.snapshot(gm)
             self._structured(slot, structure, structures)
+            slot.coverage = Coverage.of(gm)
             rep.members.append(slot)
             self.slots[key] = slot
             self._follow(slot)
@@ -235,6 +248,7 @@ class Pipeline:
         slot = GraphSlot(key, family, kind, gm, self.run)
         slot.training = kind != "inference"   # eval / no_grad graphs are never planned for
         slot.original = _families.snapshot(gm)
+        slot.coverage = Coverage.of(gm)
         self.reps[(family, kind)] = slot
         self.slots[key] = slot
         names = list(params)
@@ -297,6 +311,8 @@ class Pipeline:
                     f"{rep.key} would issue other collectives. Report this with the model; as a "
                     "workaround, give every rank inputs of one shape (pad), or leave out the "
                     "passes.") from e
+            if member.coverage is not None:   # [Note: gradient coverage]
+                member.coverage.check(gm, f"the plan of {rep.key} transplanted", member.key)
             face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
         member.swap(face[0], face[2])
         member.to_rep, member.following = face[1], rep.version
@@ -397,6 +413,20 @@ class Pipeline:
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
 
+    def _reused_call(self, compiled_for, actual) -> None:
+        """A graph runs for `actual` where it was compiled for `compiled_for` ([Note: graph
+        reuse] in compiler/backend.py): its digest names the compile-time parameter, so the
+        fingerprint takes the actual one too ([Note: divergence check]: ranks that run one
+        graph for different parameters, an experts loop skipping an expert on some ranks,
+        reduce one's gradient with the other's)."""
+        call = self._reused.get((compiled_for.pid, actual.pid))
+        if call is None:
+            call = self._reused[(compiled_for.pid, actual.pid)] = _ReusedCall(
+                f"a graph compiled for {compiled_for.name} ran for {actual.name}")
+        tr = self.trace
+        tr.fp = (tr.fp * FP_MUL + call.digest) & FP_MASK
+        tr.calls.append(call)
+
     def _profile_lead(self, slot: GraphSlot) -> float:
         """[Note: profiling ahead of the device] in compiler/profiler.py: how long to keep the
         device busy before a profiled run of `slot` — half as long again as the profiler last
@@ -416,7 +446,7 @@ class Pipeline:
         key = (last, slot.version)
         low = slot.lowered.get(key)
         if low is None:
-            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last)
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, key=slot.key)
             # what one run issues, for the cross-rank fingerprint and its messages
             low.digest = _families.comm_digest(slot.gm, last)
             low.graph_key = slot.key

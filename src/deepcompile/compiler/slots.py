@@ -18,6 +18,7 @@ from torch import fx
 
 if TYPE_CHECKING:
     from .families import Structures
+    from .coverage import Coverage
     from .lower import Lowered
     from .profiler import GraphProfile
 
@@ -39,6 +40,8 @@ class GraphSlot:
         self.rep: "GraphSlot | None" = None       # a member's representative; None: one itself
         self.members: list["GraphSlot"] = []      # a representative's members
         self.original: fx.GraphModule | None = None   # the graph as compiled, before any pass
+        # what every rewrite of it must keep ([Note: gradient coverage] in compiler/coverage.py)
+        self.coverage: "Coverage | None" = None
         self.to_rep: dict[str, str] = {}          # a member's node -> its representative's node
         self.faces: dict[int, tuple] = {}         # a member's plan per representative version
         self.following: int | None = None         # the representative version it runs

@@ -28,13 +28,17 @@ order, or another parameter's gather of the same size, complete and train on wro
 gloo aborts the process (in C++, no Python error) when a collective's size does not match the
 peer's. So the ranks compare what they ran: every graph call folds the digest of the graph's
 collective sequence (kind, parameters and so sizes, order, accumulation variant:
-`compiler/families.py`) into a per-step fingerprint (two integer operations per graph call), and
-every `Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before
-the step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
+`compiler/families.py`; a graph Dynamo reuses for other parameters folds those too) into a
+per-step fingerprint (two integer operations per graph call), and every
+`Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before the
+step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
 fingerprint and graph calls, each with its negation, so one reduction yields the maximum and
 minimum of each (a ninth carries the ranks' re-plan agreement: [Note: agreed re-planning] in
-compiler/drift.py). Any difference, and every rank all-gathers the per-call details of the window
-and raises the same `DivergenceError` naming the first step, graph call and ranks that differ.
+compiler/drift.py; a tenth whether some rank holds gradients of eager code: [Note: eager
+gradients are agreed] in runtime/eager.py, which the other steps agree by the same reduction
+with the step alone compared). Any difference, and every rank all-gathers the per-call details
+of the window and raises the same `DivergenceError` naming the first step, graph call and ranks
+that differ.
 The check runs on a gloo group of its own that carries nothing else: a rank that is behind or
 ahead can never pair the check with a training collective (it waits, and times out with a
 report, instead). A rank that ran one micro-step more than the others is caught this way,
@@ -175,6 +179,10 @@ class Guardrails:
         self.store = None
         self.check_group = None
         self.structure_group = None   # [Note: structures are agreed at each call]
+        self.eager_group = None
+        self.held_anywhere = False   # some rank holds eager gradients (the last `end_step`)
+        self._eager_seq = 0          # eager gathers agreed in this step
+        self._at = (0, 0)            # the step and micro-steps of the last `end_step`
         seq = next(_ENGINES)
         if not self.active:
             return
@@ -186,6 +194,9 @@ class Guardrails:
         self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                           use_local_synchronization=True)
         self.own_timeout = own_timeout(comm.user_group)
+        if config.zero_stage == 3:   # [Note: eager gathers are agreed] in runtime/eager.py
+            self.eager_group = dist.new_group(dist.get_process_group_ranks(group),
+                                              backend="gloo", use_local_synchronization=True)
         self.set_timeout(config.startup_timeout_s)
 
     # -- timeouts -------------------------------------------------------------------------------
@@ -204,7 +215,7 @@ class Guardrails:
             seconds = own if seconds is None else min(seconds, own) if given else seconds
         self.timeout_s = seconds
         _compat.set_pg_timeout(self.comm.group, seconds)
-        for group in (self.check_group, self.structure_group):
+        for group in (self.check_group, self.structure_group, self.eager_group):
             if group is not None:
                 _compat.set_pg_timeout(group, seconds)
 
@@ -405,43 +416,45 @@ class Guardrails:
         raise err
 
     # -- the divergence check ---------------------------------------------------------------------
-    def end_step(self, step: int, micro: int, request: bool | None = None) -> bool:
+    def end_step(self, step: int, micro: int, request: bool | None = None,
+                 held: bool = False) -> bool:
         """[Note: divergence check] First thing at an optimizer-step boundary, on every rank.
 
         `request`: whether this rank asks the others for a re-plan ([Note: agreed re-planning]
         in compiler/drift.py); None where no re-plan can be asked for this step (the same on
-        every rank). Returns whether some rank asked, once every rank knows it: with the check
-        (one more integer in its reduction), or where there is no check this step, never (the
-        request waits for the next check), or with no checks at all, by a reduction of its
-        own."""
+        every rank). Returns whether some rank asked, once every rank knows it: with the check,
+        or where there is no check this step, never (the request waits for the next check), or
+        with no checks at all, at once. `held`: whether this rank holds gradients of eager code
+        ([Note: eager gradients are agreed] in runtime/eager.py); whether any rank does is
+        `held_anywhere` after the call. Both ride one reduction at every step, the check's
+        where one is due (the step number always compared: ranks a step apart stop here)."""
         tr = self.trace
         self.window.append((step, micro, tr.fp, tr.calls))
         tr.fp, tr.calls = 0, []
+        self._eager_seq = 0
+        self._at = (step, micro)
         every = self.config.divergence_check_every
         if not self.active:
             self.window.clear()
+            self.held_anywhere = held
             return bool(request)
-        if not every:
-            if request is not None:
-                vec = torch.tensor([int(request)], dtype=torch.int64)
-                self._reduce_for_check(vec, step, micro)
-                request = bool(vec.item())
-            self.window.clear()
-            return bool(request)
-        if len(self.window) < every:
-            return False
+        due = bool(every) and len(self.window) >= every
         fp, micros, calls = 0, 0, 0
-        for _s, m, f, c in self.window:
-            fp = (fp * FP_MUL + f) & FP_MASK
-            micros += m
-            calls += len(c)
+        if due:
+            for _s, m, f, c in self.window:
+                fp = (fp * FP_MUL + f) & FP_MASK
+                micros += m
+                calls += len(c)
+            self.checks += 1
+        ask = request is not None and (due or not every)
         vec = torch.tensor([step, -step, micros, -micros, fp, -fp, calls, -calls,
-                            int(bool(request))], dtype=torch.int64)
+                            int(bool(request)) if ask else 0, int(held)], dtype=torch.int64)
         self._reduce_for_check(vec, step, micro)
-        self.checks += 1
         v = vec.tolist()
+        self.held_anywhere = bool(v[9])
         if all(v[i] == -v[i + 1] for i in range(0, 8, 2)):
-            self.window.clear()
+            if due or not every:
+                self.window.clear()
             return bool(v[8])
         details: list[Any] = [None] * self.world
         dist.all_gather_object(details, self._details(), group=self.check_group)
@@ -455,9 +468,9 @@ class Guardrails:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.check_group)
         except Exception as e:  # noqa: BLE001 -- some rank never came to the check
             where = {"phase": "step", "step": step, "micro": micro, "graph": None}
+            calls = len(self.window[-1][3]) if self.window else 0
             self.report("check", where, f"waited at the cross-rank check after {micro} "
-                        f"micro-steps and {len(self.window[-1][3])} graph calls in this step: "
-                        f"{brief(e)}")
+                        f"micro-steps and {calls} graph calls in this step: {brief(e)}")
             err = DistributedError("\n".join(
                 [f"deepcompile: rank {self.rank} ended {_where(where)} after {micro} "
                  "micro-steps and waited for the other ranks at the cross-rank check, which not "
@@ -466,6 +479,40 @@ class Guardrails:
             err.__cause__ = e
             self.stopped = err
             raise err
+
+    def agree_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of the integer CPU tensor `mask` over the ranks (at an
+        optimizer-step boundary, on every rank: [Note: eager gradients are agreed])."""
+        if self.active:
+            self._reduce_for_check(mask, *self._at)
+        return mask
+
+    def agree_eager(self, what: str, where: str, entries: list) -> None:
+        """[Note: eager gathers are agreed] in runtime/eager.py: every rank is about to gather
+        the same parameters (`entries`, for module `where`: `what` it gathers them for), or every
+        rank raises the same DivergenceError."""
+        if self.eager_group is None:
+            return
+        seq, self._eager_seq = self._eager_seq, self._eager_seq + 1
+        mine = torch.tensor([seq, digest(repr([e.name for e in entries]))], dtype=torch.int64)
+        every = torch.empty(self.world * 2, dtype=torch.int64)
+        _compat.all_gather_flat(every, mine, self.eager_group)
+        if all(torch.equal(mine, row) for row in every.view(self.world, 2)):
+            return
+        names = [e.name for e in entries]
+        text = f"module {where} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        seen: list[Any] = [None] * self.world
+        dist.all_gather_object(seen, text, group=self.eager_group)
+        err = DivergenceError(
+            f"deepcompile: at ZeRO-3 the ranks ran different modules eagerly (outside the "
+            f"compiled graphs): at the eager gather #{seq} of this optimizer step\n" +
+            "\n".join(f"  rank {r}: {t}" for r, t in enumerate(seen)) +
+            "\nA module run on some ranks only cannot gather its parameters (every rank takes "
+            "part in each gather): run it on every rank (an expert with no token: call it on an "
+            "empty batch), or train at ZeRO-1/2, where such a module trains as under DDP. The "
+            "engine stops on every rank.")
+        self.stopped = err
+        raise err
 
     def _details(self) -> dict:
         return {"rank": self.rank,

@@ -9,7 +9,8 @@
   `selective_unshard`'s alike (runtime/accumulators.py);
 * `parked`: gathers a graph started for the next graph, until that graph takes them;
 * `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
-* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on.
+* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
+* `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py).
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
@@ -101,6 +102,8 @@ class EngineRuntime:
         self.parked = ParkedGathers()
         self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
         self.offload: Any = None          # runtime/offload.py, set by the engine
+        self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
+                                                         # gradients are agreed])
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
@@ -128,7 +131,8 @@ class EngineRuntime:
     def held_bytes(self) -> int:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
         allocator counts them)."""
-        total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes()
+        total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes() + \
+            sum(g.untyped_storage().nbytes() for g in self.eager_grads.values())
         if self.count_offload_bytes and self.offload is not None:
             total += self.offload.held_bytes()
         return total
