@@ -402,9 +402,11 @@ class FlatState:
             self.inner.step()
             for _c, u in call:
                 u.param.grad = None
-        for c, u in fresh:
+        for c, u in fresh:   # state made by this step: the facade shows it from now on
             if len(c.units) > 1:
                 self._adopt(c, u)
+            else:
+                self._viewed.discard(c.index)
         self.show_state(chunks)
 
     def show_state(self, chunks: Iterable[Chunk]) -> None:
