@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -21,7 +22,8 @@ from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
 from .runtime.flat import FlatState, _grad_of, _is_not_none
-from .runtime.guardrails import Guardrails, NonFiniteError, UsageError
+from .runtime.guardrails import (DistributedError, Guardrails, NonFiniteError, UsageError,
+                                 is_comm_error)
 from .runtime.loss_scale import GradCheck, grad_norms, nonfinite_ranks
 from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
@@ -100,6 +102,33 @@ def _check_backend(device: torch.device, backend: str) -> None:
     else:
         raise ValueError(f"deepcompile.initialize: device type {device.type!r} is not supported "
                          "(supported: cpu with gloo, cuda with nccl)")
+
+
+def _collective(method: Callable) -> Callable:
+    """An engine method that communicates outside the training step: on every rank, or a
+    CollectiveCallError on the ranks that called it ([Note: collective calls] in
+    runtime/guardrails.py); a collective failing inside it is a DistributedError naming what the
+    other ranks reported. One entry for nested calls (plot writes the trace)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        if self._in_collective:
+            return method(self, *args, **kwargs)
+        if self._rails.stopped is not None:
+            raise self._rails.stopped_error()
+        step, micro = self._optimizer_steps, self._micro_steps
+        self._rails.enter_collective(name, step, micro, self._forwards)
+        self._in_collective = True
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            if is_comm_error(e) and not isinstance(e, DistributedError):
+                raise self._rails.on_exception(e, name, step, micro)
+            raise
+        finally:
+            self._in_collective = False
+    return call
 
 
 class Engine:
@@ -192,6 +221,7 @@ class Engine:
         self._metrics = StepMetrics(self)
         self._tracer = StepTracer(self._pipeline, self.device)
         self._micro_steps = 0
+        self._in_collective = False   # inside a collective method (_collective)
         self._forwards = 0          # forwards with grad since the last backward
         self._optimizer_steps = 0
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
@@ -211,6 +241,7 @@ class Engine:
                                   f"{self._micro_steps + 1} of an accumulation window of {gas} "
                                   "(Config.gradient_accumulation_steps) without engine.step(): "
                                   "call engine.step() after every micro-step or after the last")
+            self._rails.at_forward(self._optimizer_steps, self._micro_steps, self._forwards)
             self._forwards += 1
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
         if torch.is_grad_enabled():
@@ -485,9 +516,11 @@ class Engine:
         return coef
 
     # -- state -----------------------------------------------------------------------------
+    @_collective
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{parameter fqn: full tensor on CPU} in master dtype, gathered; same on every rank."""
+        """{parameter fqn: full tensor on CPU} in master dtype, gathered; the same on every rank.
+        Collective: call it on every rank (docs/guide/collectives.md)."""
         out: dict[str, torch.Tensor] = {}
         with self._offload.masters_home():   # [Note: masters on the host] in runtime/offload.py
             for entry in self._registry:
@@ -497,30 +530,35 @@ class Engine:
                     out[name] = full
         return out
 
+    @_collective
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None, *,
                         async_save: bool = False):
         """Save the shards, the optimizer state, the step counters and rank 0's `client_state`
         (anything `torch.load(weights_only=True)` reads back) under the directory `path`, on
         torch.distributed.checkpoint: loadable on any number of ranks and ZeRO stage, published
-        atomically (collective; at an optimizer-step boundary). Returns `path`; with
-        `async_save=True`, a Future of it (the data is copied first: training may go on).
-        See checkpoint.py."""
+        atomically (at an optimizer-step boundary). Returns `path`; with `async_save=True`, a
+        Future of it (the data is copied first: training may go on). See checkpoint.py.
+        Collective: call it on every rank, with the same `path` (docs/guide/collectives.md)."""
         from . import checkpoint
 
         return checkpoint.save(self, path, client_state, async_save=async_save)
 
+    @_collective
     def load_checkpoint(self, path: str | os.PathLike) -> Any:
-        """Restore what `save_checkpoint` wrote (collective; any world size and ZeRO stage, the
-        same model and optimizer groups); returns the saved `client_state` (or None)."""
+        """Restore what `save_checkpoint` wrote (any world size and ZeRO stage, the same model
+        and optimizer groups); returns the saved `client_state` (or None) on every rank.
+        Collective: call it on every rank (docs/guide/collectives.md)."""
         from . import checkpoint
 
         return checkpoint.load(self, path)
 
+    @_collective
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
                         max_shard_bytes: int | None = None) -> str:
         """Write the full model as a Hugging Face model directory (safetensors weights, and
         config.json when the model is a `transformers.PreTrainedModel`), in the master dtype
-        unless `dtype` is given. Collective: call on every rank; rank 0 writes."""
+        unless `dtype` is given. Collective: call it on every rank; rank 0 writes
+        (docs/guide/collectives.md)."""
         from . import export
 
         return export.save_pretrained(self, directory, dtype=dtype,
@@ -533,11 +571,13 @@ class Engine:
         """What the compiler did: graphs, profiles, passes and their decisions, cache, comm."""
         return Report.build(self)
 
+    @_collective
     def export_trace(self, path: str | os.PathLike) -> str:
         """Write a Chrome-trace JSON (Perfetto, chrome://tracing): every rank's lanes of the
         step traced by `trace_next_step()` (real timestamps, collectives labelled with their
         modules, exposed waits), or of the latest profiled step when none was traced, with a
-        memory counter track. Collective: call it on every rank; rank 0 writes the file."""
+        memory counter track. Collective: call it on every rank; rank 0 writes the file
+        (docs/guide/collectives.md)."""
         from .report.trace import export_trace
 
         return export_trace(self, path)
@@ -559,10 +599,11 @@ class Engine:
         on every rank, between steps. False when another profiler is recording."""
         return self._tracer.start()
 
+    @_collective
     def save_report(self, path: str | os.PathLike) -> str:
         """Write `report()` as JSON with every rank's data for the pictures (memory curves,
         traced step, step times): `deepcompile report FILE --plot DIR` reads it. Collective:
-        call it on every rank; rank 0 writes the file."""
+        call it on every rank; rank 0 writes the file (docs/guide/collectives.md)."""
         from .report.figures import gather_report
 
         report = gather_report(self)
@@ -570,21 +611,23 @@ class Engine:
             report.save(path)
         return str(path)
 
+    @_collective
     def plot(self, directory: str | os.PathLike) -> list[str]:
         """Draw the pictures of this engine into `directory` (PNG, matplotlib: the `plot`
         extra): memory over the profiled step per rank with the budget, the traced step's
         compute/communication timeline (`trace_next_step()`), each pass before and after, step
         time through warm-up, profiling and the final compile; writes report.json and
-        trace.json there too. Collective: call it on every rank; rank 0 writes."""
+        trace.json there too. Collective: call it on every rank; rank 0 writes
+        (docs/guide/collectives.md)."""
         from .report.figures import gather_report, plot_report
 
         report = gather_report(self)
+        # the collectives first: the others do not wait in one while rank 0 draws
+        self.export_trace(os.path.join(directory, "trace.json"))
         paths: list[str] = []
         if self._comm.rank == 0:
-            os.makedirs(directory, exist_ok=True)
             paths.append(report.save(os.path.join(directory, "report.json")))
             paths += plot_report(report, directory)
-        self.export_trace(os.path.join(directory, "trace.json"))
         return paths
 
     def _fingerprint(self) -> dict:
