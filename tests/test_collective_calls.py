@@ -83,7 +83,7 @@ def _one_rank(rank, group, out, method, order, tmp, zero_stage=3, profile_steps=
     out["t0"] = time.monotonic()
     if rank == 0:
         if order == "skipper first":   # rank 1 posted its next forward (then blocks in it)
-            _wait_for(lambda: store.get("pos/1").decode().startswith(f"{CALL_STEP} 0 0"),
+            _wait_for(lambda: store.get("pos/1").decode() == f"{CALL_STEP + 1} 0 {CALL_STEP} 0 0",
                       "rank 1's forward")
         _call(engine, method, tmp)
     else:
@@ -95,16 +95,20 @@ def _one_rank(rank, group, out, method, order, tmp, zero_stage=3, profile_steps=
 def _every_method(rank, group, out, tmp):
     """Every rank calls every collective method (rank 1 late by a second once: a slow rank is
     not a rank that skipped the call), and training goes on; each method entered the
-    collective handshake once (plot's nested trace export included)."""
+    collective handshake once (plot's nested trace export included). The load goes back a
+    step, and the call after it compares positions with the step counter it restored."""
     # (rank 0 draws plot's pictures alone, for seconds, while rank 1 waits in its next step)
     engine = _engine(group, zero_stage=3, profile_steps=1, collective_timeout_s=120.0)
     for step in range(CALL_STEP):
         _step(engine, step, rank)
     out["results"] = {}
     for method in METHODS:
+        if method == "load_checkpoint":
+            _step(engine, CALL_STEP, rank)   # then back to CALL_STEP
         if rank == 1 and method == "save_checkpoint":
             time.sleep(1.0)
         out["results"][method] = type(_call(engine, method, tmp)).__name__
+    out["again"] = type(_call(engine, "full_state_dict", tmp)).__name__
     out["calls"] = engine._rails.calls
     out["stepped"] = _step(engine, CALL_STEP, rank)
 
@@ -136,8 +140,8 @@ def _released(rank, group, out, tmp):
     _call(engine, "save_pretrained", tmp)
 
 
-METHODS = ("full_state_dict", "save_checkpoint", "load_checkpoint", "save_pretrained",
-           "export_trace", "save_report", "plot")
+METHODS = ("full_state_dict", "save_checkpoint", "save_pretrained", "export_trace",
+           "save_report", "plot", "load_checkpoint")
 ONE_RANK = ("full_state_dict", "save_checkpoint", "save_pretrained", "plot")
 SCENARIOS = {"every method": _every_method,
              # rank 0 alone: caller first (no rank waits for a timeout) ...
@@ -194,7 +198,8 @@ def test_every_method_on_every_rank(outcomes):
         assert r["results"] == {"full_state_dict": "dict", "save_checkpoint": "str",
                                 "load_checkpoint": "NoneType", "save_pretrained": "str",
                                 "export_trace": "str", "save_report": "str", "plot": "list"}
-        assert r["calls"] == len(METHODS) and r["stepped"] is True
+        assert r["again"] == "dict"
+        assert r["calls"] == len(METHODS) + 1 and r["stepped"] is True
 
 
 @pytest.mark.parametrize("method", ONE_RANK)

@@ -79,16 +79,17 @@ Called under `if rank == 0:` the caller would wait in the method's first collect
 others in their next step's, each until the collective timeout, with a transport error that
 names neither. So each such call first meets the other ranks' through the store
 (`enter_collective`): the k-th collective call of an engine on every rank is "call/k"; a rank
-records its method and position there and waits until every rank has arrived. A rank's
-*position* is (optimizer step, micro-step, training forwards since the last backward): the
-point of the loop it is at. Every training forward posts this rank's position and how many
-collective calls it entered (`at_forward`: one store write, which TCPStore does not answer); a
-rank that is waiting at call k reads the others' and fails at once, with every rank's story,
-when one of them has started a training forward at or past the caller's position without
-entering call k (it skipped the call), or released its engine (or exited; `_gone`). The other
-way round, the first training forward of each accumulation window (one store read) finds a
-call k that another rank entered at a position this rank has reached: this rank skipped it,
-and fails there, before its forward's collectives. What cannot be seen is waited for, up to the
+records its method and how many training forwards it ran before it, and waits until every
+rank has arrived. Every training forward posts this rank's progress (`at_forward`: training
+forwards and collective calls so far, and the step and micro-step for the messages; one store
+write, which TCPStore does not answer). In one program every rank runs the same forwards and
+calls in the same order, so a rank waiting at call k fails at once, with every rank's story,
+when another one has run more training forwards than it did before call k without entering
+call k (it skipped the call), or released its engine (or exited; `_gone`). Counts, not step
+numbers: a load moves the step counter back, a count never does, and a rank's last post is
+never ahead of it. The other way round, the first training forward of each accumulation window
+(one store read) finds a call k that another rank entered after fewer forwards than this one
+has now run: this rank skipped it, and fails there, before its forward's collectives. What cannot be seen is waited for, up to the
 collective timeout: a rank that is slow (a late data batch, an evaluation on that rank only at
 ZeRO-1/2) is not a rank that skipped the call. An eval forward (no grad) posts nothing: at
 ZeRO-1/2 it may legitimately run on some ranks only. Either error stops the engine on that
@@ -205,6 +206,7 @@ class Guardrails:
         self._graphs = 0                        # new graphs agreed so far
         self.checks = 0
         self.calls = 0                          # collective calls entered ([Note: collective calls])
+        self.forwards = 0                       # training forwards started (the same)
         self.store = None
         self.check_group = None
         self.structure_group = None   # [Note: structures are agreed at each call]
@@ -217,7 +219,7 @@ class Guardrails:
             return
         self.store = dist.PrefixStore(f"deepcompile/{comm.group_name}/{seq}/",
                                       _compat.default_store())
-        # every rank's position exists before any rank can read it: the engine's first
+        # every rank's progress exists before any rank can read it: the engine's first
         # collective (the weights' broadcast) comes after this on every rank
         self._post((0, 0, 0))
         weakref.finalize(self, _gone, self.store, self.rank)
@@ -450,7 +452,9 @@ class Guardrails:
 
     # -- collective calls ([Note: collective calls]) ----------------------------------------------
     def _post(self, pos: tuple[int, int, int]) -> None:
-        self.store.set(f"pos/{self.rank}", "%d %d %d %d" % (*pos, self.calls))
+        """How far this rank has got: its training forwards and collective calls so far, and
+        where the last forward was (for the messages)."""
+        self.store.set(f"pos/{self.rank}", "%d %d %d %d %d" % (self.forwards, self.calls, *pos))
 
     def at_forward(self, step: int, micro: int, forwards: int) -> None:
         """A training forward starts at this position: post it; at the first forward of an
@@ -459,19 +463,20 @@ class Guardrails:
         if self.store is None:
             return
         pos = (step, micro, forwards)
+        self.forwards += 1
         self._post(pos)
         if micro or forwards:
             return
         key = f"call/{self.calls}"
         if not self.store.check([key]):
             return
-        method, *first, by = self.store.get(key).decode().split()
-        first = tuple(map(int, first))
-        if pos < first:
-            return   # that rank called it later in the loop than this forward: not skipped
+        method, done, *first, by = self.store.get(key).decode().split()
+        if self.forwards <= int(done):
+            return   # that rank called it after more forwards than this one: not skipped
         where = {"phase": "forward", "step": step, "micro": micro, "graph": None}
-        what = (f"rank(s) {self._callers(key) or [int(by)]} called it at {_point(*first)}, and "
-                f"this rank did not: it went on to a training forward at {_point(*pos)}")
+        what = (f"rank(s) {self._callers(key) or [int(by)]} called it at "
+                f"{_point(*map(int, first))}, and this rank did not: it went on to a training "
+                f"forward at {_point(*pos)}")
         raise self._call_failure(where, method, what, f"skipped engine.{method}(): {what}")
 
     def enter_collective(self, method: str, step: int, micro: int, forwards: int) -> None:
@@ -482,7 +487,7 @@ class Guardrails:
         pos = (step, micro, forwards)
         k, self.calls = self.calls, self.calls + 1
         key = f"call/{k}"
-        mine = "%s %d %d %d %d" % (method, *pos, self.rank)
+        mine = "%s %d %d %d %d %d" % (method, self.forwards, *pos, self.rank)
         where = {"phase": method, "step": step, "micro": micro, "graph": None}
         first = self.store.compare_set(key, "", mine).decode().split()
         if first[0] != method:
@@ -499,7 +504,7 @@ class Guardrails:
             if self.store.check([f"{key}/bad"]):
                 rank, other = self.store.get(f"{key}/bad").decode().split()
                 raise self._mismatch(where, pos, method, other, [int(rank)])
-            skipped = self._skipped(key, k, pos)
+            skipped = self._skipped(key, k)
             if skipped or time.monotonic() >= deadline:
                 absent = [r for r in range(self.world)
                           if not _safe_check(self.store, f"{key}/at/{r}")]
@@ -518,9 +523,10 @@ class Guardrails:
         return self._call_failure(where, method, what, f"called engine.{method}() where rank(s) "
                                   f"{ranks} called engine.{other}()")
 
-    def _skipped(self, key: str, k: int, pos: tuple[int, int, int]) -> list[str]:
-        """The ranks that went past `pos` without entering call `k` (or released their
-        engine), as sentences; one read of every rank's position."""
+    def _skipped(self, key: str, k: int) -> list[str]:
+        """The ranks that ran more training forwards than this one before call `k` without
+        entering it (or released their engine), as sentences; one read of every rank's
+        progress. What a rank posted is never ahead of it: an old post cannot accuse it."""
         others = [r for r in range(self.world) if r != self.rank]
         got = self.store.multi_get([f"pos/{r}" for r in others])
         out = []
@@ -529,10 +535,10 @@ class Guardrails:
             if text == "gone":
                 why = f"rank {r} released its engine (or exited)"
             else:
-                *theirs, calls = map(int, text.split())
-                if calls > k or tuple(theirs) < pos:
+                forwards, calls, *where = map(int, text.split())
+                if calls > k or forwards <= self.forwards:
                     continue
-                why = f"rank {r} went on to a training forward at {_point(*theirs)}"
+                why = f"rank {r} went on to a training forward at {_point(*where)}"
             if not _safe_check(self.store, f"{key}/at/{r}"):
                 out.append(why)
         return out
