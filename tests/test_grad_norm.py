@@ -21,7 +21,10 @@ import _models
 from _train import (check_grad_norms, compare_to_reference, reference_training, run_training,
                     scenario)
 
-BF16_NORM_REL_TOL = 2e-2   # bf16 gradients (8-bit mantissa) against the fp32 reference
+# bf16 compute against the fp32 reference, relative (as test_mixed_precision.py): at the first
+# step, the same parameters (measured 2.6e-4); at every step (measured 0.0099 over 4 steps)
+BF16_NORM_REL_TOL_FIRST = 5e-3
+BF16_NORM_REL_TOL = 0.15
 
 
 _WORLD1 = [
@@ -44,8 +47,10 @@ def test_the_norm_is_eagers_at_world_size_1(group):
     assert "error" not in r, r["error"]
     ref = reference_training(_BF16)["grad_norms"]
     dev = check_grad_norms([r], ref)
-    print(f"bf16: grad norms {r['grad_norms']} vs fp32 {ref}: relative {dev:.2g}")
-    assert dev <= BF16_NORM_REL_TOL
+    first = abs(r["grad_norms"][0] / ref[0] - 1)
+    print(f"bf16: grad norms {r['grad_norms']} vs fp32 {ref}: relative {first:.2g} at the "
+          f"first step, {dev:.2g} at most")
+    assert first <= BF16_NORM_REL_TOL_FIRST and dev <= BF16_NORM_REL_TOL
 
 
 def _engine(model, **config):
