@@ -122,6 +122,25 @@ def _different(rank, group, out, tmp):
     _call(engine, "save_checkpoint" if rank == 0 else "save_pretrained", tmp)
 
 
+def _stalled_inside(rank, group, out, tmp):
+    """Both ranks call export_trace, and rank 1 stalls inside it, before its collective, past
+    the timeout: rank 0's gather times out, a DistributedError naming the method (not gloo's
+    raw timeout)."""
+    from deepcompile.report import trace
+
+    engine = _engine(group, zero_stage=3, profile_steps=1)
+    for step in range(CALL_STEP):
+        _step(engine, step, rank)
+    out["t0"] = time.monotonic()
+    events = trace._profiled_events
+    if rank == 1:
+        trace._profiled_events = lambda e: (time.sleep(T + 1.0), events(e))[1]
+    try:
+        engine.export_trace(f"{tmp}/trace.json")
+    finally:
+        trace._profiled_events = events
+
+
 def _released(rank, group, out, tmp):
     """Rank 1 is done and releases its engine; rank 0 then saves alone: it raises at once."""
     import gc
@@ -154,6 +173,7 @@ SCENARIOS = {"every method": _every_method,
              "plot/skipper first, ZeRO-1": functools.partial(
                  _one_rank, method="plot", order="skipper first", zero_stage=1, profile_steps=1),
              "different": _different,
+             "stalled inside": _stalled_inside,
              "released": _released}
 
 
@@ -241,6 +261,17 @@ def test_different_methods_at_the_same_call(outcomes):
     assert r0["type"] == r1["type"] == "CollectiveCallError"
     text = " ".join([r0["message"], r1["message"]])
     assert "called engine.save_checkpoint()" in text and "called engine.save_pretrained()" in text
+    assert r0["elapsed"] < BOUND and r1["elapsed"] < BOUND
+
+
+def test_a_transport_error_inside_is_a_distributed_error(outcomes):
+    r0, r1 = outcomes["stalled inside"]
+    _show("stalled inside", (r0, r1))
+    assert r0["type"] == "DistributedError"
+    assert (f"rank 0 stopped at step {CALL_STEP} (micro-step 0, export_trace): a collective "
+            "failed: ") in r0["message"]
+    assert "What the other ranks reported:" in r0["message"]
+    assert r1["type"] == "DistributedError"   # its peer gave up on the collective
     assert r0["elapsed"] < BOUND and r1["elapsed"] < BOUND
 
 

@@ -668,6 +668,7 @@ class Engine:
         self.export_trace(os.path.join(directory, "trace.json"))
         paths: list[str] = []
         if self._comm.rank == 0:
+            os.makedirs(directory, exist_ok=True)
             paths.append(report.save(os.path.join(directory, "report.json")))
             paths += plot_report(report, directory)
         return paths

@@ -123,6 +123,13 @@ class GuardedParameter(nn.Parameter):
     def grad(self):
         _TENSOR_GRAD.__delete__(self)
 
+    def __deepcopy__(self, memo):
+        """A copy is the user's own parameter: a plain one (ZeRO-3: reading the data raises)."""
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                          self.requires_grad)
+        return memo[id(self)]
+
 
 class ShardedParameter(GuardedParameter):
     """A ZeRO-3 module parameter between uses (see [Note: the guarded model]). Never

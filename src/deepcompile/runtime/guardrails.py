@@ -75,26 +75,24 @@ rank, as for any graph compiled on some ranks only.
 [Note: collective calls] The engine's methods that communicate outside the training step
 (`save_checkpoint`, `load_checkpoint`, `save_pretrained`, `full_state_dict`, `export_trace`,
 `save_report`, `plot`) must be called on every rank, at the same point of the training loop.
-Called under `if rank == 0:` the caller would wait in the method's first collective, and the
-others in their next step's, each until the collective timeout, with a transport error that
-names neither. So each such call first meets the other ranks' through the store
-(`enter_collective`): the k-th collective call of an engine on every rank is "call/k"; a rank
-records its method and how many training forwards it ran before it, and waits until every
-rank has arrived. Every training forward posts this rank's progress (`at_forward`: training
-forwards and collective calls so far, and the step and micro-step for the messages; one store
-write, which TCPStore does not answer). In one program every rank runs the same forwards and
-calls in the same order, so a rank waiting at call k fails at once, with every rank's story,
-when another one has run more training forwards than it did before call k without entering
-call k (it skipped the call), or released its engine (or exited; `_gone`). Counts, not step
-numbers: a load moves the step counter back, a count never does, and a rank's last post is
-never ahead of it. The other way round, the first training forward of each accumulation window
-(one store read) finds a call k that another rank entered after fewer forwards than this one
-has now run: this rank skipped it, and fails there, before its forward's collectives. What cannot be seen is waited for, up to the
-collective timeout: a rank that is slow (a late data batch, an evaluation on that rank only at
-ZeRO-1/2) is not a rank that skipped the call. An eval forward (no grad) posts nothing: at
-ZeRO-1/2 it may legitimately run on some ranks only. Either error stops the engine on that
-rank (its call count no longer matches the others'), and is posted as a report for the ranks
-blocked in a collective ([Note: failures across ranks]).
+Called under `if rank == 0:`, the caller would wait in the method's first collective and the
+others in their next step's, until the timeout, with a transport error that names neither. So
+each call first meets the other ranks' through the store (`enter_collective`): the k-th
+collective call of an engine is "call/k" on every rank; a rank records there its method and how
+many training forwards it ran before it, and waits for every rank. Every training forward posts
+this rank's progress (`at_forward`: training forwards and collective calls so far, the step and
+micro-step for the messages; one store write, which TCPStore does not answer). Every rank runs
+the same forwards and calls in the same order, so a rank waiting at call k fails at once when
+another one ran more training forwards than it did before call k without entering call k (it
+skipped the call), or released its engine (or exited: `_gone`). Counts, not step numbers: a
+load moves the step counter back, a count never does, and a rank's last post is never ahead of
+it. The other way round, the first training forward of each accumulation window (one store
+read) finds a call k another rank entered after fewer forwards than this rank has now run:
+this rank skipped it, and fails there, before its forward's collectives. What cannot be seen
+is waited for, up to the collective timeout: a slow rank has not skipped the call, and an eval
+forward (no grad) posts nothing (at ZeRO-1/2 it may run on some ranks only). Either error stops
+the engine on that rank (its call count no longer matches the others') and is posted as a
+report for the ranks blocked in a collective ([Note: failures across ranks]).
 """
 
 from __future__ import annotations
@@ -472,7 +470,7 @@ class Guardrails:
             return
         method, done, *first, by = self.store.get(key).decode().split()
         if self.forwards <= int(done):
-            return   # that rank called it after more forwards than this one: not skipped
+            return   # this forward comes before that call in the loop: not skipped
         where = {"phase": "forward", "step": step, "micro": micro, "graph": None}
         what = (f"rank(s) {self._callers(key) or [int(by)]} called it at "
                 f"{_point(*map(int, first))}, and this rank did not: it went on to a training "
