@@ -118,9 +118,9 @@ def _collective(method: Callable) -> Callable:
         if self._rails.stopped is not None:
             raise self._rails.stopped_error()
         step, micro = self._optimizer_steps, self._micro_steps
-        self._rails.enter_collective(name, step, micro, self._forwards)
         self._in_collective = True
         try:
+            self._rails.enter_collective(name, step, micro, self._forwards)
             return method(self, *args, **kwargs)
         except BaseException as e:
             if is_comm_error(e) and not isinstance(e, DistributedError):
@@ -242,7 +242,11 @@ class Engine:
                                   f"{self._micro_steps + 1} of an accumulation window of {gas} "
                                   "(Config.gradient_accumulation_steps) without engine.step(): "
                                   "call engine.step() after every micro-step or after the last")
-            self._rails.at_forward(self._optimizer_steps, self._micro_steps, self._forwards)
+            try:   # [Note: collective calls]; the store fails where its host (rank 0) exited
+                self._rails.at_forward(self._optimizer_steps, self._micro_steps, self._forwards)
+            except BaseException as e:
+                raise self._rails.on_exception(e, "forward", self._optimizer_steps,
+                                               self._micro_steps)
             self._forwards += 1
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
         if torch.is_grad_enabled():
