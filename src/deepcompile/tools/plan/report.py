@@ -135,8 +135,7 @@ def _default(x):
 
 
 # ------------------------------------------------------------------------------ picture
-# one hue per legend entry: no two alike (forward and all-gather were two blues, the optimizer
-# and the refresh two purples)
+# one hue per legend entry, no two alike (one blue, one purple)
 _COLORS = {"fw": "#4C72B0", "bw": "#55A868", "optimizer": "#8172B2", "wait": "#DDDDDD",
            "all_gather": "#17BECF", "reduce_scatter": "#FF7F0E", "refresh": "#E377C2",
            "offload": "#8C564B", "host": "#7F7F7F", "other": "#BBBBBB"}
