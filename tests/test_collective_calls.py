@@ -7,10 +7,14 @@ Each scenario trains a small model on 2 gloo ranks (a process group of its own p
 
 * "caller first": rank 1 goes on to its next training forward once rank 0 is in the method.
   Both ranks raise CollectiveCallError at once, without waiting for a collective: rank 1 at the
-  start of its forward (before any collective of it), rank 0 reading rank 1's position;
-* "skipper first": rank 1 is in its next forward's collectives before rank 0 calls. Rank 0
-  raises at once; rank 1, blocked in a collective, stops at the timeout with a DistributedError
-  that quotes rank 0's report.
+  start of its forward (before any collective of it), rank 0 reading rank 1's progress;
+* "skipper first": rank 1 is in its next step's collectives before rank 0 calls. Rank 0 raises
+  at once; rank 1, blocked in a collective, stops at the timeout with a DistributedError that
+  quotes rank 0's report.
+
+And: every method on every rank (one rank late, a load that moves the step counter back) runs;
+two different methods at the same call raise at once on both ranks; a released engine is not
+waited for; a transport error inside a method is a DistributedError.
 
 Which path an error took is asserted from its message (what the rank saw), not from a clock;
 `BOUND` only keeps a broken run from waiting out the default timeouts.
