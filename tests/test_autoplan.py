@@ -418,6 +418,32 @@ def test_pictures(auto_runs, tmp_path):
                                                           "steps.png", "timeline.png"]
 
 
+def test_memory_picture_names_short_graphs_apart():
+    """Graphs of a fraction of a millisecond side by side (graph breaks): every name is drawn,
+    none over another."""
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    from deepcompile.report import figures
+
+    spans, t = [], 0.0
+    for i, dur in enumerate([4e-3, 2e-4, 2e-4, 3e-4, 6e-3, 2e-4, 2e-4, 9e-3]):
+        spans.append([f"g{i}.fw", t, dur])
+        t += dur
+    rank = {"rank": 0, "memory": {"points": [[0.0, 1 << 20], [t, 2 << 20]], "graphs": spans,
+                                  "profile": "after prefetch"}}
+    report = SimpleNamespace(ranks=[rank], memory_budget_bytes=None, world_size=1, passes=[],
+                             config={"zero_stage": 3, "compiler": "fx", "passes": "auto"})
+    plt = figures._plt()
+    fig = figures._memory(plt, report)
+    renderer = fig.canvas.get_renderer()
+    boxes = [x.get_window_extent(renderer) for x in fig.axes[0].texts
+             if x.get_text().startswith("g")]
+    plt.close(fig)
+    assert len(boxes) == len(spans)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
 class _Ev:
     """A profiler event as report/steptrace.py reads one."""
 

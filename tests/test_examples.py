@@ -81,7 +81,7 @@ def test_train_llama_logs_metrics_and_draws(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("step_s", "tokens_per_s", "flops_per_s", "exposed_comm_s", "peak_memory_bytes",
-                "collectives_per_step"):
+                "collectives_per_step", "grad_norm"):
         assert f"deepcompile/{key}" in tags, tags
     assert len(acc.Scalars("deepcompile/step_s")) == 26
     assert "deepcompile/exposed_comm_s_measured" in tags   # the traced steady step

@@ -71,8 +71,9 @@ class Config:
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
     passes: "auto" (the default; None means the same): the pipeline chooses the passes and
         their order from the first profile and the memory budget, and says why in the report
-        (compiler/autoplan.py); or optimization passes by name, applied in the order given;
-        () = insertion only. Either way, a pass whose measured steps are slower than before
+        (compiler/autoplan.py); or optimization passes by name, applied in the order given (a
+        sequence, or one comma-separated string: "prefetch,bucket_reduce"); () or "" =
+        insertion only. Either way, a pass whose measured steps are slower than before
         (or whose re-profiled peak exceeds the budget) is reverted.
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
@@ -160,10 +161,11 @@ class Config:
         set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
         passes = "auto" if self.passes is None else self.passes
+        if isinstance(passes, str) and passes.strip() != "auto":
+            # "prefetch,bucket_reduce", as the command line takes them ("": insertion only)
+            passes = tuple(p.strip() for p in passes.split(",") if p.strip())
         if isinstance(passes, str):
-            if passes != "auto":
-                raise ValueError(f"Config.passes: {passes!r} is not allowed; allowed: 'auto', "
-                                 "None (the same) or a sequence of pass names")
+            passes = "auto"
         elif not all(isinstance(p, str) for p in passes):
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
                              "allowed: 'auto' or a sequence of pass names")

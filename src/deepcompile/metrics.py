@@ -144,8 +144,10 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats(eng.device)
         else:
             peak_mem = _rss_hwm()
+        norm = eng._grad_norm   # [Note: the step's gradient norm] in engine.py
         return {
             "step": pipe.steps, "phase": last.get("phase"), "step_s": step_s,
+            "grad_norm": None if norm is None else float(norm),
             "tokens_per_step": self._step_tokens * world or None,
             "tokens_per_s": self._step_tokens * world / step_s if step_s and self._step_tokens
             else None,

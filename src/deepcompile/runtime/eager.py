@@ -175,7 +175,8 @@ class EagerFallback:
 
     def _grad_hook(self, k: int, param: torch.Tensor) -> None:
         entry = self._grad_entries[k]
-        grad, param.grad = param.grad, None
+        # (the tensor's own .grad: the guarded parameter's warns when it is None, guard.py)
+        grad, param.grad = torch.Tensor.grad.__get__(param), None
         if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
             return
         # held for the step ([Note: eager gradients are agreed]); the accumulated `.grad` is
