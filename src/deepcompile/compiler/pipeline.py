@@ -10,15 +10,19 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            (compiler/planner.py); a pass that changed a graph is followed by PROFILE and
            MEASURE, and then kept or reverted ([Note: keeping a pass] in compiler/autoplan.py);
            a pass that changed nothing is not.
-  MEASURE  [Note: interleaved measurement] 2 + 2 x `measure_steps` steps that alternate between
-           the graphs after the pass and the graphs from before it (both lowered and compiled
-           side by side, `GraphSlot.swap`): one step each to settle freshly made code, then
-           `measure_steps` timed steps of each side, interleaved, so that a change in the
-           machine's load between two windows of time falls on both sides alike (on a shared
-           machine, consecutive windows of steps differ by 30% and more). Each step's time is
-           the slowest rank's (agreed with MAX). Steps of the side before a pass that kept
-           parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
-           redone, outside the timed steps, before the other side runs again.
+  MEASURE  [Note: interleaved measurement] at most 2 x `measure_steps` steps that alternate
+           between the graphs after the pass and the graphs from before it (`GraphSlot.swap`),
+           so that a change in the machine's load between two windows of time falls on both
+           sides alike (on a shared machine, consecutive windows of steps differ by 30% and
+           more). Both sides are lowered and compiled when the trial starts (`_prepare_sides`),
+           outside the timed steps: every timed step runs code made before it. Each step's time
+           is the engine's own work in it ([Note: the engine's step time] in engine.py), the
+           slowest rank's (agreed with MAX at each step). The trial stops as soon as its
+           decision is certain (`autoplan.time_settled`: some step after the pass is no slower
+           than some step before it), which a pass that clearly helps reaches after one step of
+           each side. Steps of the side before a pass that kept parameters gathered skip their
+           refresh (`KeptParams.suspend`), and the refresh is redone, outside the timed steps,
+           before the other side runs again.
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs). When the step drifts from what was
            planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
@@ -32,8 +36,11 @@ stored under a key made of everything that determines them; a later run with the
 applies the stored decisions after warm-up and goes straight to STEADY. Rank 0 reads and writes
 the cache and broadcasts what it found, so every rank takes the same path.
 
-Per step the pipeline keeps O(1) figures (`step_log`: phase and wall time of the first steps;
+Per step the pipeline keeps O(1) figures (`step_log`: phase and time of the first steps;
 `last_step`: the latest step's time and collectives) for `engine.metrics()` and the plots.
+[Note: setup steps] The steps before the first STEADY one are the setup; rank 0 logs one line
+as each phase begins (where the setup is, and an estimate of its length), and one when the plan
+is final; `setup_steps` counts them once it is.
 """
 
 from __future__ import annotations
@@ -202,8 +209,11 @@ class Pipeline:
         self._replan_agreed = False              # ... and every rank knows of a request
         self._replanning: str | None = None      # the reason of the re-plan under way
         self.replans = 0
-        self._step_started = time.perf_counter()
+        self.setup_steps: int | None = None   # [Note: setup steps]; None until the plan is final
         self._calibrate_if_needed()
+        if self.comm.rank == 0 and self.phase is Phase.WARMUP:
+            log.info("deepcompile: setup, step %d: warm-up (%d steps, the first compiles)",
+                     runtime.step.optimizer_steps + 1, config.warmup_steps)
 
     @property
     def pass_log(self) -> list[dict]:
@@ -345,10 +355,7 @@ class Pipeline:
                 watch.record(args)
                 for listener in self.on_drift:
                     listener(f"graph {slot.key} called with sizes beyond its profiles")
-        if slot.epoch != rt.epoch:   # [Note: masters on the host] in runtime/offload.py
-            slot.lowered.clear()
-            slot.compiled.clear()
-            slot.epoch = rt.epoch
+        self._check_epoch(slot)
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
@@ -427,6 +434,14 @@ class Pipeline:
         tr.fp = (tr.fp * FP_MUL + call.digest) & FP_MASK
         tr.calls.append(call)
 
+    def _check_epoch(self, slot: GraphSlot) -> None:
+        """Code lowered in an earlier epoch of the runtime is made anew ([Note: masters on the
+        host] in runtime/offload.py)."""
+        if slot.epoch != self.runtime.epoch:
+            slot.lowered.clear()
+            slot.compiled.clear()
+            slot.epoch = self.runtime.epoch
+
     def _profile_lead(self, slot: GraphSlot) -> float:
         """[Note: profiling ahead of the device] in compiler/profiler.py: how long to keep the
         device busy before a profiled run of `slot` — half as long again as the profiler last
@@ -472,47 +487,51 @@ class Pipeline:
         return sum(source() for source in self.runtime_bytes_sources)
 
     # -- schedule ---------------------------------------------------------------------------
-    def end_step(self, outside_s: float = 0.0) -> None:
-        """Called by the engine after every optimizer step, on every rank; `outside_s`: how
-        long the step's own work took ([Note: outside the graphs])."""
-        phase = self.phase
-        if phase is not Phase.STEADY:
-            # [Note: timed steps on a GPU] the passes' verdicts compare these times: on a GPU
-            # they must be the device's, not how long the host took to launch the step (nothing
-            # else need wait for the device: with on_nonfinite="off" no step does). Steady
-            # steps are left alone: a sync would cost the overlap of a step's tail with the next.
+    def wait_device(self) -> None:
+        """[Note: timed steps on a GPU] The passes' verdicts compare step times: before the
+        steady state they must be the device's, not how long the host took to launch the work.
+        The engine calls this as each of its calls of a training step returns (forward,
+        backward, step), so that the device's work is done inside the call that launched it,
+        not in the user's code after it (nothing else need wait for the device: with
+        on_nonfinite="off" no step does). Steady steps are left alone: a sync would cost the
+        overlap of a step's tail with the next."""
+        if self.phase is not Phase.STEADY:
             synchronize(self.device)
-        now = time.perf_counter()
-        elapsed, self._step_started = now - self._step_started, now
+
+    def end_step(self, seconds: float, outside_s: float = 0.0) -> None:
+        """Called by the engine after every optimizer step, on every rank; `seconds`: the
+        engine's own work in the step ([Note: the engine's step time] in engine.py);
+        `outside_s`: how long its optimizer step took ([Note: outside the graphs])."""
+        phase = self.phase
         self.steps += 1
-        self.last_step = {"phase": phase.value, "seconds": elapsed}
+        self.last_step = {"phase": phase.value, "seconds": seconds}
         if len(self.step_log) < STEP_LOG:
-            self.step_log.append((phase.value, elapsed))
+            self.step_log.append((phase.value, seconds))
         if phase is Phase.WARMUP:
-            self.timings["warmup_steps_s"].append(elapsed)
+            self.timings["warmup_steps_s"].append(seconds)
             self._steps_in_phase += 1
             if self._steps_in_phase >= self.config.warmup_steps:
                 self._after_warmup()
         elif phase is Phase.PROFILE:
-            self.timings["profiled_steps_s"].append(elapsed)
+            self.timings["profiled_steps_s"].append(seconds)
             self._steps_in_phase += 1
             self._step_order, self._order_now = self._order_now, []
             self._outside_now.append(outside_s)
             if self._steps_in_phase >= self.config.profile_steps:
                 self._finish_profile()
         elif phase is Phase.MEASURE:
-            self.timings["measured_steps_s"].append(elapsed)
+            self.timings["measured_steps_s"].append(seconds)
             self._steps_in_phase += 1
-            ab, n = self._ab, self._steps_in_phase
-            if n > 2:   # the first step of each side settles freshly made code
-                ab["samples"][ab["side"]].append(elapsed)
-            if n >= 2 + 2 * self.config.measure_steps:
+            ab = self._ab
+            ab["samples"][ab["side"]].append(agree_max(self.comm, [seconds], self.device)[0])
+            after, before = ab["samples"]["after"], ab["samples"]["before"]
+            if autoplan.time_settled(before, after) or len(before) >= self.config.measure_steps:
                 self._finish_measure()
             else:
-                self._set_side("before" if n % 2 else "after")
+                self._set_side("before" if ab["side"] == "after" else "after")
         else:
             if len(self.timings["steady_steps_s"]) < 64:
-                self.timings["steady_steps_s"].append(elapsed)
+                self.timings["steady_steps_s"].append(seconds)
             self._outside_steady.append(outside_s)
             if self._replan is not None and self._replan_agreed:
                 passes, reason = self._replan
@@ -522,7 +541,6 @@ class Pipeline:
                 self.planner.queue = self.planner.restart(passes)
                 self._replanning = reason
                 self._enter(Phase.PROFILE, f"replan: {reason}")
-        self._step_started = time.perf_counter()
 
     def request_replan(self, passes: list[str], reason: str) -> None:
         """Run `passes` again (with the kept passes: `Planner.restart`), on new profiles, from
@@ -565,10 +583,51 @@ class Pipeline:
             self._outside_steady.clear()
             for slot in self.slots.values():
                 slot.pending.clear()
+        if self.comm.rank == 0:
+            log.info("%s", self._announce(phase, label))
         if phase is Phase.STEADY:
             for slot in self.slots.values():
                 slot.prune()
-        log.info("deepcompile: phase %s%s", phase.value, f" ({label})" if label else "")
+            if self.setup_steps is None:
+                self.setup_steps = self.steps
+
+    def _announce(self, phase: Phase, label: str) -> str:
+        """[Note: setup steps] The line that says where the setup is as `phase` begins."""
+        done = self.runtime.step.optimizer_steps   # the training's steps (a resumed one's too)
+        step = done + 1   # the phase's first step
+        what = "setup" if self.setup_steps is None else "re-plan"
+        if phase is Phase.STEADY:
+            entries = self.planner.current()
+            kept = [e["pass"] for e in entries if e.get("kept", True) and e["changed"]]
+            reverted = [e["pass"] for e in entries if not e.get("kept", True)]
+            idle = [e["pass"] for e in entries if e.get("kept", True) and not e["changed"]]
+            return (f"deepcompile: {'re-plan' if what == 're-plan' else 'plan'} final at step "
+                    f"{done}{f' ({label})' if label else ''}: passes kept: "
+                    f"{', '.join(kept) or 'none'}"
+                    + (f"; reverted: {', '.join(reverted)}" if reverted else "")
+                    + (f"; changed nothing: {', '.join(idle)}" if idle else "")
+                    + f"; steady state from step {step}")
+        total = self._setup_estimate(phase)
+        where = f"deepcompile: {what}, step {step}" + (f" of about {done - self.steps + total}"
+                                                       if total else "")
+        if phase is Phase.MEASURE:
+            return (f"{where}: timing {self._ab['entry']['pass']} against the graphs before it "
+                    f"(2 to {2 * self.config.measure_steps} steps)")
+        return f"{where}: {phase.value}" + (f" ({label})" if label else "")
+
+    def _setup_estimate(self, phase: Phase) -> int | None:
+        """About how many steps the setup takes in all, as `phase` begins: each pass left
+        re-profiled and timed for the least a trial takes (one step of each side); None before
+        `passes="auto"` chose them."""
+        if self.config.auto_passes and self.planner.chosen is None:
+            return None
+        trial = 2 if self.config.measure_steps else 0
+        left = len(self.planner.queue) * (self.config.profile_steps + trial)
+        if phase is Phase.PROFILE:
+            left += self.config.profile_steps + (trial if self._awaiting is not None else 0)
+        elif phase is Phase.MEASURE:
+            left += trial
+        return self.steps + left
 
     def _after_warmup(self) -> None:
         if self.config.cache_dir is not None:
@@ -599,8 +658,10 @@ class Pipeline:
         entry = self._awaiting
         if entry is not None:          # a pass's re-profile
             entry["after"] = self._summary(self.latest_profiles())
-            # a re-plan is not timed against the plan before it: that plan no longer fits
-            if self.config.measure_steps > 0 and not entry.get("replan"):
+            # a re-plan is not timed against the plan before it: that plan no longer fits; nor
+            # is a pass whose memory decides it ([Note: keeping a pass] in compiler/autoplan.py)
+            if self.config.measure_steps > 0 and not entry.get("replan") and autoplan.by_memory(
+                    entry["before"], entry["after"], self.memory_budget) is None:
                 self._start_measure(entry)
                 return
             self._judge(entry)
@@ -622,7 +683,32 @@ class Pipeline:
                     "samples": {"after": [], "before": []},
                     # the pass started keeping parameters: the side before it skips the refresh
                     "suspend": bool(kept_now) and not snap.runtime["kept"]}
+        self._prepare_sides()
         self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
+
+    def _prepare_sides(self) -> None:
+        """Both sides' code lowered and compiled now, outside the timed steps ([Note:
+        interleaved measurement]), for the graphs the pass changed and the members that run
+        their plans; the graphs are left on the side after the pass."""
+        for side in ("before", "after"):
+            for key, face in self._ab["faces"].items():
+                slot = self.slots[key]
+                slot.swap(*face[side])
+                self._ready(slot)
+                for member in slot.members:
+                    self._follow(member)
+                    self._ready(member)
+
+    def _ready(self, slot: GraphSlot) -> None:
+        """`slot`'s current version lowered and compiled as run() would on its next call
+        (every variant it runs)."""
+        self._check_epoch(slot)
+        if slot.variants is None:
+            slot.variants = needs_variants(slot.gm, self.runtime)
+        for last in (True, False) if slot.variants else (True,):
+            tag = (last, slot.version, False)
+            if tag not in slot.compiled:
+                slot.compiled[tag] = self._compile(slot, self._lowered(slot, last), [], False)
 
     def _set_side(self, side: str) -> None:
         ab = self._ab
@@ -639,11 +725,9 @@ class Pipeline:
         ab = self._ab
         self._set_side("after")
         self._ab = None
-        m = self.config.measure_steps
-        agreed = agree_max(self.comm, ab["samples"]["after"] + ab["samples"]["before"],
-                           self.device)
         entry = ab["entry"]
-        entry["after"]["measured_s"], entry["before"]["measured_s"] = agreed[:m], agreed[m:]
+        entry["after"]["measured_s"] = ab["samples"]["after"]    # agreed at each step
+        entry["before"]["measured_s"] = ab["samples"]["before"]
         self._judge(entry)
         self._next_pass()
 
