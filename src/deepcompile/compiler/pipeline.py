@@ -210,6 +210,7 @@ class Pipeline:
         self._replanning: str | None = None      # the reason of the re-plan under way
         self.replans = 0
         self.setup_steps: int | None = None   # [Note: setup steps]; None until the plan is final
+        self._adopted: dict | None = None   # [Note: the plan in a checkpoint]: waiting for graphs
         self._calibrate_if_needed()
         if self.comm.rank == 0 and self.phase is Phase.WARMUP:
             log.info("deepcompile: setup, step %d: warm-up (%d steps, the first compiles)",
@@ -339,6 +340,8 @@ class Pipeline:
         if slot.checked:   # [Note: structures are agreed at each call] in runtime/guardrails.py
             self.guard.agree_structure(slot.key, slot.structure, rt.step.optimizer_steps,
                                        rt.step.micro_step)
+        if self._adopted is not None and slot.training:
+            self._try_adopt(final=False)   # [Note: the plan in a checkpoint]
         if slot.rep is not None and slot.following != slot.rep.version:
             self._follow(slot)   # its representative's plan changed
         if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
@@ -393,11 +396,14 @@ class Pipeline:
                 self.perturb(prof)
             target.pending.append(prof)
             return low.finish(out, accs)
-        # [Note: first call] A graph's first call runs inside the first invocation of the graph
-        # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace) fails; a
-        # graph that first appears in steady state (a recompilation for a new shape) runs its
-        # FX code once and is compiled on its second call.
-        final = self.phase is Phase.STEADY and slot.calls > 1
+        # [Note: first call] A forward graph's first call runs inside AOTAutograd's first
+        # invocation of the graph Dynamo just compiled, under a dispatch mode that inspects
+        # custom ops' inputs and outputs; a nested Inductor compile (its AOTAutograd trace)
+        # fails under it. So Inductor compiles with the dispatch modes set aside
+        # (`_compat.outside_dispatch_modes`), and a graph that first runs in the steady state
+        # (a recompilation for a new shape; every graph of a run resumed with its plan) runs
+        # its final code from its first call.
+        final = self.phase is Phase.STEADY
         tag = (last, slot.version, final)
         fn = slot.compiled.get(tag)
         if fn is None:
@@ -479,7 +485,8 @@ class Pipeline:
             return _compat.boxed_fx(gm)
         if self.config.compiler == "inductor" and final:
             log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
-            return _compat.inductor_compile_graph(gm, list(args))
+            with _compat.outside_dispatch_modes():   # [Note: first call]
+                return _compat.inductor_compile_graph(gm, list(args))
         return _compat.boxed_fx(gm)
 
     def _runtime_bytes(self) -> int:
@@ -507,6 +514,8 @@ class Pipeline:
         self.last_step = {"phase": phase.value, "seconds": seconds}
         if len(self.step_log) < STEP_LOG:
             self.step_log.append((phase.value, seconds))
+        if self._adopted is not None and self._try_adopt(final=True):
+            return   # [Note: the plan in a checkpoint]: it applies from the next step
         if phase is Phase.WARMUP:
             self.timings["warmup_steps_s"].append(seconds)
             self._steps_in_phase += 1
@@ -830,21 +839,36 @@ class Pipeline:
                 "profiles and the PassContext only, never from this rank's own timings or state. "
                 "The engine stops on every rank.")
 
-    # -- plan cache -------------------------------------------------------------------------
+    # -- plan cache, and the plan in a checkpoint --------------------------------------------
     def _cache_key(self) -> tuple[str, dict]:
+        """The digest of everything that determines a plan: the fingerprint and the training
+        graphs as compiled (before any pass rewrote them)."""
         parts = {
             **self.fingerprint,
-            "graphs": {k: _cache.graph_signature(s.gm, _param_name)
+            "graphs": {k: _cache.graph_signature(
+                s.original if s.original is not None else s.gm, _param_name)
                        for k, s in sorted(self._planning().items())},
         }
         return _cache.digest(parts), parts
 
-    def _load_cached_plan(self) -> bool:
-        key, _ = self._key
-        plan = _cache.load(self.config.cache_dir, key) if self.comm.rank == 0 else None
-        plan = self.comm.broadcast_object(plan)
-        if plan is None:
-            return False
+    def _record(self) -> dict:
+        """What re-applies the plan in force and what the report shows of how it was made:
+        the cost model, the step's graph order, the agreed profiles, the passes' entries (the
+        reverted ones marked) and `passes="auto"`'s choice."""
+        return {
+            "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
+            "order": self.order,
+            "outside_graphs_s": self.outside_s,
+            "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
+                         for k, s in self.slots.items() if s.history},
+            "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",
+                                              "verdict")} for e in self.planner.current()],
+            "chosen": self.planner.chosen, "left_out": self.planner.left_out,
+        }
+
+    def _apply_record(self, plan: dict) -> None:
+        """Re-apply a plan `_record` wrote (kept passes with their decisions) to the graphs as
+        compiled."""
         self.cost = LinearCostModel.from_dict(plan["cost"]) if plan.get("cost") else self.cost
         self.order = plan["order"]
         self.outside_s = plan.get("outside_graphs_s", 0.0)
@@ -853,6 +877,14 @@ class Pipeline:
                 self.slots[key_].history = [(label, _cache.profile_from_dict(p)) for label, p in hist]
         self.planner.chosen, self.planner.left_out = plan.get("chosen"), plan.get("left_out")
         self.planner.replay(plan["passes"])
+
+    def _load_cached_plan(self) -> bool:
+        key, _ = self._key
+        plan = _cache.load(self.config.cache_dir, key) if self.comm.rank == 0 else None
+        plan = self.comm.broadcast_object(plan)
+        if plan is None:
+            return False
+        self._apply_record(plan)
         self.cache_info.update(hit=True, saved_s=plan.get("profiling_overhead_s", 0.0),
                                path=str(_cache.path_for(self.config.cache_dir, key)))
         log.info("deepcompile: plan loaded from cache (%s); profiling skipped, saving about %.1f s",
@@ -869,21 +901,66 @@ class Pipeline:
         key, parts = self._key
         if self.comm.rank != 0:
             return
-        plan = {
-            "key_parts": parts,
-            "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
-            "order": self.order,
-            "outside_graphs_s": self.outside_s,
-            "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
-                         for k, s in self.slots.items() if s.history},
-            "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",
-                                              "verdict")} for e in self.pass_log],
-            "chosen": self.planner.chosen, "left_out": self.planner.left_out,
-            "profiling_overhead_s": self.profiling_overhead_s(),
-        }
+        plan = {"key_parts": parts, **self._record(),
+                "profiling_overhead_s": self.profiling_overhead_s()}
         path = _cache.save(self.config.cache_dir, key, plan)
         self.cache_info["path"] = str(path)
         log.info("deepcompile: plan saved to %s", path)
+
+    # [Note: the plan in a checkpoint] A checkpoint saved once the plan is final carries it
+    # (`checkpoint_plan`: what the plan cache stores, with its key and the graphs it is for),
+    # so that a run resumed from it runs the same code as the run that saved it, from its
+    # first step: its losses are those of the unbroken run, bit for bit. A plan made afresh
+    # would differ (the passes' trials read times), and so would the resumed run's first
+    # steps, which would run the graphs as compiled (warm-up and profiling) where the unbroken
+    # run ran the planned ones, compiled by Inductor: a pass can change the numerics (a
+    # gradient accumulated in full before its reduce-scatter, not after) and Inductor's code
+    # is not FX's. So an engine that has not run a step adopts the plan (`adopt_plan`), the
+    # backend hands it every graph of a Dynamo frame at once (AOTAutograd's backward compiled
+    # with the forward, not at the first backward), and as soon as the step's training graphs
+    # are all there — at the first graph call — the plan is re-applied and the engine is in
+    # its steady state (Inductor compiles at the first call: [Note: first call]). Where the
+    # graphs are made in more than one call (graph breaks), the plan applies after the first
+    # step instead, which runs the graphs as compiled. The plan applies only where its key
+    # matches: the same world size, config, parameters, versions and graphs; any other run
+    # plans afresh (with a line that says why).
+    def checkpoint_plan(self) -> dict | None:
+        """The plan in force, for a checkpoint ([Note: the plan in a checkpoint]); None while
+        the setup or a re-plan runs."""
+        if self.phase is not Phase.STEADY or self.setup_steps is None:
+            return None
+        return {"key": self._cache_key()[0], "graphs": sorted(self._planning()), **self._record()}
+
+    def adopt_plan(self, plan: dict) -> bool:
+        """Apply `plan` (`checkpoint_plan`'s) as soon as this engine's graphs are compiled;
+        False where this engine has run steps (its own plan stays)."""
+        if self.steps or self._planning():
+            return False
+        self._adopted = plan
+        return True
+
+    @property
+    def adopting(self) -> bool:
+        """Whether a plan waits for the graphs ([Note: the plan in a checkpoint])."""
+        return self._adopted is not None
+
+    def _try_adopt(self, final: bool) -> bool:
+        """Apply the adopted plan if the training graphs it is for are all compiled (`final`:
+        the step is over, no other graph comes); returns whether it applied."""
+        plan = self._adopted
+        have = sorted(self._planning())
+        if not have or (not final and set(have) < set(plan["graphs"])):
+            return False
+        self._adopted = None
+        if have != plan["graphs"] or self._cache_key()[0] != plan["key"]:
+            if self.comm.rank == 0:
+                log.info("deepcompile: the checkpoint's plan is for other graphs or settings "
+                         "(world size, config, model or versions): planning afresh")
+            return False
+        with _compat.outside_dispatch_modes():   # inside a first call: [Note: first call]
+            self._apply_record(plan)
+        self._enter(Phase.STEADY, "from the checkpoint")
+        return True
 
 
 def _structure(x: Any) -> Any:
