@@ -3,7 +3,7 @@ in a checkpoint] in checkpoint.py): a run saved once its plan is final and resum
 engine at the same world size runs the plan the saved run made from its first step, and its
 losses are those of the unbroken run bit for bit — fp32 and bf16, with gradient accumulation,
 fx and Inductor, with the passes `passes="auto"` picks, and with dropout (each rank's random
-number generators come back). On another world size the random states are not restored (a
+number generators come back) — and so is an evaluation after it. On another world size the random states are not restored (a
 warning says so) and the engine plans afresh.
 
 On 2 gloo ranks (tiny Llama). The passes are judged on memory only (`measure_steps=0`) where
@@ -66,6 +66,15 @@ def _steps(engine, model, rank, world, first, last) -> list[float]:
     return losses
 
 
+def _evaluate(engine, model, rank, world) -> float:
+    """An eval forward (its graph compiled in the steady state: Inductor at its first call)."""
+    engine.module.eval()
+    with torch.no_grad():
+        loss = _models.loss_of(engine(**_models.local_batch(model, 1000, rank, world))).item()
+    engine.module.train()
+    return loss
+
+
 def _plan(engine) -> list:
     return [(e["pass"], e["kept"], e["changed"]) for e in engine._pipeline.planner.current()]
 
@@ -85,6 +94,7 @@ def _job(rank, world, tmp, names):
         engine.save_checkpoint(path)
         draws = _draws()
         unbroken = _steps(engine, model, rank, world, save_at, save_at + AFTER)
+        unbroken.append(_evaluate(engine, model, rank, world))
         plan = _plan(engine)
         del engine
         resumed = _engine(model, config, rank)
@@ -95,6 +105,7 @@ def _job(rank, world, tmp, names):
         for step in range(save_at, save_at + AFTER):
             losses += _steps(resumed, model, rank, world, step, step + 1)
             phases.append(resumed.phase)
+        losses.append(_evaluate(resumed, model, rank, world))
         out[name] = {"unbroken": unbroken, "resumed": losses, "plan": plan,
                      "resumed_plan": _plan(resumed),
                      "phases": phases, "setup_steps": resumed.setup_steps,

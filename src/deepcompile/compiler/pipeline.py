@@ -610,22 +610,22 @@ class Pipeline:
             kept = [e["pass"] for e in entries if e.get("kept", True) and e["changed"]]
             reverted = [e["pass"] for e in entries if not e.get("kept", True)]
             idle = [e["pass"] for e in entries if e.get("kept", True) and not e["changed"]]
-            return (f"deepcompile: {'re-plan' if what == 're-plan' else 'plan'} final at step "
+            return (f"deepcompile: {'plan' if what == 'setup' else 're-plan'} final at step "
                     f"{done}{f' ({label})' if label else ''}: passes kept: "
                     f"{', '.join(kept) or 'none'}"
                     + (f"; reverted: {', '.join(reverted)}" if reverted else "")
                     + (f"; changed nothing: {', '.join(idle)}" if idle else "")
                     + f"; steady state from step {step}")
-        total = self._setup_estimate(phase)
-        where = f"deepcompile: {what}, step {step}" + (f" of about {done - self.steps + total}"
-                                                       if total else "")
+        left = self._steps_left(phase)
+        where = f"deepcompile: {what}, step {step}" + (f" of about {done + left}"
+                                                       if left is not None else "")
         if phase is Phase.MEASURE:
             return (f"{where}: timing {self._ab['entry']['pass']} against the graphs before it "
                     f"(2 to {2 * self.config.measure_steps} steps)")
         return f"{where}: {phase.value}" + (f" ({label})" if label else "")
 
-    def _setup_estimate(self, phase: Phase) -> int | None:
-        """About how many steps the setup takes in all, as `phase` begins: each pass left
+    def _steps_left(self, phase: Phase) -> int | None:
+        """About how many steps the setup has left as `phase` begins: each pass left
         re-profiled and timed for the least a trial takes (one step of each side); None before
         `passes="auto"` chose them."""
         if self.config.auto_passes and self.planner.chosen is None:
@@ -636,7 +636,7 @@ class Pipeline:
             left += self.config.profile_steps + (trial if self._awaiting is not None else 0)
         elif phase is Phase.MEASURE:
             left += trial
-        return self.steps + left
+        return left
 
     def _after_warmup(self) -> None:
         if self.config.cache_dir is not None:
@@ -693,6 +693,9 @@ class Pipeline:
                     # the pass started keeping parameters: the side before it skips the refresh
                     "suspend": bool(kept_now) and not snap.runtime["kept"]}
         self._prepare_sides()
+        # the ranks start the timed steps together: the time one rank took longer to prepare
+        # would be in the others' first timed step, spent waiting at its first collective
+        agree_max(self.comm, [0.0], self.device)
         self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
 
     def _prepare_sides(self) -> None:
