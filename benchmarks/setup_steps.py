@@ -15,9 +15,7 @@ benchmarks/results/<date>-setup-steps/setup_steps.json, never overwriting) and p
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 
 from _results import write_json  # benchmarks/_results.py (this script's folder)
@@ -25,17 +23,12 @@ from _results import write_json  # benchmarks/_results.py (this script's folder)
 WORKLOADS = ("tiny-llama", "tiny-llama-gas4", "small-llama", "tiny-mixtral", "tiny-llama-b1")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _case(rank: int, world: int, wname: str, stage: int) -> dict:
     import torch
 
     import deepcompile
-    from deepcompile._bench import systems, workloads
+    from deepcompile.tools import workloads
+    from deepcompile.tools.bench import systems
 
     w = workloads.get(wname)
     system = systems.System("auto", "ours", "", stage=stage, passes=systems.AUTO)
@@ -69,19 +62,14 @@ def _case(rank: int, world: int, wname: str, stage: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cases: list, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+def _rank(rank: int, world: int, cases: list) -> list[dict]:
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")
     try:
-        dist.init_process_group("gloo")
-        queue.put((rank, [_case(rank, world, w, s) for w, s in cases]))
-    except BaseException as e:  # noqa: BLE001 -- reported by the parent
-        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        return [_case(rank, world, w, s) for w, s in cases]
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
@@ -92,24 +80,15 @@ def main(argv=None) -> None:
     p.add_argument("--launches", type=int, default=1)
     p.add_argument("--out")
     a = p.parse_args(argv)
+    import torch
+
+    import deepcompile
+    from deepcompile.tools import spawn
+
     cases = [(w, s) for w in a.workloads for s in a.stages]
-    ctx = mp.get_context("spawn")
     results = []
     for _ in range(a.launches):
-        queue = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, a.nproc, port, cases, queue))
-                 for r in range(a.nproc)]
-        for pr in procs:
-            pr.start()
-        got = dict(queue.get(timeout=3600) for _ in procs)
-        for pr in procs:
-            pr.join()
-        if isinstance(got[0], dict):
-            raise SystemExit(got[0]["error"])
-        results += got[0]
-    import deepcompile
-    import torch
+        results += spawn.launch(_rank, a.nproc, cases, timeout_s=3600)[0]
 
     write_json({"torch": torch.__version__, "deepcompile": os.path.dirname(deepcompile.__file__),
                 "nproc": a.nproc, "command": " ".join(sys.argv), "results": results},
