@@ -167,6 +167,30 @@ def test_fusion_groups_do_not_follow_20_percent_noise(policy):
     assert len(groups) == (24 if policy == "overlap" else 1)
 
 
+def test_a_trial_stopped_early_decides_as_the_whole_trial():
+    """[Note: keeping a pass]: the trial stops at the first step after which no later step can
+    revert the pass (`time_settled`); on any steps (interleaved: after, before, after, ...) its
+    decision is the one the 3 + 3 steps would have given."""
+    from deepcompile.compiler.autoplan import time_settled, verdict
+
+    inf = float("inf")
+    rng = random.Random(0)
+    stopped_early = 0
+    for _ in range(2000):
+        base = rng.uniform(0.01, 0.02)
+        steps = [base * rng.uniform(0.7, 1.4) * (1.1 if i % 2 == 0 else 1.0) for i in range(6)]
+        after, before = steps[0::2], steps[1::2]
+        whole = verdict(_summary(measured=before), _summary(measured=after), budget=inf)[0]
+        a, b = [], []
+        for i, t in enumerate(steps):
+            (a if i % 2 == 0 else b).append(t)
+            if time_settled(b, a) or len(b) >= 3:
+                break
+        stopped_early += len(a) + len(b) < 6
+        assert verdict(_summary(measured=b), _summary(measured=a), budget=inf)[0] == whole
+    assert stopped_early > 1000
+
+
 # ---------------------------------------------------------- 2 ranks: reverting what is worse
 def _sleep_after(x) -> None:
     time.sleep(0.25)   # far above the step time and its noise on a loaded 2-core VM
