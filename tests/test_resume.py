@@ -77,7 +77,9 @@ def _evaluate(engine, model, rank, world) -> float:
 
 
 def _plan(engine) -> list:
-    return [(e["pass"], e["kept"], e["changed"]) for e in engine._pipeline.planner.current()]
+    """Each pass, kept or not, and the graphs a kept one changed."""
+    return [(e["pass"], e["kept"], e["changed"] if e["kept"] else None)
+            for e in engine._pipeline.planner.current()]
 
 
 def _job(rank, world, tmp, names):
