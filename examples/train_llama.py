@@ -20,7 +20,9 @@ cut into windows of `--seq-len`, shuffled by a DistributedSampler; the position 
 the LR schedule (linear warm-up, cosine decay) and the step are saved with each checkpoint
 (`client_state`) and restored by `--resume`. Logged every `--log-every` steps (rank 0): loss
 (mean over ranks), learning rate, the gradient norm before clipping (`engine.metrics()`),
-tokens/s (all ranks), peak memory; a progress bar with tqdm.
+tokens/s (all ranks), peak memory; a progress bar with tqdm; a line as each phase of
+deepcompile's setup begins, and when its plan is final (from then on the steps run the final
+code: time from there; docs/guide/setup.md).
 `engine.metrics()` every step to TensorBoard (`--tensorboard DIR`) and/or W&B (`--wandb
 PROJECT`): step time, tokens/s, FLOP/s and MFU (GPUs whose peak is known), exposed
 communication, peak memory, collectives per step, gradient norm. `--plot-dir DIR` traces one
@@ -258,6 +260,21 @@ def main(argv=None) -> int:
     pending = None
     tokens_since, t_since = 0, time.perf_counter()
     launched = 0
+    shown = None   # the setup phase last shown
+
+    def show_setup():   # where deepcompile's setup is, as each phase begins (docs/guide/setup.md)
+        nonlocal shown
+        if rank != 0 or engine.phase == shown:
+            return
+        shown = engine.phase
+        line = (f"setup: step {step + 1}: {shown}" if engine.setup_steps is None else
+                f"setup done ({engine.setup_steps} steps): steady state from step {step + 1}")
+        if bar is not None and not bar.disable:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    show_setup()
     while step < args.steps:
         losses = []
         if args.plot_dir and not traced and engine.phase == "steady":
@@ -274,6 +291,7 @@ def main(argv=None) -> int:
         scheduler.step()
         step += 1
         launched += 1
+        show_setup()
         metrics = engine.metrics()   # cheap: every step
         mean = None
         if step % args.log_every == 0 or step == args.steps:

@@ -12,6 +12,7 @@ Models:
   llama8       the same with 8 decoder layers (host work against depth).
   llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
   llama_ckpt   the same with activation checkpointing (gradient_checkpointing_enable()).
+  llama_dropout the same with dropout on the attention weights (attention_dropout=0.1).
   mixtral      tiny HF MixtralForCausalLM (4 experts, top-2, hidden 32, 2 layers), with
                transformers' default experts implementation ("grouped_mm": one graph, a custom
                op with its own autograd); `mixtral_eager` uses experts_implementation="eager"
@@ -332,13 +333,14 @@ class MoESkip(nn.Module):
         return F.mse_loss(self.out(mixed), y)
 
 
-def _llama(tie: bool, layers: int = 2, checkpointed: bool = False) -> nn.Module:
+def _llama(tie: bool, layers: int = 2, checkpointed: bool = False,
+           dropout: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-        tie_word_embeddings=tie, attn_implementation="eager",
+        tie_word_embeddings=tie, attn_implementation="eager", attention_dropout=dropout,
     )
     model = LlamaForCausalLM(cfg)
     if checkpointed:   # every decoder layer's activations recomputed in the backward
@@ -372,6 +374,7 @@ _BUILDERS = {
     "llama8": lambda: _llama(tie=False, layers=8),
     "llama_tied": lambda: _llama(tie=True),
     "llama_ckpt": lambda: _llama(tie=False, checkpointed=True),
+    "llama_dropout": lambda: _llama(tie=False, dropout=0.1),
     "mixtral": lambda: _mixtral("grouped_mm"),       # transformers' default; one graph
     "mixtral_eager": lambda: _mixtral("eager"),      # loop over hit experts: graph breaks
     "graph_break": GraphBreakModel,
@@ -398,7 +401,8 @@ _BUILDERS = {
 COUNTS = (1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 4, 3, 2, 1, 4, 2, 1, 3, 2, 5, 1, 5, 2, 3)
 
 MODEL_NAMES = tuple(_BUILDERS)
-LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "mixtral", "mixtral_eager")
+LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "llama_dropout", "mixtral",
+             "mixtral_eager")
 
 
 def build_model(name: str, seed: int = SEED) -> nn.Module:

@@ -268,12 +268,29 @@ def extend_graph_inputs(gm: torch.fx.GraphModule, names: Sequence[str],
 
 
 def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
-                          partition_fn, decompositions=None):
+                          partition_fn, decompositions=None, eager_backward: bool = False):
+    """AOTAutograd; `eager_backward`: the backward graph is handed to `bw_compiler` with the
+    forward's, at compile time, instead of at the first backward."""
+    import torch._functorch.config as fconfig
     from torch._functorch.aot_autograd import aot_module_simplified as _aot
 
-    return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                inference_compiler=inference_compiler, partition_fn=partition_fn,
-                decompositions=decompositions)
+    # (where a torch lacks the setting, the backward comes at its first call, as by default)
+    eager = {"force_non_lazy_backward_lowering": True} if eager_backward and hasattr(
+        fconfig, "force_non_lazy_backward_lowering") else {}
+    with fconfig.patch(**eager):
+        return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                    inference_compiler=inference_compiler, partition_fn=partition_fn,
+                    decompositions=decompositions)
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes():
+    """The Python dispatch modes in force set aside (AOTAutograd's first call of a compiled
+    forward runs under one: [Note: first call] in compiler/pipeline.py)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def inductor_decompositions():

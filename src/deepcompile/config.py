@@ -78,10 +78,11 @@ class Config:
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
-    measure_steps: after each pass that changed a graph, optimizer steps timed with the new
-        graphs and as many with the graphs from before it, interleaved (after one step of each
-        that settles freshly made code); a pass whose steps are all slower than before is
-        reverted (compiler/autoplan.py). 0: passes are judged on memory only.
+    measure_steps: after each pass that changed a graph, at most this many optimizer steps
+        timed with the new graphs and as many with the graphs from before it, interleaved; the
+        trial stops as soon as the pass is certain to be kept (one step of each side for a
+        pass that clearly helps). A pass whose steps are all slower than before is reverted
+        (compiler/autoplan.py). 0: passes are judged on memory only.
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only:
         of the memory PyTorch can use when the engine is made, its reserved plus the free
         memory, so not the CUDA context or NCCL's buffers); None: 0.9 on CUDA, unbounded on

@@ -225,6 +225,19 @@ class Engine:
         self._in_collective = False   # inside a collective method (_collective)
         self._forwards = 0          # forwards with grad since the last backward
         self._optimizer_steps = 0
+        # [Note: the engine's step time] A step's time is the time spent inside the engine's
+        # calls that train it: every training forward (`engine(...)` with grad enabled),
+        # backward and the step itself, each from entry to return, summed. What the user does
+        # between them (evaluation, including the inference graphs an eval forward compiles;
+        # logging, data loading, a checkpoint save) is not in it: not in metrics()["step_s"],
+        # the report's step log, the step-time picture, nor the passes' timed trials. Before
+        # the steady state each call returns only once the device's work is done
+        # (`Pipeline.wait_device`), so that the device's time is in the call that launched it;
+        # in the steady state the device's work left when a call returns is counted where the
+        # engine next waits for it (the inf/NaN check reads the gradients' flags at each step).
+        # `_clock` is what the times are read from (tests inject time there).
+        self._clock: Callable[[], float] = time.perf_counter
+        self._work_s = 0.0          # this optimizer step's time in forwards and backwards so far
         self._comm.reset_stats()  # the initial broadcast of weights is not training traffic
 
     # -- training loop ---------------------------------------------------------------------
@@ -249,7 +262,9 @@ class Engine:
                                                self._micro_steps)
             self._forwards += 1
         self._state.micro_step = self._micro_steps   # this forward's micro-step (and backward's)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if training:
+            t0 = self._clock()   # [Note: the engine's step time]: an eval forward is not timed
             self._metrics.count_tokens(args, kwargs)
         self._in_forward = True   # Dynamo compiles this model's frames now
         try:
@@ -260,6 +275,9 @@ class Engine:
             raise self._rails.on_exception(e, "forward", self._optimizer_steps, self._micro_steps)
         finally:
             self._in_forward = False
+        if training:
+            self._pipeline.wait_device()
+            self._work_s += self._clock() - t0
         if not self._backend.records and not self._warned_uncompiled and torch.is_grad_enabled():
             self._warned_uncompiled = True
             log.warning(
@@ -291,6 +309,7 @@ class Engine:
             raise self._usage("backward", "engine.backward() without a training forward since "
                               "the last backward() (called twice for one forward?): run "
                               "engine(...) and then engine.backward(loss) once per micro-step")
+        t0 = self._clock()
         gas = self.config.gradient_accumulation_steps
         if self._check_losses:
             self._loss_bad |= ~torch.isfinite(loss.detach()).all()
@@ -300,6 +319,8 @@ class Engine:
             (loss / gas if gas > 1 else loss).backward()
         except BaseException as e:
             raise self._rails.on_exception(e, "backward", self._optimizer_steps, self._micro_steps)
+        self._pipeline.wait_device()
+        self._work_s += self._clock() - t0
         self._forwards = 0
         self._micro_steps += 1
 
@@ -326,7 +347,7 @@ class Engine:
             raise self._rails.on_exception(e, "step", step, micro)
 
     def _step(self, step: int, micro: int) -> bool:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         steady = self._pipeline.phase is Phase.STEADY
         # [Note: divergence check] first: before this step's own collectives; it carries the
         # ranks' re-plan agreement ([Note: agreed re-planning] in compiler/drift.py)
@@ -379,7 +400,10 @@ class Engine:
         self._micro_steps = 0
         self._optimizer_steps += 1
         self._state.optimizer_steps = self._optimizer_steps
-        self._pipeline.end_step(time.perf_counter() - t0)
+        outside = self._clock() - t0   # [Note: outside the graphs] in compiler/pipeline.py
+        self._pipeline.wait_device()
+        seconds, self._work_s = self._work_s + self._clock() - t0, 0.0
+        self._pipeline.end_step(seconds, outside)
         self._metrics.end_step()
         if self._pipeline.tracing is not None:   # engine.trace_next_step()
             self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
@@ -621,6 +645,13 @@ class Engine:
     def phase(self) -> str:
         """Where the engine is: "warmup", "profile", "measure" or "steady" (planning over)."""
         return self._pipeline.phase.value
+
+    @property
+    def setup_steps(self) -> int | None:
+        """How many optimizer steps the setup took (warm-up, profiling, the passes' trials)
+        before the plan became final; None while it runs. Steps after it run the final code:
+        time a benchmark from there (docs/guide/setup.md)."""
+        return self._pipeline.setup_steps
 
     def metrics(self, peak_flops: float | None = None) -> dict[str, Any]:
         """Figures of the last optimizer step: step time, tokens/s, FLOPs and MFU (where the

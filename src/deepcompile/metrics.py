@@ -5,8 +5,9 @@ Per optimizer step the engine does a fixed amount of work here, whatever the mod
 (`end_step`: a copy of a few counters per collective kind); per forward, one dictionary lookup
 and one `numel` (`count_tokens`). Everything else is computed when `metrics()` is called:
 
-* `step_s`: wall time of the last optimizer step, as the phase schedule measured it (between
-  two `engine.step()` calls that stepped), and its phase (steady once planning is over);
+* `step_s`: time of the last optimizer step, the engine's own work in it (its training
+  forwards, backwards and the step: [Note: the engine's step time] in engine.py; not what the
+  loop does between them), and its phase (steady once planning is over);
 * `tokens_per_s`: tokens of this rank's forwards in that step (the `input_ids` keyword, or the
   first integer tensor argument) times the world size, over `step_s`;
 * `flops_per_step`: this rank's model FLOPs per optimizer step, counted from the partitioned

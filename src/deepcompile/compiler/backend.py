@@ -156,7 +156,10 @@ class Backend:
             compiled = _compat.aot_module_simplified(
                 gm, inputs, fw_compiler=make_slot("fw"), bw_compiler=make_slot("bw"),
                 inference_compiler=make_slot("inference"), partition_fn=partition_fn,
-                decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None)
+                decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None,
+                # a plan from a checkpoint applies once it has every graph ([Note: the plan
+                # in a checkpoint] in compiler/pipeline.py)
+                eager_backward=self.pipeline.adopting)
         log.info("deepcompile: graph %d: %d parameters %s (%s)", record.index, len(params),
                  "gathered" if self.registry.zero_stage == 3 else "replicated", self.compiler)
         if self.registry.zero_stage == 3:
