@@ -43,11 +43,9 @@ def group_name(group) -> str:
 # all-gathers in flight (the launch sweep of compiler/cost.py, prefetching), two run at once, and
 # gloo's `allgather_into_tensor_coalesced` -- the path `_c10d_functional.all_gather_into_tensor`
 # takes -- then corrupts the heap: the rank dies with SIGSEGV or SIGABRT ("malloc(): unaligned
-# tcache chunk"). Seen on CI (stops 18 and 19); reproduced on torch 2.13 by
-# benchmarks/validation/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
-# launches on a default gloo group, in 0 of 10 on one worker thread
-# (benchmarks/results/2026-11-23-cpu2-gloo-inflight). `dist.all_gather_into_tensor`, which takes
-# `_allgather_base`, survived the same load in 5 of 5 ad-hoc launches.
+# tcache chunk"). benchmarks/validation/gloo_inflight.py reproduces it on torch 2.13 on a default
+# gloo group and not on one worker thread (figures in its results README);
+# `dist.all_gather_into_tensor`, which takes `_allgather_base`, survives the same load.
 # The thread count is settable only through ProcessGroupGloo._Options, which init_process_group
 # and new_group do not pass on for gloo; so the engine's gloo collectives run on a group of its
 # own, made by a backend registered under its own name (an addition to c10d's registry; it
@@ -313,7 +311,7 @@ def inductor_compile_graph(gm, example_inputs: list) -> Callable:
     import torch._inductor.config as iconfig
     from torch._inductor.compile_fx import compile_fx
 
-    # Locality reordering glues each prefetch start back onto its wait (DESIGN §3), and the
+    # Locality reordering glues each prefetch start back onto its wait, and the
     # peak-memory reordering sinks each start (it allocates) down to its wait: both off for our
     # graphs, whose order the passes chose within the memory budget; scoped to this compile.
     # Detached examples: the graph is compiled for a no-grad call (AOT's inference path); the

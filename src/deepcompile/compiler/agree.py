@@ -1,4 +1,4 @@
-"""Rank agreement: every figure a decision reads is the same on every rank (DESIGN §3).
+"""Rank agreement: every figure a decision reads is the same on every rank.
 
 Pure functions over `Comm`: profiles ([Note: agreed node times]), the memory budget (MIN over ranks), measured step times (MAX over
 ranks: a step takes as long as its slowest rank). Ranks that profiled different graphs, or ran

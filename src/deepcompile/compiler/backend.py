@@ -219,7 +219,7 @@ def _partition(joint: fx.GraphModule, joint_inputs, links=None, n_inputs: int = 
 
 
 def check_no_gathered_param_saved(fw: fx.GraphModule) -> None:
-    """DESIGN §3: no gathered parameter is saved for backward (or escapes the forward)."""
+    """No gathered parameter is saved for backward (or escapes the forward)."""
     bad = sorted({str(src.args[1]) for v in G.output_values(fw)
                   if (src := G.gathered_source(v)) is not None})
     if bad:

@@ -80,9 +80,8 @@ def calibrate(comm, device: torch.device, repeats: int = 5) -> LinearCostModel:
 
     Each size's time is the fastest of `repeats` runs: noise (another process on the core, a
     late peer) only ever adds time, and the fit goes through the smallest and the largest
-    message, so one slow run at either end would tilt the slope (on a shared 2-core VM a 4 KB
-    gloo all-gather took 0.3-4 ms from one median of 3 to the next, and a slope of 0 made
-    every byte free)."""
+    message, so one slow run at either end would tilt the slope (a slope of 0 makes every byte
+    free)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
     for nbytes in SWEEP_BYTES:

@@ -91,8 +91,9 @@ class Lowered:
             rt.accum.mark(self.last, accs)
         if self.park_keys:
             for key, buffer in zip(self.park_keys, out[self.n_out:]):
-                if key is not None:   # None: a gather's input, returned to keep it ([Note: an
-                    rt.parked.park(key, buffer)   # unwaited gather's input])
+                # None: a gather's input, returned to keep it ([Note: an unwaited gather's input])
+                if key is not None:
+                    rt.parked.park(key, buffer)
             out = out[: self.n_out]
         return out
 
@@ -451,8 +452,9 @@ class _Lowering:
                 continue
             if node.op == "output":
                 outs = self.arg(node.args[0])
-                if self.to_host:   # autograd accumulates nothing for these ([Note: gradients on
-                    outs = type(outs)(None if o in self.to_host else o for o in outs)   # the host])
+                # autograd accumulates nothing for these ([Note: gradients on the host])
+                if self.to_host:
+                    outs = type(outs)(None if o in self.to_host else o for o in outs)
                 if self.outputs_extra:
                     outs = tuple(outs) + tuple(self.outputs_extra)
                 self.g.output(outs)

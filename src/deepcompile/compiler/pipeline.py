@@ -171,8 +171,8 @@ class Pipeline:
         # That figure is what the passes had; what the report shows (`step_summary`) is the
         # steady steps' own, once there are a few: the median of the last STEADY_OUTSIDE, this
         # rank's. One profiled step is one sample of a time that varies from step to step with
-        # its collectives' latency (on gloo, 2 ranks on 2 cores: 1.3 to 17 ms a step for the
-        # same work, measured at stop 34), and the profile phase has one step by default.
+        # its collectives' latency (gloo's latency varies several-fold from step to step for
+        # the same work), and the profile phase has one step by default.
         self._outside_now: list[float] = []
         self._outside_steady: collections.deque[float] = collections.deque(maxlen=STEADY_OUTSIDE)
         self._profile_host: dict[str, float] = {}   # slot -> the profiler's last host time
@@ -367,8 +367,10 @@ class Pipeline:
         tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
         tr.calls.append(low)
         full, accs = low.prepare(args)
-        if rt.parked.parked:   # started for a graph that did not come next ([Note: cross-graph
-            rt.drop_parked()   # prefetch] in runtime/runtime.py)
+        # started for a graph that did not come next ([Note: cross-graph prefetch] in
+        # runtime/runtime.py)
+        if rt.parked.parked:
+            rt.drop_parked()
         args.clear()   # boxed calling convention: the list is ours; inputs die at last use
         if self.phase is Phase.PROFILE and slot.training:
             target = slot.rep or slot   # a member's runs are its representative's
@@ -569,8 +571,8 @@ class Pipeline:
         return self._replan is not None
 
     def agree_replan(self, asked: bool) -> None:
-        """[Note: agreed re-planning] Some rank asked for a re-plan (`asked`, the same on every
-        rank): every rank re-plans from the next step on. A rank whose own step did not drift
+        """Some rank asked for a re-plan (`asked`, the same on every rank): every rank re-plans
+        from the next step on ([Note: agreed re-planning]). A rank whose own step did not drift
         tells its drift listeners now, before the optimizer step (the engine puts all state off
         the device, as the rank that asked did, and requests the same passes)."""
         if not asked:
@@ -601,7 +603,7 @@ class Pipeline:
                 self.setup_steps = self.steps
 
     def _announce(self, phase: Phase, label: str) -> str:
-        """[Note: setup steps] The line that says where the setup is as `phase` begins."""
+        """The line that says where the setup is as `phase` begins ([Note: setup steps])."""
         done = self.runtime.step.optimizer_steps   # the training's steps (a resumed one's too)
         step = done + 1   # the phase's first step
         what = "setup" if self.setup_steps is None else "re-plan"

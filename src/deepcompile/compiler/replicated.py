@@ -19,7 +19,7 @@ parameters. So:
 3. from then on everything is by `pid`: the reduced shard gradient reaches `shard.grad`
    through ordinary autograd, as at ZeRO-3; accumulation across micro-steps, tied weights and
    graph breaks need nothing else. ZeRO-1 also hands the shard to the op, which keeps the
-   gradient local before the last micro-step ([Note: ZeRO-1 local accumulation]).
+   gradient local before the last micro-step ([Note: local gradient accumulation] in runtime/accumulators.py).
 
 Bucketing and overlap are the `bucket_reduce` pass's job (the default for these stages: see
 config.py): it finds these `reduce_grad` nodes like ZeRO-3's.

@@ -46,10 +46,9 @@ The plan:
   and the step fit: each saves its master's bytes less the copy in the compute dtype the device
   keeps for the gathers (only with a narrower compute dtype, at ZeRO-3, and not for a chunk with
   a parameter kept gathered, accumulated locally, or in a reused graph); the step streams the
-  master in with the chunk's state and gradient. The issue's order was moments, then masters,
-  then gradients; per byte crossing PCIe each step gradients free more (a tier-2 gradient frees
-  4 bytes per parameter for 4 out and 4 in; a master under bf16 frees 2 for 4 out and 4 in), so
-  they go first (docs/notes/issue-16.md);
+  master in with the chunk's state and gradient. Per byte crossing PCIe each step gradients
+  free more (a tier-2 gradient frees 4 bytes per parameter for 4 out and 4 in; a master under
+  bf16 frees 2 for 4 out and 4 in), so they go first;
 * chunks whose masters go may step on the host instead (tier 4, [Note: the host step] in
   runtime/offload.py): then the step streams nothing of them (no staging), and only their copy
   in the compute dtype goes up. The plan takes it where it is predicted faster — per chunk, its

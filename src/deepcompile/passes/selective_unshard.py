@@ -2,7 +2,7 @@
 
 A kept parameter is gathered once per optimizer step (after the update, `KeptParams.refresh`)
 and every graph and micro-step uses a copy of it instead of gathering it again (forward,
-backward re-gathers, inference; [Note: kept parameters are copied out] in runtime/unshard.py).
+backward re-gathers, inference; [Note: kept parameters are graph inputs] in runtime/kept.py).
 A kept parameter's gradient may also be accumulated locally over the micro-steps of an
 accumulation window and reduce-scattered once, on the last one, instead of every micro-step.
 

@@ -357,7 +357,7 @@ class Guardrails:
 
     # -- new graphs -----------------------------------------------------------------------------
     def agree_graph(self, description: str, where: dict) -> None:
-        """[Note: new graphs are agreed] Every rank compiles this graph as its next new graph."""
+        """Every rank compiles this graph as its next new graph ([Note: new graphs are agreed])."""
         if not self.active:
             return
         index, self._graphs = self._graphs, self._graphs + 1
@@ -408,8 +408,8 @@ class Guardrails:
 
     # -- structures ------------------------------------------------------------------------------
     def open_structure_checks(self) -> None:
-        """[Note: structures are agreed at each call] Open the checks' group, once (every rank
-        calls this at the same point: the agreement on a second structure)."""
+        """Open the checks' group, once (every rank calls this at the same point: the agreement
+        on a second structure; [Note: structures are agreed at each call])."""
         if not self.active or self.structure_group is not None:
             return
         group = self.comm.group if self.comm.group is not None else dist.group.WORLD
@@ -419,8 +419,8 @@ class Guardrails:
             _compat.set_pg_timeout(self.structure_group, self.timeout_s)
 
     def agree_structure(self, graph: str, structure: int, step: int, micro: int) -> None:
-        """[Note: structures are agreed at each call] Every rank calls a graph of this structure
-        now, or every rank raises the same DivergenceError."""
+        """Every rank calls a graph of this structure now, or every rank raises the same
+        DivergenceError ([Note: structures are agreed at each call])."""
         if not self.active:
             return
         vec = torch.tensor([structure, -structure], dtype=torch.int64)
@@ -558,7 +558,7 @@ class Guardrails:
     # -- the divergence check ---------------------------------------------------------------------
     def end_step(self, step: int, micro: int, request: bool | None = None,
                  held: bool = False) -> bool:
-        """[Note: divergence check] First thing at an optimizer-step boundary, on every rank.
+        """First thing at an optimizer-step boundary, on every rank ([Note: divergence check]).
 
         `request`: whether this rank asks the others for a re-plan ([Note: agreed re-planning]
         in compiler/drift.py); None where no re-plan can be asked for this step (the same on

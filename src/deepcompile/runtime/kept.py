@@ -8,10 +8,10 @@ compiler/lower.py): no collective, no copy. A graph input is never written by In
 handing the runtime's own tensor to the graph is safe (an op output would not be: Inductor
 reuses the memory of a dead buffer in place, [Note: kept parameters are graph inputs]).
 
-[Note: kept parameters are graph inputs] The first version returned the kept tensor from a
-custom op; Inductor treats an op's output as a buffer of its own and, at its last use, may hand
-its memory to the next buffer of the same size (`buf2 = buf1; del buf1  # reuse` then
-`cpp_fused_tanh_0(buf2)` computing in place): the kept parameter was overwritten. As a graph
+[Note: kept parameters are graph inputs] Were the kept tensor returned from a custom op,
+Inductor would treat it as a buffer of its own and, at its last use, might hand its memory to
+the next buffer of the same size (`buf2 = buf1; del buf1  # reuse` then
+`cpp_fused_tanh_0(buf2)` computing in place), overwriting the kept parameter. As a graph
 input it is never reused (tests/test_selective_unshard.py has that graph).
 
 The table is keyed by the shard's data pointer, so a graph that Dynamo reuses for other

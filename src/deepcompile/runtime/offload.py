@@ -375,8 +375,8 @@ class Offloader:
         self.flat = flat
         self.device = device
         self.runtime = runtime
-        # [Note: gradients on the host] Inductor's generated code hands a buffer to a later
-        # kernel once its last reader returned: a `grad_to_host` op whose copy may still read
+        # Inductor's generated code hands a buffer to a later kernel once its last reader
+        # returned ([Note: gradients on the host]): a `grad_to_host` op whose copy may still read
         # its gradient then copies from a buffer of its own (fx frees through the allocator,
         # which `record_stream` holds off)
         self.own_sources = compiler == "inductor"
@@ -611,8 +611,8 @@ class Offloader:
         return slot.loaded
 
     def _show(self, slot: Slot, tensors: dict[str, torch.Tensor]) -> None:
-        """[Note: optimizer state access] The facade's state of the chunk's shards: views of
-        the flat state where it is on the device, meta tensors where it is not."""
+        """The facade's state of the chunk's shards: views of the flat state where it is on the
+        device, meta tensors where it is not ([Note: optimizer state access])."""
         state = self.flat.facade.state
         c = slot.chunk
         if slot.faces is None:

@@ -113,7 +113,7 @@ class _Ours(Trainer):
         import deepcompile
 
         self.config = ours_config(system, compiler=compiler, gas=w.gas, dtype=w.dtype)
-        if plan_cache:  # [Note: plan cache in the bench] (run.py)
+        if plan_cache:  # [Note: plans in the bench] in run.py
             self.config["cache_dir"] = plan_cache
         self.engine = deepcompile.initialize(
             model, optimizer=functools.partial(torch.optim.AdamW, **workloads.ADAMW),
