@@ -278,7 +278,7 @@ def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
 
 
 def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(group):
-    """A re-plan in the steady state (the step drifted: Engine._replan_offload, here by hand,
+    """A re-plan in the steady state (the step drifted: Engine._replan_on_drift, here by hand,
     in the middle of a window) profiles the graphs as the pass plans from them: as compiled,
     without the `grad_to_host` ops of the plan it replaces ([Note: a re-plan starts over] in
     compiler/planner.py). With them, the gradients of
@@ -299,7 +299,7 @@ def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(gr
 
     def drift(step, micro):
         if micro == 0:
-            engine._replan_offload("a test")
+            engine._replan_on_drift("a test")
     _train(engine, 1, gas=2, start=4, between=drift)
     assert pipe.phase.value == "profile"
     bw = _bw_slot(engine)

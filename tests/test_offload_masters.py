@@ -250,7 +250,7 @@ def test_code_outside_the_graphs_gathers_from_the_copies(group, name, tier):
 
 
 def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
-    """A re-plan in the steady state (the step drifted: Engine._replan_offload, here by hand)
+    """A re-plan in the steady state (the step drifted: Engine._replan_on_drift, here by hand)
     brings every master back to the device, profiles the graphs reading the shards, and plans
     the masters onto the host again; training stays bitwise the same."""
     from deepcompile.runtime import offload
@@ -266,7 +266,7 @@ def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     _train(engine, 4)
     assert pipe.phase.value == "steady"
     assert any(engine._offload.master_tier(s) for s in engine._offload.slots)
-    engine._replan_offload("a test")
+    engine._replan_on_drift("a test")
     chunks = engine._flat.chunks
     assert all(c.param.untyped_storage().nbytes() > 0 for c in chunks)
     assert all(e.lowp is None for c in chunks for e in c.entries)

@@ -87,7 +87,8 @@ def _job(rank, world, tmp, names):
     for name in names:
         model, config = CASES[name]
         path = f"{tmp}/{name}"
-        engine = _engine(model, config, rank)
+        torch._dynamo.reset()   # each run a fresh process's: Dynamo's caches hold no other
+        engine = _engine(model, config, rank)   # engine's graphs of the same code
         save_at = 0
         while engine.setup_steps is None and save_at < 40:   # saved once the plan is final
             _steps(engine, model, rank, world, save_at, save_at + 1)
@@ -100,6 +101,7 @@ def _job(rank, world, tmp, names):
         unbroken.append(_evaluate(engine, model, rank, world))
         plan = _plan(engine)
         del engine
+        torch._dynamo.reset()
         resumed = _engine(model, config, rank)
         resumed.load_checkpoint(path)
         resumed_draws = _draws()

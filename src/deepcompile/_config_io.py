@@ -120,6 +120,16 @@ def _enabled(section: Any) -> bool:
     return bool(section)
 
 
+def _add_pass_for(out: dict, setting: str) -> None:
+    """The pass that stands for DeepSpeed's `setting` (`Pass.deepspeed`) in `out["passes"]`."""
+    from .passes import passes_with
+
+    out.setdefault("passes", [])
+    for name in passes_with(deepspeed=setting):
+        if name not in out["passes"]:
+            out["passes"].append(name)
+
+
 def from_deepspeed(ds: Mapping[str, Any], overrides: dict) -> dict:
     """Config keys for a DeepSpeed config ([Note: DeepSpeed keys])."""
     if not isinstance(ds, Mapping):
@@ -154,9 +164,7 @@ def from_deepspeed(ds: Mapping[str, Any], overrides: dict) -> dict:
                     if device != "cpu":
                         raise error(where, f"device {device!r} is not supported; allowed: "
                                            "'cpu' (the offload_optimizer pass), 'none'")
-                    out.setdefault("passes", [])
-                    if "offload_optimizer" not in out["passes"]:
-                        out["passes"].append("offload_optimizer")
+                    _add_pass_for(out, "zero_optimization.offload_optimizer")
                 elif zkey in _ZERO_IGNORED:
                     ignored.append(where)
                 else:
@@ -213,9 +221,7 @@ def from_deepspeed(ds: Mapping[str, Any], overrides: dict) -> dict:
                                     "compiles (set it to true, or leave the key out)")
                 elif ckey == "offload_opt_states":
                     if cvalue:
-                        out.setdefault("passes", [])
-                        if "offload_optimizer" not in out["passes"]:
-                            out["passes"].append("offload_optimizer")
+                        _add_pass_for(out, "zero_optimization.offload_optimizer")
                 elif ckey in ("free_activation", "double_buffer", "symmetric_memory",
                               "keep_int_input_tensors", "keep_all_input_tensors",
                               "sync_before_reduce", "sync_after_reduce",

@@ -231,8 +231,10 @@ class Config:
         if unknown:
             raise ValueError(f"Config.passes: unknown pass {unknown[0]!r}; "
                              f"known: {', '.join(known_passes()) or '(none registered)'}")
-        if "offload_optimizer" in self.pass_list and self.warmup_steps == 0:
-            raise ValueError("Config.warmup_steps: 0 is not allowed with offload_optimizer; the "
+        from .passes import needs_of
+        warm = needs_of(self.pass_list).get("warmup_steps")
+        if warm and self.warmup_steps == 0:
+            raise ValueError(f"Config.warmup_steps: 0 is not allowed with {warm[0]}; the "
                              "optimizer state it plans for exists after the first optimizer "
                              "step (allowed: an integer >= 1)")
 

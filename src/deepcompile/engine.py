@@ -18,6 +18,7 @@ from .compiler.backend import Backend, WeakBackend
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
 from .guard import ModelGuard
+from .passes import needs_of, passes_with
 from .report import Report
 from .runtime.comm import Comm
 from .runtime.eager import EagerFallback
@@ -168,21 +169,25 @@ class Engine:
             agree_mask=self._rails.agree_mask)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
                                   engine_fingerprint=self._fingerprint(), guard=self._rails)
-        if "offload_optimizer" in config.pass_list:
-            if self._flat.inner is None:
-                raise ValueError(
-                    f"deepcompile.initialize: the pass offload_optimizer needs an optimizer whose "
-                    f"update is elementwise (torch.optim's SGD, Adam, AdamW, ...), which steps "
-                    f"flat chunks; {type(self.optimizer).__name__} steps parameter by parameter")
-            # the CPU memory model counts the state (and held gradients) where the pass is on:
-            # its plan and every pass before or after it read one budget for all of it
+        elementwise = needs_of(config.pass_list).get("elementwise_optimizer")
+        if elementwise and self._flat.inner is None:
+            raise ValueError(
+                f"deepcompile.initialize: the pass {elementwise[0]} needs an optimizer whose "
+                f"update is elementwise (torch.optim's SGD, Adam, AdamW, ...), which steps "
+                f"flat chunks; {type(self.optimizer).__name__} steps parameter by parameter")
+        # the passes that hold the optimizer state under the budget, named or open to auto
+        self._drift_passes = passes_with(replans_on_drift=True)
+        if any(p in config.pass_list for p in self._drift_passes):
+            # the CPU memory model counts the state (and held gradients) where such a pass is
+            # on: its plan and every pass before or after it read one budget for all of it
             self._runtime.count_offload_bytes = True
             if self._pipeline.memory_budget != float("inf"):
                 # until planned, the state of every chunk leaves ([Note: provisional offload]);
                 # unbounded, nothing is ever offloaded: the pass plans nothing, changes no graph
                 self._offload.provisional = True
-        elif config.auto_passes and self._pipeline.memory_budget != float("inf"):
-            # auto may choose offload_optimizer from the profile: the state is in the budget
+        elif config.auto_passes and self._drift_passes and \
+                self._pipeline.memory_budget != float("inf"):
+            # auto may choose such a pass from the profile: the state is in the budget
             # (profiled on the device: name the pass to profile with it offloaded)
             self._runtime.count_offload_bytes = True
         if self._runtime.count_offload_bytes and self._pipeline.memory_budget != float("inf"):
@@ -190,7 +195,7 @@ class Engine:
             # running out of memory (compiler/drift.py). Unbounded, no step runs out of the
             # budget: nothing to re-plan (each re-plan runs every kept pass again), and no
             # agreement to reach at each step boundary
-            self._pipeline.on_drift.append(self._replan_offload)
+            self._pipeline.on_drift.append(self._replan_on_drift)
         self._backend = Backend(self._registry, config.compiler, self._pipeline)
         # Dynamo keeps its backend for the life of the process: it gets a weak handle ([Note:
         # what Dynamo holds] in compiler/backend.py), so that a released engine is freed
@@ -507,7 +512,7 @@ class Engine:
 
     MAX_REPLANS = 4
 
-    def _replan_offload(self, reason: str) -> None:
+    def _replan_on_drift(self, reason: str) -> None:
         """The offload plan no longer describes the step: every chunk's state leaves the device
         at once (the least memory this engine can hold), and the pass plans again on new
         profiles from the next step on. At most MAX_REPLANS times; then the offloader's run-time
@@ -516,18 +521,18 @@ class Engine:
         agree to re-plan, before the optimizer step ([Note: agreed re-planning] in
         compiler/drift.py); what it decides from is the same on every rank."""
         pipe = self._pipeline
-        planned = any(e["pass"] == "offload_optimizer" and e.get("kept", True)
+        planned = any(e["pass"] in self._drift_passes and e.get("kept", True)
                       for e in pipe.pass_log)
-        # passes="auto" left it out (the step fitted) or reverted it: the new step may not fit,
-        # so it plans now if it can ([Note: choosing passes] in compiler/autoplan.py: the same
-        # conditions; the budget is bounded, or this listener is not registered)
+        # passes="auto" left them out (the step fitted) or reverted them: the new step may not
+        # fit, so they plan now if they can ([Note: choosing passes] in compiler/autoplan.py:
+        # the same conditions; the budget is bounded, or this listener is not registered)
         may = planned or (self.config.auto_passes and self._offload.movable()
                           and self.config.warmup_steps > 0)
         if not may or pipe.replans >= self.MAX_REPLANS or pipe.phase.value != "steady":
             return
         if not self._offload.provisional:   # (it is after a re-plan that was reverted)
             self._offload.go_provisional()
-        self._pipeline.request_replan(["offload_optimizer"], reason)
+        self._pipeline.request_replan(list(self._drift_passes), reason)
 
     def _shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (runtime/runtime.py)."""

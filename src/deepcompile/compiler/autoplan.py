@@ -1,10 +1,12 @@
 """Which passes run, in what order (`passes="auto"`), how they fuse, and whether a pass is kept.
 
-[Note: choosing passes] `choose` reads the first agreed profile, the graphs and the memory
-budget, and returns the built-in passes worth running, in order, each with the reason, and the
-ones left out with theirs. It only reads facts that do not move with the machine's load (which
-collectives the graphs have, the ZeRO stage, the world size, the profiled peak against the
-budget), so every launch of the same program chooses the same list:
+[Note: choosing passes] `choose` asks every pass that describes a `choose` (passes/__init__.py:
+`Pass`), in its `order`, whether it runs, from `Facts`: the first agreed profile, the graphs and
+the memory budget. It returns the passes worth running, in order, each with the reason, and the
+ones left out with theirs. The facts do not move with the machine's load (which collectives the
+graphs have, the ZeRO stage, the world size, the profiled peak against the budget), so every
+launch of the same program chooses the same list; `deepcompile plan` computes the same facts
+for the model it simulates and asks the same passes. The built-in ones:
 
 * `offload_optimizer` first, when the budget is bounded and the step with all optimizer state on
   the device (the profiled peak, or the optimizer step itself) exceeds it: the passes after it
@@ -20,10 +22,11 @@ budget), so every launch of the same program chooses the same list:
   gradient reductions.
 
 The step can grow while the chosen passes are planned (a longer sequence in a re-profile) or
-after (a new shape in steady state). So `offload_optimizer`, when left out, is asked again on
-the latest profiles once the chosen passes have run (`offload_choice(late=True)`; it then plans
-last, within what they left), and the engine plans it on a drift in steady state
-(`Engine._replan_offload`): a budget that the first profile met is held when the step grows.
+after (a new shape in steady state). So a pass that describes `choose_late` (`offload_optimizer`),
+when left out, is asked again on the latest profiles once the chosen passes have run
+(`choose_late`; it then plans last, within what they left), and the engine re-plans the passes
+that describe `replans_on_drift` on a drift in steady state (`Engine._replan_on_drift`): a
+budget that the first profile met is held when the step grows.
 
 [Note: fusion policy] How `prefetch` and `bucket_reduce` group collectives (`fusion_policy`):
 "overlap" splits a group where the compute between two members is clearly longer than the
@@ -58,14 +61,12 @@ import dataclasses
 import statistics
 from typing import Any
 
+from ..passes import Facts, get_pass, known_passes
 from ..passes._common import SPLIT_MARGIN  # noqa: F401  (documented here)
+from ..passes._common import mib as _mib
 from ..runtime import ops
 
 TIME_MARGIN = 0.03     # a pass is slower when its median step is > 3% slower (and see verdict)
-
-# the built-in passes, in the order `choose` runs them
-ORDER = ("offload_optimizer", "selective_unshard", "prefetch", "bucket_reduce")
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -85,7 +86,9 @@ def fusion_policy(device_type: str) -> tuple[str, str]:
                    "flight is not hidden for free; groups are fused up to the size cap")
 
 
-def _counts(ctx) -> tuple[int, int]:
+def facts(ctx, *, zero_stage: int, warmup_steps: int, late: bool = False) -> Facts:
+    """The facts `choose` reads, from the latest agreed profiles and the graphs (the same on
+    every rank)."""
     gathers = reduces = 0
     for slot in ctx.slots.values():
         if not getattr(slot, "training", True):
@@ -94,103 +97,45 @@ def _counts(ctx) -> tuple[int, int]:
             if node.op == "call_function":
                 gathers += node.target is ops.ALLGATHER
                 reduces += node.target is ops.REDUCE_GRAD
-    return gathers, reduces
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def offload_choice(ctx, warmup_steps: int, late: bool = False) -> tuple[bool, str]:
-    """Whether offload_optimizer runs, and why, from the latest agreed profiles. `late`: asked
-    after the chosen passes ran ([Note: choosing passes]: the step grew while they were
-    planned, e.g. a longer sequence profiled on the way)."""
-    budget = ctx.memory_budget
+    # world size 1: a gather casts the shard where the compute dtype is not the master's
+    casts = sum(e.zero_stage == 3 and e.compute_dtype != e.shard.dtype and e.lowp is None
+                for e in ctx.registry) if ctx.world_size == 1 else 0
     store = getattr(ctx.runtime, "offload", None)
-    if budget == float("inf"):
-        return False, "memory budget unbounded: all optimizer state stays"
-    if store is None or not store.movable():
-        flat = getattr(store, "flat", None)
-        return False, ("no movable optimizer state" if flat is None or flat.inner is not None
-                       else f"{type(flat.facade).__name__} steps parameter by parameter (not an "
-                       "elementwise torch.optim optimizer): its state cannot be offloaded")
-    if warmup_steps == 0:
-        return False, "warmup_steps is 0: the state it plans for does not exist when profiling starts"
-    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
-    need = max(peak, store.step_bytes())
-    if need <= budget:
-        return False, (f"the step needs {_mib(need)} with all optimizer state on the device, "
-                       f"within the budget {_mib(budget)}")
-    return True, (f"the step needs {_mib(need)} with all optimizer state on the device, over the "
-                  f"budget {_mib(budget)}: "
-                  + ("its profiles grew after the passes were chosen: offload last" if late else
-                     "offload first, later passes plan in what is left"))
+    step_bytes, unmovable = None, "no movable optimizer state"
+    if store is not None and store.movable():
+        step_bytes = store.step_bytes()
+    elif store is not None and store.flat is not None and store.flat.inner is None:
+        unmovable = (f"{type(store.flat.facade).__name__} steps parameter by parameter (not an "
+                     "elementwise torch.optim optimizer): its state cannot be offloaded")
+    return Facts(world_size=ctx.world_size, zero_stage=zero_stage,
+                 memory_budget=ctx.memory_budget,
+                 peak_bytes=max((p.peak_bytes for p in ctx.profiles.values()), default=0),
+                 gathers=gathers, reduces=reduces, casts=casts, step_bytes=step_bytes,
+                 unmovable=unmovable, warmup_steps=warmup_steps, late=late)
 
 
-def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], list[Choice]]:
+def choose(f: Facts) -> tuple[list[Choice], list[Choice]]:
     """(passes to run in order, passes left out), each with its reason ([Note: choosing
-    passes]). Reads only what every rank agrees on."""
-    from ..passes import known_passes
-
-    gathers, reduces = _counts(ctx)
-    world, budget = ctx.world_size, ctx.memory_budget
-    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    passes]): every registered pass that describes a `choose`, asked in its `order`."""
     chosen: list[Choice] = []
     out: list[Choice] = []
-    store = getattr(ctx.runtime, "offload", None)
-
-    def add(name: str, yes: bool, why: str) -> None:
-        if name in known_passes():
-            (chosen if yes else out).append(Choice(name, why))
-
-    add("offload_optimizer", *offload_choice(ctx, warmup_steps))
-    one = "world size 1: a gather is a view of the local shard, a reduction a cast"
-    # selective_unshard: at world size 1 a gather casts the shard when the compute dtype is not
-    # the masters' (param_dtype), at every use; a kept copy is cast once per optimizer step
-    from ..passes.selective_unshard import candidate
-
-    casts = sum(candidate(e, 1) for e in ctx.registry) if world == 1 else 0
-    room = budget - peak
-    if world == 1 and not casts:
-        add("selective_unshard", False, "world size 1, compute in the masters' dtype: a gather "
-                                        "is a view of the local shard")
-    elif zero_stage < 3:
-        add("selective_unshard", False, f"ZeRO-{zero_stage}: parameters are replicated")
-    elif not gathers:
-        add("selective_unshard", False, "no parameter gathers in the graphs")
-    elif room <= 0:
-        add("selective_unshard", False, f"no memory left: profiled peak {_mib(peak)} >= "
-                                        f"budget {_mib(budget)}")
-    elif world == 1:
-        add("selective_unshard", True,
-            ("memory budget unbounded" if room == float("inf") else f"{_mib(room)} under the "
-             "budget") + f": world size 1, {casts} parameters cast to their compute dtype at "
-            "every use; a kept copy is cast once per optimizer step")
-    else:
-        add("selective_unshard", True,
-            ("memory budget unbounded" if room == float("inf") else f"{_mib(room)} under the "
-             "budget") + ": keeping parameters gathered removes whole collectives (before "
-            "prefetch, so that each gather is valued at its own collective's cost)")
-    # prefetch
-    if world == 1:
-        add("prefetch", False, one)
-    elif zero_stage < 3:
-        add("prefetch", False, f"ZeRO-{zero_stage}: parameters are replicated, nothing to gather")
-    elif not gathers:
-        add("prefetch", False, "no parameter gathers in the graphs")
-    else:
-        add("prefetch", True, f"{gathers} gathers in the graphs: the ones not kept become "
-                              "asynchronous and fused")
-    # bucket_reduce
-    if world == 1:
-        add("bucket_reduce", False, one)
-    elif not reduces:
-        add("bucket_reduce", False, "no gradient reductions in the graphs")
-    else:
-        add("bucket_reduce", True, f"{reduces} gradient reductions: bucketed and asynchronous")
-    order = {name: i for i, name in enumerate(ORDER)}
-    chosen.sort(key=lambda c: order.get(c.name, len(order)))
+    for p in sorted((get_pass(n) for n in known_passes()), key=lambda p: p.order):
+        if p.choose is not None:
+            yes, why = p.choose(f)
+            (chosen if yes else out).append(Choice(p.name, why))
     return chosen, out
+
+
+def choose_late(f: Facts, ran: set[str]) -> list[Choice]:
+    """The passes asked again once the chosen ones ran (`Pass.choose_late`; `f.late`) that did
+    not run and now should ([Note: choosing passes])."""
+    late = []
+    for p in sorted((get_pass(n) for n in known_passes()), key=lambda p: p.order):
+        if p.choose_late and p.choose is not None and p.name not in ran:
+            yes, why = p.choose(f)
+            if yes:
+                late.append(Choice(p.name, why))
+    return late
 
 
 def by_memory(before: dict[str, Any], after: dict[str, Any],

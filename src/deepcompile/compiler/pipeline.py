@@ -769,7 +769,8 @@ class Pipeline:
         t0 = time.perf_counter()
         while self.planner.queue or (
                 self.planner.retry() if self._replanning is not None else
-                self.config.auto_passes and self.planner.late_offload(self.config.warmup_steps)):
+                self.config.auto_passes and self.planner.choose_late(
+                    zero_stage=self.registry.zero_stage, warmup_steps=self.config.warmup_steps)):
             # what the profiles before this pass saw (restored if it is reverted: _judge)
             before = ({k: w.limit for k, w in self._watches.items()}, set(self._unplanned))
             entry = self.planner.start(self.planner.queue.pop(0))

@@ -72,26 +72,29 @@ class Planner:
 
     def choose(self, *, zero_stage: int, warmup_steps: int) -> None:
         """`passes="auto"`: the queue from the first agreed profile ([Note: choosing passes])."""
-        chosen, out = autoplan.choose(self._context(), zero_stage=zero_stage,
-                                      warmup_steps=warmup_steps)
+        chosen, out = autoplan.choose(autoplan.facts(self._context(), zero_stage=zero_stage,
+                                                     warmup_steps=warmup_steps))
         self.queue = [c.name for c in chosen]
         self.chosen = [c.to_dict() for c in chosen]
         self.left_out = [c.to_dict() for c in out]
         log.info("deepcompile auto: passes %s%s", " -> ".join(self.queue) or "none",
                  "".join(f"; {c.name}: {c.reason}" for c in chosen))
 
-    def late_offload(self, warmup_steps: int) -> bool:
-        """`passes="auto"`, after the chosen passes ran: queue offload_optimizer if it was left
-        out and the latest profiles no longer fit the budget ([Note: choosing passes])."""
-        if self.chosen is None or any(e["pass"] == "offload_optimizer" for e in self.entries):
+    def choose_late(self, *, zero_stage: int, warmup_steps: int) -> bool:
+        """`passes="auto"`, after the chosen passes ran: queue the passes asked again then
+        (`Pass.choose_late`) that were left out and that the latest profiles now call for
+        ([Note: choosing passes]); returns whether it queued any."""
+        if self.chosen is None:
             return False
-        yes, why = autoplan.offload_choice(self._context(), warmup_steps, late=True)
-        if yes:
-            self.queue.append("offload_optimizer")
-            self.chosen.append(autoplan.Choice("offload_optimizer", why).to_dict())
-            self.left_out = [c for c in self.left_out or [] if c["pass"] != "offload_optimizer"]
-            log.warning("deepcompile auto: offload_optimizer added: %s", why)
-        return yes
+        late = autoplan.choose_late(
+            autoplan.facts(self._context(), zero_stage=zero_stage, warmup_steps=warmup_steps,
+                           late=True), ran={e["pass"] for e in self.entries})
+        for c in late:
+            self.queue.append(c.name)
+            self.chosen.append(c.to_dict())
+            self.left_out = [o for o in self.left_out or [] if o["pass"] != c.name]
+            log.warning("deepcompile auto: %s added: %s", c.name, c.reason)
+        return bool(late)
 
     def current(self) -> list[dict[str, Any]]:
         """The log entries of the plan in force: since the last re-plan started over

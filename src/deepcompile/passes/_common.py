@@ -144,6 +144,13 @@ def replace_with_parts(graph: fx.Graph, fused: fx.Node, members: list[fx.Node]) 
             last = user
 
 
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+ONE_RANK = "world size 1: a gather is a view of the local shard, a reduction a cast"
+
+
 def size(nbytes: float) -> str:
     """Bytes for a report line."""
     if nbytes >= 2**20:

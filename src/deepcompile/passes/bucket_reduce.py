@@ -36,7 +36,8 @@ from torch import fx
 
 from ..runtime import ops
 from ..runtime.registry import lookup
-from . import PassContext, register_pass
+from . import Facts, PassContext, register_pass
+from ._common import ONE_RANK
 from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
                       group_summary, profiled_graphs, replace_with_parts, unattainable,
                       warn_unattainable)
@@ -216,4 +217,14 @@ def summary(decisions: dict[str, Any]) -> list[str]:
     return lines
 
 
-register_pass("bucket_reduce", plan, apply, __doc__.splitlines()[0], summary=summary)
+def auto(f: Facts) -> tuple[bool, str]:
+    """`passes="auto"`: several ranks with gradient reductions in the graphs."""
+    if f.world_size == 1:
+        return False, ONE_RANK
+    if not f.reduces:
+        return False, "no gradient reductions in the graphs"
+    return True, f"{f.reduces} gradient reductions: bucketed and asynchronous"
+
+
+register_pass("bucket_reduce", plan, apply, __doc__.splitlines()[0], summary=summary,
+              order=30, choose=auto, asynchronous=True)

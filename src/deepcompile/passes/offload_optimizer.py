@@ -86,7 +86,8 @@ from torch import fx
 
 from ..compiler.agree import agree_max
 from ..runtime import offload, ops
-from . import PassContext, register_pass
+from . import Facts, PassContext, register_pass
+from ._common import mib
 
 log = logging.getLogger("deepcompile")
 
@@ -796,4 +797,28 @@ def summary(d: dict[str, Any]) -> list[str]:
     ]
 
 
-register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary)
+def auto(f: Facts) -> tuple[bool, str]:
+    """`passes="auto"`: first, when the budget is bounded and the step with all optimizer state
+    on the device (the profiled peak, or the optimizer step itself) exceeds it; asked again
+    once the chosen passes ran (`f.late`: the step grew while they were planned)."""
+    budget = f.memory_budget
+    if budget == float("inf"):
+        return False, "memory budget unbounded: all optimizer state stays"
+    if f.step_bytes is None:
+        return False, f.unmovable
+    if f.warmup_steps == 0:
+        return False, "warmup_steps is 0: the state it plans for does not exist when profiling starts"
+    need = max(f.peak_bytes, f.step_bytes)
+    if need <= budget:
+        return False, (f"the step needs {mib(need)} with all optimizer state on the device, "
+                       f"within the budget {mib(budget)}")
+    return True, (f"the step needs {mib(need)} with all optimizer state on the device, over the "
+                  f"budget {mib(budget)}: "
+                  + ("its profiles grew after the passes were chosen: offload last" if f.late else
+                     "offload first, later passes plan in what is left"))
+
+
+register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary,
+              order=0, choose=auto, choose_late=True,
+              needs={"elementwise_optimizer", "warmup_steps"}, replans_on_drift=True,
+              deepspeed="zero_optimization.offload_optimizer")

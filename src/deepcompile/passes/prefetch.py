@@ -36,7 +36,8 @@ from torch import fx
 
 from ..runtime import ops
 from ..runtime.registry import lookup
-from . import PassContext, register_pass
+from . import Facts, PassContext, register_pass
+from ._common import ONE_RANK
 from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
                       group_summary, profiled_graphs, replace_with_parts, steps_of, unattainable,
                       warn_unattainable)
@@ -297,4 +298,17 @@ def summary(decisions: dict[str, Any]) -> list[str]:
     return group_summary(decisions, "groups", "gathers")
 
 
-register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary)
+def auto(f: Facts) -> tuple[bool, str]:
+    """`passes="auto"`: ZeRO-3 over several ranks with gathers in the graphs."""
+    if f.world_size == 1:
+        return False, ONE_RANK
+    if f.zero_stage < 3:
+        return False, f"ZeRO-{f.zero_stage}: parameters are replicated, nothing to gather"
+    if not f.gathers:
+        return False, "no parameter gathers in the graphs"
+    return True, (f"{f.gathers} gathers in the graphs: the ones not kept become asynchronous "
+                  "and fused")
+
+
+register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary,
+              order=20, choose=auto, asynchronous=True)

@@ -61,7 +61,8 @@ from torch import fx
 from ..runtime import kept as _kept, ops
 from ..runtime.accumulators import accumulator_bytes
 from ..runtime.registry import lookup
-from . import PassContext, register_pass
+from . import Facts, PassContext, register_pass
+from ._common import mib
 
 log = logging.getLogger("deepcompile")
 
@@ -471,4 +472,28 @@ def _in_flight(start: fx.Node, pids: list[int]):
     return val.new_empty((sum(e.padded_numel for e in entries),))
 
 
-register_pass("selective_unshard", plan, apply, __doc__.splitlines()[0], summary=summary)
+def auto(f: Facts) -> tuple[bool, str]:
+    """`passes="auto"`: ZeRO-3 with memory left under the budget, before `prefetch` (keeping a
+    parameter gathered removes whole collectives, and planned first it values every gather at
+    its own collective's cost, not a share of a fused one); at world size 1 only where a gather
+    casts the shard at every use (a kept copy is cast once per optimizer step)."""
+    room = f.memory_budget - f.peak_bytes
+    left = "memory budget unbounded" if room == float("inf") else f"{mib(room)} under the budget"
+    if f.world_size == 1 and not f.casts:
+        return False, "world size 1, compute in the masters' dtype: a gather is a view of the local shard"
+    if f.zero_stage < 3:
+        return False, f"ZeRO-{f.zero_stage}: parameters are replicated"
+    if not f.gathers:
+        return False, "no parameter gathers in the graphs"
+    if room <= 0:
+        return False, (f"no memory left: profiled peak {mib(f.peak_bytes)} >= "
+                       f"budget {mib(f.memory_budget)}")
+    if f.world_size == 1:
+        return True, (f"{left}: world size 1, {f.casts} parameters cast to their compute dtype at "
+                      "every use; a kept copy is cast once per optimizer step")
+    return True, (f"{left}: keeping parameters gathered removes whole collectives (before "
+                  "prefetch, so that each gather is valued at its own collective's cost)")
+
+
+register_pass("selective_unshard", plan, apply, __doc__.splitlines()[0], summary=summary,
+              order=10, choose=auto)

@@ -42,7 +42,7 @@ import bisect
 import dataclasses
 from typing import Any
 
-from ...passes import bucket_reduce, offload_optimizer, prefetch, selective_unshard
+from ...passes import bucket_reduce, offload_optimizer, passes_with, prefetch, selective_unshard
 from ...passes._common import Step
 from ...runtime import kept as _kept
 from ...runtime import regather
@@ -58,7 +58,7 @@ PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
 # the passes whose collectives are asynchronous: a host profile measures the framework's time
 # with them apart (`Setting.framework_async_s`; benchmarks/validation/host_profile.py)
-ASYNC_PASSES = ("prefetch", "bucket_reduce")
+ASYNC_PASSES = passes_with(asynchronous=True)
 REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
 
 
@@ -838,44 +838,27 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
 
 
 def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
-    """The passes `compiler.autoplan.choose` runs, in its order (offload_optimizer,
-    selective_unshard, prefetch, bucket_reduce), from the facts it reads, here the planner's:
-    the world size, the ZeRO stage, the peak of the insertion-only plan (its first profile)
-    and the optimizer step's bytes with all state on the device (`OffloadStore.step_bytes`:
-    shards, gradient shards, Adam's moments, and one state tensor per parameter of foreach
-    temporaries on a GPU, the largest one on the CPU), against the budget. Returns (chosen,
-    left out with the reason)."""
-    from ...compiler.autoplan import ORDER
+    """The passes `passes="auto"` runs, in order, asked by the runtime's own rule
+    (`compiler.autoplan.choose`) with the facts the planner has: the world size, the ZeRO
+    stage, the peak of the insertion-only plan (its first profile), every parameter gathered
+    (ZeRO-3) and reduced once, casts where the compute dtype is narrower than the masters', and
+    the optimizer step's bytes with all state on the device (`OffloadStore.step_bytes`: shards,
+    gradient shards, Adam's moments, and one state tensor per parameter of foreach temporaries
+    on a GPU, the largest one on the CPU). Returns (chosen, left out with the reason)."""
+    from ...compiler import autoplan
+    from ...passes import Facts
 
-    base = plan(s, ())
-    peak = base.peak()
+    peak = plan(s, ()).peak()
     elems = s.shard_elems()
     largest = max((s.shard_numel(p) for p in s.model.params), default=0) * 4
     work = 4 * elems if s.fusion == "overlap" else largest   # GPU foreach / CPU loop
-    step = (MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work
-    budget = s.budget
-    chosen, out = [], {}
-    one = "world size 1: a gather is a view of the local shard, a reduction a cast"
-    if budget == float("inf"):
-        out["offload_optimizer"] = "memory budget unbounded"
-    elif max(peak, step) > budget:
-        chosen.append("offload_optimizer")
-    else:
-        out["offload_optimizer"] = "the step fits the budget with all optimizer state"
-    if s.world == 1:
-        out.update({p: one for p in ("selective_unshard", "prefetch", "bucket_reduce")})
-    else:
-        if s.stage < 3:
-            out["selective_unshard"] = out["prefetch"] = \
-                f"ZeRO-{s.stage}: parameters are replicated"
-        elif budget - peak <= 0:
-            out["selective_unshard"] = "no memory left under the budget"
-            chosen.append("prefetch")
-        else:
-            chosen += ["selective_unshard", "prefetch"]
-        chosen.append("bucket_reduce")
-    order = {name: i for i, name in enumerate(ORDER)}
-    return sorted(chosen, key=lambda p: order.get(p, len(order))), out
+    n = len(s.model.params)
+    facts = Facts(world_size=s.world, zero_stage=s.stage, memory_budget=s.budget,
+                  peak_bytes=peak, gathers=n if s.stage == 3 else 0, reduces=n,
+                  casts=n if s.world == 1 and s.stage == 3 and s.csize < MASTER_BYTES else 0,
+                  step_bytes=(MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work)
+    chosen, out = autoplan.choose(facts)
+    return [c.name for c in chosen], {c.name: c.reason for c in out}
 
 
 # ------------------------------------------------------------------------------ events
