@@ -67,6 +67,7 @@ def child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 _CTX = None
+LAYERS = ("unit", "engine", "tools", "distributed", "gpu")   # tests/<layer>/, in the order they run
 
 
 def _context():
@@ -83,9 +84,10 @@ def _context():
         saved = dict(os.environ)
         try:
             os.environ.update(_COMMON_ENV)
-            here = str(Path(__file__).resolve().parent)
+            here = Path(__file__).resolve().parent   # the helpers, and each layer's tests
+            layers = [str(p) for p in sorted(here.iterdir()) if p.is_dir() and p.name in LAYERS]
             os.environ["PYTHONPATH"] = os.pathsep.join(
-                [here] + [p for p in saved.get("PYTHONPATH", "").split(os.pathsep) if p])
+                [str(here), *layers] + [p for p in saved.get("PYTHONPATH", "").split(os.pathsep) if p])
             from multiprocessing import forkserver
             forkserver.ensure_running()
         finally:

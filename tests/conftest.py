@@ -1,12 +1,37 @@
-"""Shared pytest setup: a summary of the parity deviations measured by the distributed tests
-(tests/_train.py fills `_train.DEVIATIONS`; each entry is also appended to
-build/test-deviations.jsonl)."""
+"""Shared pytest setup.
+
+The tests are in layers, one folder each, marked by it and run in this order:
+  unit    no process group: pure functions, synthetic graphs, the configuration, the layering
+  engine  one rank in the test's process (the `group` fixture)
+  tools   the `deepcompile` command, bench, planner, verify, examples and packaging
+  distributed  several gloo ranks on the CPU (tests/_dist.py launches them)
+  gpu     CUDA only (skipped without a GPU)
+`pytest tests/unit` is the quick subset; `pytest -m "not distributed"` leaves out the ranks.
+
+Also a summary of the parity deviations measured by the distributed tests (tests/_train.py
+fills `_train.DEVIATIONS`; each entry is also appended to build/test-deviations.jsonl)."""
 
 from __future__ import annotations
 
 import pytest
 
 import _train
+from _dist import LAYERS
+
+
+def _layer(item) -> str | None:
+    name = item.path.parent.name
+    return name if name in LAYERS else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        layer = _layer(item)
+        if layer is not None:
+            item.add_marker(layer)
+    # the layers in order (a failure in a lower one shows first); within one, as collected
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    items.sort(key=lambda item: rank.get(_layer(item), len(rank)))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -43,7 +43,7 @@ inserted, profiled, planned and agreed like any new graph. The structure (`struc
 is what Dynamo's graph computes with the sizes left out: its tensor inputs, and each node's op
 and the tensor nodes it reads, in order; the nodes a graph with dynamic sizes adds (symbolic
 sizes, their arithmetic) and every constant argument are not part of it. So a recompilation for
-a new shape, static or dynamic, keeps its family's structure (tests/test_ragged.py: Llama with
+a new shape, static or dynamic, keeps its family's structure (tests/distributed/test_ragged.py: Llama with
 ragged lengths), and an unrolled loop or another branch does not. One frame over one parameter
 tuple with several structures (`Structures`) may take a different one on each rank in the same
 step (the data differ): from its second structure on, the ranks agree on the structure at every

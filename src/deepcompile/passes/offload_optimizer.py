@@ -22,7 +22,7 @@ and every byte the plan moves is counted as the device counts it (`offload.devic
 The first GPU run planned with a step estimated from this engine's tensors alone against
 graph curves measured by the allocator; a budget derived from another run's figures (with
 other engines alive) was unattainable, and its tiny state fragments freed more than the plan
-counted (tests/test_offload.py::test_plans_in_the_devices_terms_*).
+counted (tests/distributed/test_offload.py::test_plans_in_the_devices_terms_*).
 
 The plan:
 * picks the chunks whose state leaves the device: few bytes over the excess of the curve

@@ -256,7 +256,7 @@ def _remove_all(handles: list) -> None:
 # compiled model can still have Dynamo's frame callback on (torch 2.11 gives up on a frame with
 # a graph break in a loop and runs it eagerly, compiling each frame it calls as a frame of its
 # own): compiled as a frame, the hook's check is traced True and the hook became a no-op that
-# never gathered (on torch 2.11 the loop_break scenarios of tests/test_models.py failed, and
+# never gathered (on torch 2.11 the loop_break scenarios of tests/distributed/test_models.py failed, and
 # those with the since removed Config.eager_modules; on 2.13 the nested_break and mixtral_eager
 # models, which then needed that setting). So the hook's code is never compiled as a frame
 # (`never_a_dynamo_frame`), and what it runs runs with Dynamo off (`_eagerly`): the gathers, the

@@ -12,7 +12,7 @@ reuses the memory of a dead buffer in place, [Note: kept parameters are graph in
 Inductor would treat it as a buffer of its own and, at its last use, might hand its memory to
 the next buffer of the same size (`buf2 = buf1; del buf1  # reuse` then
 `cpp_fused_tanh_0(buf2)` computing in place), overwriting the kept parameter. As a graph
-input it is never reused (tests/test_selective_unshard.py has that graph).
+input it is never reused (tests/distributed/test_selective_unshard.py has that graph).
 
 The table is keyed by the shard's data pointer, so a graph that Dynamo reuses for other
 parameters of the same layout ([Note: graph reuse] in compiler/backend.py) takes the kept

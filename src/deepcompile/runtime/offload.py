@@ -122,7 +122,7 @@ prediction says so (passes/offload_optimizer.py). The step itself (`_host_step`)
     copy up from it.
 A tier-4 chunk whose state or master is still on the device (the step right after the plan was
 set) is streamed as tier 3 this once. On the CPU the two ways run the same kernels on the same
-memory: bitwise the same (tests/test_offload_masters.py); on CUDA the host's kernel is torch's CPU
+memory: bitwise the same (tests/engine/test_offload_masters.py); on CUDA the host's kernel is torch's CPU
 one, the device's the CUDA one: equal within rounding, not bitwise.
 
 [Note: optimizer state access] The facade's per-parameter state (views, runtime/flat.py) of an

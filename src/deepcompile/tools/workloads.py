@@ -81,7 +81,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     # ZeRO-1 setting, scaled down)
     Workload("tiny-llama-b1", "tiny-llama", seq=32, batch=1),
     _w("llama-1b", seq=1024, batch=4, dtype="bfloat16"),
-    # the GPU paths on a tiny model (tests/test_bench.py, marked gpu)
+    # the GPU paths on a tiny model (tests/tools/test_bench.py, marked gpu)
     Workload("tiny-llama-bf16", "tiny-llama", seq=64, batch=4, dtype="bfloat16"),
 )}
 

@@ -14,7 +14,7 @@ import pytest
 
 from deepcompile.tools.spawn import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(script: str, *args: str, timeout: float = 600) -> str:

@@ -195,7 +195,7 @@ def test_no_gradient_no_step_under_every_offload_tier(group, tier):
     """With clipping and accumulation: in an optimizer step where `aux` has no gradient its
     master and its state stay bitwise as they were, `never` never gets state, the other
     parameters step; every tier trains bitwise as the resident step (clipping: within a
-    rounding, as tests/test_offload_masters.py)."""
+    rounding, as tests/engine/test_offload_masters.py)."""
     runs = {}
     for t in sorted({0, tier}):
         engine = _odd_engine()

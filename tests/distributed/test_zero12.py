@@ -1,6 +1,6 @@
 """ZeRO-1 and ZeRO-2 by compilation (gloo, CPU).
 
-Parity with plain eager single-process training (tolerances as tests/test_parity.py: losses
+Parity with plain eager single-process training (tolerances as tests/distributed/test_parity.py: losses
 1e-5, parameters 1e-5 SGD / 1e-4 AdamW; 8 optimizer steps):
   fx, 2 ranks, per stage: MLP (odd sizes) {SGD gas1, SGD gas4 clip, AdamW gas1 clip, AdamW gas4}
       and tiny Llama {SGD gas1, AdamW gas4 clip}; plus Mixtral with the eager experts loop
@@ -51,11 +51,11 @@ def _sc(stage, model, optim, gas=1, clip=None, *, compiler="fx", record=RECORD, 
 
 
 _FX2 = [s for stage in (1, 2) for s in (
-    _sc(stage, "mlp", "sgd", 1, None),
+    _sc(stage, "mlp", "sgd", 1, None, extended=True),
     _sc(stage, "mlp", "sgd", 4, CLIP),
     _sc(stage, "mlp", "adamw", 1, CLIP),
-    _sc(stage, "mlp", "adamw", 4, None),
-    _sc(stage, "llama", "sgd", 1, None),
+    _sc(stage, "mlp", "adamw", 4, None, extended=True),
+    _sc(stage, "llama", "sgd", 1, None, extended=True),
     _sc(stage, "llama", "adamw", 4, CLIP),
 )] + [
     _sc(1, "mixtral_eager", "sgd", 2, None),
@@ -68,7 +68,7 @@ _FX4 = [_sc(1, "mlp", "adamw", 4, CLIP), _sc(2, "mlp", "sgd", 1, None),
         _sc(1, "llama", "sgd", 2, CLIP), _sc(2, "llama", "adamw", 1, None)]
 _INDUCTOR = [_sc(1, "llama", "adamw", 2, CLIP, compiler="inductor"),
              _sc(2, "mlp", "sgd", 4, None, compiler="inductor")]
-# bf16 compute (fp32 masters): tolerances of tests/test_mixed_precision.py
+# bf16 compute (fp32 masters): tolerances of tests/distributed/test_mixed_precision.py
 _BF16 = [_sc(1, "llama", "adamw", 2, CLIP, tag="-bf16", param_dtype="bfloat16"),
          _sc(2, "llama", "adamw", 1, None, tag="-bf16-rfp32", param_dtype="bfloat16",
              reduce_dtype="float32")]

@@ -318,7 +318,7 @@ def test_each_gradient_leaves_where_it_is_made():
     """A chunk's shard gradients leave one by one, right after their own nodes (their
     `grad_to_host` ops), not all after the last one: the curve between them is lower. A
     re-plan after `prefetch` spent memory planned that way (measured 700,744 B, budget 701,224)
-    found the lowest peak 717,128 with the chunk-level drop and gave up (tests/test_ragged.py's
+    found the lowest peak 717,128 with the chunk-level drop and gave up (tests/distributed/test_ragged.py's
     tier-2 run with prefetch)."""
     live = [600, 800, 1000, 1100, 1050]
     items = _items([100])

@@ -1,5 +1,5 @@
 """Gradients on the host (offload tier 2, [Note: gradients on the host] in runtime/offload.py),
-in-process at world size 1 (the multi-rank runs are in tests/test_offload.py):
+in-process at world size 1 (the multi-rank runs are in tests/distributed/test_offload.py):
 
 * the runtime alone (tiers set by hand, no graph ops: every gradient reaches `shard.grad` and
   the step sends it to the host first): training is bitwise the same as with the gradients on
@@ -330,7 +330,7 @@ def test_the_report_says_what_gradients_went_to_the_host(group):
 def test_a_graph_reused_after_planning_for_a_parameter_sent_to_the_host_is_an_error(group):
     """The op names its parameter by the compile-time id: a graph Dynamo starts reusing for
     another parameter after the plan would mix their gradients (the plan leaves out what was
-    reused before it: tests/test_offload.py::test_gradients_of_a_reused_graphs_*)."""
+    reused before it: tests/distributed/test_offload.py::test_gradients_of_a_reused_graphs_*)."""
     engine = _engine()
     _all_to_host(engine)
     a, b = list(engine._registry)[:2]

@@ -1,6 +1,6 @@
 """Masters on the host (offload tier 3, [Note: masters on the host] in runtime/offload.py),
 in-process at world size 1, bf16 compute under fp32 masters (a 2-rank run is in
-tests/test_offload.py):
+tests/distributed/test_offload.py):
 
 * the runtime alone (tiers set by hand): between steps every master's storage is released and
   the device holds its bf16 copy; the graphs read the copies (fx and Inductor) and training is

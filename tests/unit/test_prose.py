@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "deepcompile"
+SRC = Path(__file__).resolve().parents[2] / "src" / "deepcompile"
 
 HISTORY = re.compile(
     r"(?i:\bstops? \d+|\bsessions?\b|\bVMs?\b|\b20\d\d-\d\d-\d\d\b|\bissues? #?\d+|"

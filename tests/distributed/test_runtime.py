@@ -25,7 +25,7 @@ from _dist import run_distributed
 from _train import (Jobs, _one_scenario, compare_to_reference, max_param_deviation,
                     mean_losses, scenario)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 ALL = ("prefetch", "bucket_reduce", "selective_unshard")
 
 
@@ -38,7 +38,8 @@ def _w1(stage: int, passes: tuple[str, ...], compiler: str = "fx", **kw) -> dict
 
 _FX1 = ([_w1(3, ()), _w1(3, ("prefetch",)), _w1(3, ("bucket_reduce",)),
          _w1(3, ("selective_unshard",)), _w1(3, ALL)]
-        + [_w1(stage, p) for stage in (1, 2) for p in ((), ("bucket_reduce",), ALL)])
+        + [_w1(stage, p, extended=stage == 2 and p != ALL)   # the core matrix: ZeRO-2 with all
+           for stage in (1, 2) for p in ((), ("bucket_reduce",), ALL)])
 JOBS = Jobs({
     "fx1": (1, _FX1),
     "inductor1": (1, [_w1(3, ALL, "inductor"), _w1(1, ALL, "inductor")]),
@@ -113,7 +114,7 @@ def _opcheck_job(rank, world):
     e = next(iter(engine._registry))
     torch.library.opcheck(offload.reload_state, (e.shard.detach(), [e.pid], group))
     # at tier 0 the gradient goes to `shard.grad` (a graph planned for tier 2, run after a
-    # re-plan); the tier-2 path runs in tests/test_offload_grads.py
+    # re-plan); the tier-2 path runs in tests/engine/test_offload_grads.py
     torch.library.opcheck(offload.grad_to_host, (torch.randn(e.shard.numel()), e.pid))
     out["grad_to_host_accumulated"] = e.shard.grad is not None
     out["custom_ops"] = sorted(

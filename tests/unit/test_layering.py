@@ -17,7 +17,7 @@ import ast
 import textwrap
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 TOOLS = "deepcompile.tools"
 ENTRY_POINTS = {"deepcompile.__main__"}   # the command, outside tools/ so that -m finds it

@@ -261,7 +261,7 @@ def test_a_replan_one_rank_asks_for_is_agreed_by_every_rank():
 
 
 # ------------------------------------------- offload tier 2 (gradients on the host), ragged
-OFFLOAD_CHUNK = 4096   # the tiny Llama's masters in ~16 chunks (as tests/test_offload.py)
+OFFLOAD_CHUNK = 4096   # the tiny Llama's masters in ~16 chunks (as tests/distributed/test_offload.py)
 DRIFT = 5              # rank 0 meets a new length at this step's second micro-step
 # per optimizer step, rank 0's and rank 1's lengths of its two micro-steps (batch 4). Rank 1's
 # vary from the first micro-step, its longest (20) last in every step that may be profiled;

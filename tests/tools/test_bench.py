@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers")
 
@@ -314,7 +314,7 @@ def test_bench_help_and_list_spawn_nothing():
 @pytest.mark.gpu
 def test_gpu_mode_smoke(tmp_path):
     """The GPU paths (NCCL, bf16 for every system, CUDA memory figures) on a tiny bf16 Llama,
-    before spending an hour on the 1.1B one: `pytest -m gpu tests/test_bench.py`."""
+    before spending an hour on the 1.1B one: `pytest -m gpu tests/tools/test_bench.py`."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -396,7 +396,7 @@ def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "host_step.py"
     for _ in range(2):
         proc = subprocess.run([sys.executable, str(script), "--params", "300000", "--chunk-mib",
                                "0.5", "--repeats", "1", "--out", str(tmp_path)],
@@ -415,7 +415,7 @@ def test_opt_step_times_each_way_of_stepping(tmp_path):
     its JSON: the flat ways step the engine's chunks (one here), torch's ways every tensor."""
     from deepcompile.tools import workloads
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "opt_step.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "opt_step.py"
     proc = subprocess.run([sys.executable, str(script), "--workload", "tiny-llama", "--rounds",
                            "2", "--device", "cpu", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300,
@@ -445,7 +445,7 @@ def test_gpu_acceptance_commands_are_valid():
     from deepcompile.tools import workloads
     from deepcompile.tools.cli import build_parser
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(["bash", "benchmarks/gpu_acceptance.sh", "all"], cwd=root,
                           env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
                           timeout=60)
@@ -483,7 +483,7 @@ def test_attention_path_reports_the_sdpa_calls_and_ops(tmp_path):
     (an explicit mask on torch 2.11-2.14; as eager once pytorch#176499 is in: transformers'
     masking_utils), a mask never with `is_causal`; each way's attention ops ran once per layer, forward and
     backward."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import attention_path
 
     rec = attention_path.main(["--workload", "tiny-llama", "--device", "cpu", "--backend",

@@ -7,7 +7,7 @@ first seed on 4; a Llama under Inductor); and a memory budget between the insert
 what the passes take unbounded holds in every measured profile. About 20 minutes on 2 cores,
 so not in the default run:
 
-    DEEPCOMPILE_FUZZ=1 OMP_NUM_THREADS=1 python -m pytest tests/test_fuzz_schedules.py -q
+    DEEPCOMPILE_FUZZ=1 OMP_NUM_THREADS=1 python -m pytest tests/distributed/test_fuzz_schedules.py -q
 
 `DEEPCOMPILE_FUZZ=N` runs N seeds per case (1 counts as 3); `DEEPCOMPILE_FUZZ_MODELS=a,b`
 fuzzes the scheduling passes on those models only (default: all of MODELS).

@@ -370,7 +370,7 @@ JOBS = Jobs({
                          clip=0.1, record=_REC, passes=("selective_unshard", "prefetch"),
                          warmup_steps=1),
                 {**FITS_ALL, "id": FITS_ALL["id"] + "-4ranks"}]),
-    # every scheduling pass under Inductor, on 2 ranks (tests/test_prefetch.py's Inductor
+    # every scheduling pass under Inductor, on 2 ranks (tests/distributed/test_prefetch.py's Inductor
     # coverage too: one cold Inductor job instead of two)
     "inductor2": (2, [scenario("llama-sgd-gas2-clip-prefetch-reduce-unshard-inductor", "llama",
                                "sgd", 0.1, gas=2, clip=0.1, compiler="inductor", record=_REC,

@@ -25,7 +25,7 @@ from torch import nn
 
 from _dist import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ, VOCAB = 4, 8, 96
 
 

@@ -169,7 +169,7 @@ def test_engine_save_pretrained(saved):
 
 def test_consolidate_command(saved, tmp_path):
     tmp, per_rank = saved
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "src"))
     r = subprocess.run([sys.executable, "-m", "deepcompile", "consolidate", str(tmp / "ckpt"),
                         str(tmp_path / "hf")], capture_output=True, text=True, env=env,

@@ -1,6 +1,6 @@
 """GPU checks (NCCL, CUDA events, memory_allocated); skipped without CUDA.
 
-Run on a machine with one GPU:  python -m pytest tests/test_gpu.py -q -s
+Run on a machine with one GPU:  python -m pytest tests/gpu/test_gpu.py -q -s
 At world size 1 nothing is communicated: a gather is the local shard (a view, or a cast under
 param_dtype) and a reduction the local gradient; the comm counters stay at 0.
 """
@@ -83,7 +83,7 @@ def test_parity_on_one_gpu(nccl, compiler, passes):
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4
     stats = engine.comm_stats()   # world size 1: training gathers and reduces nothing
     assert stats["all_gather"]["count"] == stats["reduce_scatter"]["count"] == 0, stats
-    state = engine.full_state_dict()   # (which counts its own gathers: tests/test_counts.py)
+    state = engine.full_state_dict()   # (which counts its own gathers: tests/distributed/test_counts.py)
     for name, p in ref.named_parameters():
         assert (state[name] - p.detach().cpu()).abs().max().item() < 1e-4, name
 
@@ -247,7 +247,7 @@ def test_the_host_step_parity_and_budget(nccl, compiler, monkeypatch):
 
 
 def test_a_released_engine_gives_its_device_memory_back(nccl):
-    """tests/test_release.py on the GPU: dropping the engine frees its device memory (at least
+    """tests/distributed/test_release.py on the GPU: dropping the engine frees its device memory (at least
     its flat masters and AdamW's two moments), without torch._dynamo.reset()."""
     engine, _, _ = _train({"compiler": "inductor", "warmup_steps": 1}, steps=4)
     own = 3 * sum(c.nbytes for c in engine._flat.chunks)
@@ -308,7 +308,7 @@ def _steps(engine, start, n):
 
 
 def test_a_checkpoint_resumes_on_the_gpu(nccl, tmp_path):
-    """tests/test_checkpoint.py on the GPU: saved after 4 steps, loaded into a fresh engine,
+    """tests/distributed/test_checkpoint.py on the GPU: saved after 4 steps, loaded into a fresh engine,
     the next 4 steps give the losses and weights of the run that went on (fx, no passes; within
     the parity tests' tolerance: attention's backward may use atomics on a GPU), and the
     optimizer state comes back onto the device."""
