@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import time
 import types
 
 import pytest
@@ -192,8 +191,11 @@ def test_a_trial_stopped_early_decides_as_the_whole_trial():
 
 
 # ---------------------------------------------------------- 2 ranks: reverting what is worse
+_CLOCK = [0.0]   # the reverting engine's injected clock ([Note: the engine's step time])
+
+
 def _sleep_after(x) -> None:
-    time.sleep(0.25)   # far above the step time and its noise on a loaded 2-core VM
+    _CLOCK[0] += 0.25   # a quarter of a second more per forward, on the injected clock
 
 
 def _touch(x) -> None:
@@ -205,7 +207,7 @@ def _slower_plan(ctx) -> dict:
 
 
 def _slower_apply(ctx, d) -> list[str]:
-    """A sleep in the forward, and a runtime state configured (every parameter kept gathered,
+    """A forward made slower (on the injected clock), and a runtime state configured (every parameter kept gathered,
     as selective_unshard would): both must be gone after the revert."""
     g = ctx.slots[d["graph"]].gm.graph
     first = next(n for n in g.nodes if n.op == "placeholder")
@@ -251,6 +253,7 @@ def _revert_job(rank, world):
         _models.build_model("llama"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
         config={"compiler": "fx", "warmup_steps": 1, "memory_budget": 64 << 20,
                 "passes": ("test_slower", "test_hog")})
+    engine._clock = lambda: _CLOCK[0]   # the steps' times: what the passes add, nothing else
     _steps(engine, "llama", rank, world, 22)
     rep = engine.report()
     counts = []

@@ -199,6 +199,7 @@ def test_a_float16_gradient_past_float16s_range_is_finite():
         assert check(None, [shard.grad]).item() == 1.0
 
 
+@pytest.mark.timing
 def test_the_check_costs_about_one_read_of_the_gradients():
     """Without a loss scale the check is one read of the gradients. On the CPU torch's
     inf-norm kernel (the check's before) took ~18x a copy of the same flat gradient (10.4 ms

@@ -141,6 +141,7 @@ def test_cpu_memory_curve_matches_static_liveness(profiled):
             assert s["measured_live"] == s["static_live"], key
 
 
+@pytest.mark.timing
 def test_node_times_add_up_to_the_step_time(profiled):
     # the sum of this rank's per-node times over a step (medians over 3 profiled steps, times
     # the runs per step) vs the measured wall time of a normal step (median over the steady
@@ -153,22 +154,25 @@ def test_node_times_add_up_to_the_step_time(profiled):
         spread = (max(steady) - min(steady)) / step_s
         print(f"node-time sum {node_s * 1e3:.1f} ms; normal step {step_s * 1e3:.1f} ms "
               f"(spread {spread:.0%}); the same graphs unprofiled {graph_s * 1e3:.1f} ms")
-        if spread > 0.25:
-            pytest.skip(f"the machine is not quiet: normal steps vary by {spread:.0%}")
+        assert spread <= 0.25, f"the machine is not quiet: normal steps vary by {spread:.0%}"
         assert abs(node_s - step_s) <= 0.25 * step_s
 
 
-def test_profiled_step_is_cheap_and_replays_nothing(profiled):
+def test_a_profiled_step_replays_nothing(profiled):
     for r in profiled:
         phases = [s["phase"] for s in r["per_step"]]
         assert phases == ["warmup"] * 2 + ["profile"] * 3 + ["steady"] * 7
         normal = [s["collectives"] for s in r["per_step"] if s["phase"] == "steady"]
         prof = [s["collectives"] for s in r["per_step"] if s["phase"] == "profile"]
         assert prof == normal[:3]   # every collective ran exactly once in each profiled step
+
+
+@pytest.mark.timing
+def test_a_profiled_step_costs_at_most_three_normal_ones(profiled):
+    for r in profiled:
         t = r["timings"]
         ratio = statistics.median(t["profiled_steps_s"]) / statistics.median(t["steady_steps_s"])
-        print(f"profiled step / normal step = {ratio:.2f}")  # noqa: T201 (shown with -s)
-        assert ratio <= 3.0
+        assert ratio <= 3.0, ratio
 
 
 # ------------------------------------------------- passes, re-profiling, rank consistency
@@ -399,8 +403,13 @@ def test_the_reported_time_outside_the_graphs_is_the_steady_steps(group):
 
     engine = deepcompile.initialize(_small(), optimizer=_SGD,
                                     config={"compiler": "fx", "passes": (), "warmup_steps": 1})
-    slow = []
-    engine.optimizer.register_step_pre_hook(lambda *_: time.sleep(0.03) if slow else None)
+    slow, now = [], [0.0]
+    engine._clock = lambda: now[0]   # injected: the steps take no time but what the hook adds
+
+    def hook(*_):
+        if slow:
+            now[0] += 0.03
+    engine.optimizer.register_step_pre_hook(hook)
 
     def step(i):
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))

@@ -139,8 +139,9 @@ def test_cli_help():
 
 def test_help_describes_the_stages_and_answers_without_importing_torch():
     """`deepcompile --help` names ZeRO stages 1, 2 and 3 and imports neither torch nor the
-    compiler: the fastest of three runs stays well under a second."""
-    import time
+    compiler: it takes well under a second of CPU time (the process's own: a busy machine
+    stretches the wall time, not the work)."""
+    import resource
 
     code = ("import sys; from deepcompile.tools.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -152,13 +153,17 @@ def test_help_describes_the_stages_and_answers_without_importing_torch():
     for stage in ("1  optimizer state sharded", "2  optimizer state and gradients sharded",
                   "3  parameters, gradients and optimizer state sharded"):
         assert stage in r.stdout, stage
+    def cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+
     times = []
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0 = cpu()
         r = _run(sys.executable, "-m", "deepcompile", "--help")
-        times.append(time.perf_counter() - t0)
+        times.append(cpu() - t0)
         assert r.returncode == 0, r.stderr
-    print(f"\n[cli] deepcompile --help: {min(times) * 1000:.0f} ms (fastest of 3)")
+    print(f"\n[cli] deepcompile --help: {min(times) * 1000:.0f} ms of CPU (fewest of 3)")
     assert min(times) < 1.0, times
 
 

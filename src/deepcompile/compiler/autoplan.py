@@ -33,8 +33,7 @@ budget that the first profile met is held when the step grows.
 newcomer's own collective (it can hide behind that compute), "cap" fuses up to the size cap.
 On a GPU, NCCL runs on its own stream and a collective in flight costs the compute nothing:
 "overlap". On the CPU, gloo's threads run on the cores the compute needs, so a collective is
-never hidden for free and each one pays its latency: "cap" (measured on 2 cores: in the experiment the README's
-Benchmarks section describes, fusing to the cap was faster than the overlap rule in every cell).
+never hidden for free and each one pays its latency: "cap".
 "Clearly longer" is `SPLIT_MARGIN` times: a ±20% error on both sides of the comparison cannot
 turn a fuse into a split (1.2 / 0.8 = 1.5 < 2).
 
