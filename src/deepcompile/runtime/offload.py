@@ -401,6 +401,12 @@ class Offloader:
             flat.facade.register_load_state_dict_pre_hook(self._before_load)
             flat.on_load.append(self._after_load)
 
+    @property
+    def copier(self):
+        """The copy streams (or their CPU imitation), shared with the activations on the host
+        (runtime/activations.py)."""
+        return self._copier
+
     # -- placement ---------------------------------------------------------------------------
     @property
     def active(self) -> bool:
