@@ -9,6 +9,10 @@ budget), so every launch of the same program chooses the same list:
 * `offload_optimizer` first, when the budget is bounded and the step with all optimizer state on
   the device (the profiled peak, or the optimizer step itself) exceeds it: the passes after it
   then plan within what its plan leaves;
+* `activation_budget` next, when the budget is bounded and a profiled peak still exceeds it: the
+  values the backward saves are recomputed or offloaded where that is cheapest per byte
+  (passes/activation_budget.py), after `offload_optimizer` (which plans on a step whose peak
+  counts the state) and before the passes that spend memory left under the budget;
 * `selective_unshard` next (ZeRO-3, more than one rank, memory left under the budget): keeping a
   parameter gathered removes whole collectives, and planned before `prefetch` it values every
   gather at the cost of its own collective (after `prefetch` it would see a share of a fused one);
@@ -59,7 +63,8 @@ from ..runtime import ops
 TIME_MARGIN = 0.03     # a pass is slower when its median step is > 3% slower (and see verdict)
 
 # the built-in passes, in the order `choose` runs them
-ORDER = ("offload_optimizer", "selective_unshard", "prefetch", "bucket_reduce")
+ORDER = ("offload_optimizer", "activation_budget", "selective_unshard", "prefetch",
+         "bucket_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +144,15 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
             (chosen if yes else out).append(Choice(name, why))
 
     add("offload_optimizer", *offload_choice(ctx, warmup_steps))
+    if budget == float("inf"):
+        add("activation_budget", False, "memory budget unbounded: every saved activation stays")
+    elif peak <= budget:
+        add("activation_budget", False, f"profiled peak {_mib(peak)} within the budget "
+                                        f"{_mib(budget)}: every saved activation stays")
+    else:
+        add("activation_budget", True, f"profiled peak {_mib(peak)} over the budget "
+                                       f"{_mib(budget)}: the saved activations that are cheapest "
+                                       "per byte are recomputed or offloaded")
     one = "world size 1: a gather is a view of the local shard, a reduction a cast"
     # selective_unshard: at world size 1 a gather casts the shard when the compute dtype is not
     # the masters' (param_dtype), at every use; a kept copy is cast once per optimizer step
