@@ -298,9 +298,9 @@ def test_a_missing_wait_reads_other_data(group, monkeypatch, broken):
         monkeypatch.setattr(R.ActivationStore, "wait",
                             lambda self, dst: self._give_back(self._loading.pop(dst.data_ptr())[1]))
     else:
-        def reload(self, host, size, stride):   # the copy back does not wait for the copy out
+        def reload(self, host):   # the copy back does not wait for the copy out
             self._saved.pop(host.data_ptr())
-            dst = torch.empty_strided(size, stride, dtype=host.dtype)
+            dst = torch.empty_like(host)
             self._loading[dst.data_ptr()] = (self.copier.to_device([(dst, host)]), host)
             return dst
         monkeypatch.setattr(R.ActivationStore, "reload", reload)
@@ -386,3 +386,72 @@ def test_auto_trades_activations_with_the_other_passes():
     assert list(log) == ["offload_optimizer", "activation_budget", "prefetch", "bucket_reduce"]
     assert log["activation_budget"]["kept"] and log["activation_budget"]["changed"]
     assert all(e["kept"] for e in log.values())
+
+
+# ------------------------------------------------------------ graphs of another shape
+def test_a_member_graph_runs_the_plan_with_its_outputs_and_readers_moved():
+    """A graph compiled for another shape of the same code runs the representative's plan
+    (compiler/families.py): the values the plan hands over in place of a saved one, and the
+    readers it moved to a value of its own, move in the member too."""
+    import copy
+
+    from torch import fx, nn
+
+    from deepcompile.compiler import families
+    from deepcompile.runtime import activations as R
+
+    def graph() -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        a = g.call_function(torch.ops.aten.relu.default, (x,), name="relu")
+        b = g.call_function(torch.ops.aten.sin.default, (a,), name="sin")
+        g.output((b, a))
+        for n in g.nodes:
+            n.meta["val"] = torch.empty(2)
+        return fx.GraphModule(nn.Module(), g)
+
+    rep, member = graph(), graph()
+    planned = copy.deepcopy(rep)
+    relu = next(n for n in planned.graph.nodes if n.name == "relu")
+    sin = next(n for n in planned.graph.nodes if n.name == "sin")
+    out = next(n for n in planned.graph.nodes if n.op == "output")
+    with planned.graph.inserting_after(sin):
+        host = planned.graph.call_function(R.OFFLOAD, (relu, 7))
+    out.args = ((sin, host),)
+    with planned.graph.inserting_before(sin):   # a reader moved to a value of the plan's
+        cos = planned.graph.call_function(torch.ops.aten.cos.default, (relu,))
+    sin.args = (cos,)
+    got, _ = families.transplant(rep, planned, member)
+    nodes = {n.name: n for n in got.graph.nodes}
+    (off,) = [n for n in got.graph.nodes if n.target is R.OFFLOAD]
+    (g_out,) = [n for n in got.graph.nodes if n.op == "output"]
+    assert g_out.args[0][1] is off and g_out.args[0][0] is nodes["sin"]
+    assert nodes["sin"].args[0].target is torch.ops.aten.cos.default
+
+
+def test_a_recompute_does_not_transplant_onto_other_shapes():
+    import copy
+
+    from torch import fx, nn
+
+    from deepcompile.compiler import families
+
+    def graph(n: int) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        a = g.call_function(torch.ops.aten.relu.default, (x,), name="relu")
+        g.output((g.call_function(torch.ops.aten.sin.default, (a,), name="sin"),))
+        for node in g.nodes:
+            node.meta["val"] = torch.empty(n)
+        return fx.GraphModule(nn.Module(), g)
+
+    rep = graph(2)
+    planned = copy.deepcopy(rep)
+    sin = next(n for n in planned.graph.nodes if n.name == "sin")
+    with planned.graph.inserting_before(sin):
+        again = planned.graph.call_function(torch.ops.aten.view.default, (sin.args[0], [2]))
+    again.meta["dc_shape_bound"] = True
+    sin.args = (again,)
+    families.transplant(rep, planned, graph(2))   # the same shapes: carried over
+    with pytest.raises(families.TransplantError, match="representative's shapes"):
+        families.transplant(rep, planned, graph(3))

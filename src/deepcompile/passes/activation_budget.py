@@ -37,8 +37,10 @@ freely. Chains with random ops, mutations, constants, collectives other than a g
 discrete decision (an integer or boolean result of floating-point inputs: a router's top-k,
 which a rounding difference could flip) are never recomputed. A value that a recompute reads
 stays saved. Graphs of another shape of the same code (compiler/families.py) run the
-representative's plan transplanted: a transplant that cannot carry the rewritten outputs fails
-loudly, as any transplant does.
+representative's plan transplanted: an offload carries over (the copy back takes the host
+buffer's shape), a recompute does not (its copied nodes have the representative's shapes): the
+pass recomputes nothing in a family that has graphs of other shapes when it plans, and a later
+one fails its transplant loudly.
 """
 
 from __future__ import annotations
@@ -325,9 +327,12 @@ class Pair:
 
 
 def analyse(fw_key: str, bw_key: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule,
-            fw_steps: list[Step], bw_steps: list[Step]) -> Pair:
+            fw_steps: list[Step], bw_steps: list[Step], out_bytes: dict[str, int],
+            recompute: bool = True) -> Pair:
     """The saved values of a pair that the pass may drop, with their positions in the profiled
-    steps and their recompute chains."""
+    steps and their recompute chains (none where not `recompute`). Sizes are the agreed
+    profile's (`out_bytes`: the forward nodes' output bytes), the same on every rank whatever
+    shape each rank compiled its graphs for."""
     fw_index = {s.name: i for i, s in enumerate(fw_steps)}
     bw_index = {s.name: i for i, s in enumerate(bw_steps)}
     bw_inputs = {n.name: n for n in bw_gm.graph.nodes if n.op == "placeholder"}
@@ -352,21 +357,21 @@ def analyse(fw_key: str, bw_key: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModu
         if not bw_uses or n.name not in fw_index or r.name not in fw_index:
             continue
         fw_free = max(fw_readers.get(r, []) + [fw_index[r.name], fw_index[n.name]])
-        chain = recompute_chain(n, saved, set(bw_inputs), bw_computed)
+        chain = recompute_chain(n, saved, set(bw_inputs), bw_computed) if recompute else None
         rec_s, rec_bytes, leaves = None, 0, ()
         if chain is not None:
             rec_s = sum(fw_steps[fw_index[c.name]].time_s for c in chain.nodes + chain.gathers
                         if c.name in fw_index)
-            rec_bytes = _chain_peak(chain, n)
+            rec_bytes = _chain_peak(chain, n, out_bytes)
             leaves = tuple(sorted(leaf.name for leaf in chain.leaves))
             chains[n.name] = chain
             flops[n.name] = _flops(chain.nodes)
-        acts.append(Activation(n.name, val.numel() * val.element_size(), fw_free, min(bw_uses),
+        acts.append(Activation(n.name, out_bytes.get(r.name, 0), fw_free, min(bw_uses),
                                max(bw_uses), rec_s, rec_bytes, leaves))
     return Pair(fw_key, bw_key, acts, chains, flops)
 
 
-def _chain_peak(chain: Chain, s: fx.Node) -> int:
+def _chain_peak(chain: Chain, s: fx.Node, out_bytes: dict[str, int]) -> int:
     """The most a recompute holds at once beyond the value it makes: its gathers and
     intermediates, each freed after its last use within the chain (the profiler's model)."""
     nodes = chain.gathers + chain.nodes
@@ -378,21 +383,12 @@ def _chain_peak(chain: Chain, s: fx.Node) -> int:
     held: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
         if not G.is_alias_of_input(n) and n.target is not operator.getitem:
-            held[n] = _nbytes(n)
+            held[n] = out_bytes.get(n.name, 0)
             live += held[n]
         peak = max(peak, live)
         for r in [r for r in held if last.get(r, -1) <= i and r is not _root(s)]:
             live -= held.pop(r)
-    return max(0, peak - s.meta["val"].numel() * s.meta["val"].element_size())
-
-
-def _nbytes(n: fx.Node) -> int:
-    v = n.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, (list, tuple)):
-        return sum(t.numel() * t.element_size() for t in v if isinstance(t, torch.Tensor))
-    return 0
+    return max(0, peak - out_bytes.get(_root(s).name, 0))
 
 
 def pairs(ctx: PassContext) -> list[tuple[str, str]]:
@@ -415,14 +411,18 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     overlap = getattr(ctx.runtime, "device", torch.device("cpu")).type == "cuda"
     for fw_key, bw_key in pairs(ctx):
         fw_steps, bw_steps = steps_of(ctx.profiles[fw_key]), steps_of(ctx.profiles[bw_key])
+        out_bytes = {n.name: n.out_bytes for n in ctx.profiles[fw_key].nodes}
+        # graphs of other shapes of this code run the plan transplanted, which copies a
+        # recompute's nodes with this graph's shapes ([Note: activations after partitioning])
+        shapes = any(getattr(ctx.slots[k], "members", None) for k in (fw_key, bw_key))
         pair = analyse(fw_key, bw_key, ctx.slots[fw_key].gm, ctx.slots[bw_key].gm, fw_steps,
-                       bw_steps)
+                       bw_steps, out_bytes, recompute=not shapes)
         d = plan_pair(fw_steps, bw_steps, pair.acts, budget, ctx.cost.copy_s, overlap)
         if d["peak_before"] <= budget:
             continue
-        d.update(fw=fw_key, bw=bw_key,
-                 recompute_flops=sum(pair.flops.get(c["name"], 0) for c in d["choices"]
-                                     if c["action"] == "recompute"))
+        d.update(fw=fw_key, bw=bw_key, recompute_off=shapes,   # (an estimate: a float)
+                 recompute_flops=float(sum(pair.flops.get(c["name"], 0) for c in d["choices"]
+                                           if c["action"] == "recompute")))
         if d["unattainable"]:
             log.warning("deepcompile activation_budget: %s/%s: memory budget %s is below what "
                         "recomputing or offloading the saved activations reaches: the lowest "
@@ -493,8 +493,7 @@ def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], 
             out_node.args = fx.node.map_arg(out_node.args, lambda a: host if a is s else a)
             anchor = after.next if after is not p else _after_inputs(bw)
             with bw.inserting_before(anchor):
-                dst = bw.call_function(act_ops.RELOAD, (after, p, pid, list(val.size()),
-                                                        list(val.stride()), val.device))
+                dst = bw.call_function(act_ops.RELOAD, (after, p, pid, val.device))
             dst.meta["val"] = val
             with bw.inserting_before(first):
                 wait = bw.call_function(act_ops.WAIT, (dst, pid))
@@ -511,10 +510,10 @@ def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], 
             with bw.inserting_before(first):
                 for g in chain.gathers:   # a parameter gathered again (a view at world size 1)
                     env[g] = bw.node_copy(g, lambda a: bw_by[a.name])
-                    env[g].meta = dict(g.meta, dc_recompute=s.name)
+                    env[g].meta = dict(g.meta, dc_recompute=s.name, dc_shape_bound=True)
                 for n in chain.nodes:
                     env[n] = bw.node_copy(n, env.__getitem__)
-                    env[n].meta = dict(n.meta, dc_recompute=s.name)
+                    env[n].meta = dict(n.meta, dc_recompute=s.name, dc_shape_bound=True)
             p.replace_all_uses_with(env[s])
             p.meta["val"] = empty.meta["val"]
     for gm in (fw_gm, bw_gm):

@@ -8,9 +8,9 @@ activation per graph run:
   forward    `activation_offload(x, pid) -> host`: a pinned host buffer, being filled from `x`;
              the forward returns it in `x`'s place (AOTAutograd saves whatever the forward
              returns there and hands it to the backward);
-  backward   `activation_reload(after, host, pid, size, stride, device) -> dst`: a fresh device
-             tensor, being filled from `host` (`after` orders the op: where the plan starts the
-             copy);
+  backward   `activation_reload(after, host, pid, device) -> dst`: a fresh device tensor in the
+             host buffer's layout, being filled from it (`after` orders the op: where the plan
+             starts the copy);
              `activation_wait(dst, pid)`: the compute stream waits for that copy, then `dst`
              holds the value (declared as mutating `dst`: every reader comes after it).
 
@@ -102,14 +102,14 @@ class ActivationStore:
         return host
 
     @torch.no_grad()
-    def reload(self, host: torch.Tensor, size: list[int], stride: list[int]) -> torch.Tensor:
+    def reload(self, host: torch.Tensor) -> torch.Tensor:
         saved = self._saved.pop(host.data_ptr(), None)
         if saved is None:
             raise RuntimeError(
                 "deepcompile: a backward graph reloads an activation that its forward did not "
                 "offload (the forward and backward graphs run different plans); please report "
                 "this with the model")
-        dst = torch.empty_strided(size, stride, dtype=host.dtype, device=self.device)
+        dst = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
         self._loading[dst.data_ptr()] = (self.copier.to_device([(dst, host)], after=saved), host)
         self.stats["h2d_bytes"] += host.numel() * host.element_size()
         return dst
@@ -152,17 +152,17 @@ def _(x, pid):
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::activation_reload", mutates_args=())
-def activation_reload(after: torch.Tensor, host: torch.Tensor, pid: int, size: list[int],
-                      stride: list[int], device: torch.device) -> torch.Tensor:
-    """Start copying `host` back into a new device tensor of `size` and `stride`; returns it,
-    valid once `activation_wait` ran. `after` only orders the op (ops.ORDER_ONLY)."""
+def activation_reload(after: torch.Tensor, host: torch.Tensor, pid: int,
+                      device: torch.device) -> torch.Tensor:
+    """Start copying `host` back into a new tensor on `device` in its layout; returns it, valid
+    once `activation_wait` ran. `after` only orders the op (ops.ORDER_ONLY)."""
     with record_function("deepcompile.activation_reload"):
-        return _store(pid).reload(host, size, stride)
+        return _store(pid).reload(host)
 
 
 @activation_reload.register_fake
-def _(after, host, pid, size, stride, device):
-    return torch.empty_strided(size, stride, dtype=host.dtype, device=device)
+def _(after, host, pid, device):
+    return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::activation_wait", mutates_args=("dst",))
