@@ -89,14 +89,16 @@ class ActivationStore:
     def offload(self, x: torch.Tensor) -> torch.Tensor:
         flat = self._take(x.numel(), x.dtype)
         # the host buffer in `x`'s layout (a dense value's strides fit its element count), a
-        # tensor of its own over the pooled storage (an op's output is no view)
-        host = torch.empty(0, dtype=x.dtype)
-        if x.storage_offset() == 0 and dense_strides(x):
-            host.set_(flat.untyped_storage(), 0, x.size(), x.stride())
-        else:
-            host.set_(flat.untyped_storage(), 0, x.size())
+        # tensor of its own over the pooled storage (an op's output is no view); the copy
+        # writes through another such tensor, so that the buffer's version, which autograd
+        # checks when the backward unpacks it, is the one it had when it was saved (the CPU's
+        # copies run later, when waited for)
+        layout = (x.size(), x.stride()) if x.storage_offset() == 0 and dense_strides(x) \
+            else (x.size(),)
+        host, target = (torch.empty(0, dtype=x.dtype).set_(flat.untyped_storage(), 0, *layout)
+                        for _ in range(2))
         src = x.clone() if self.own_sources and self.copier.cuda else x
-        self._saved[host.data_ptr()] = self.copier.to_host([(host, src)])
+        self._saved[host.data_ptr()] = self.copier.to_host([(target, src)])
         self.stats["offloads"] += 1
         self.stats["d2h_bytes"] += x.numel() * x.element_size()
         return host
