@@ -13,8 +13,9 @@ pair exceeds the memory budget, the pass chooses for each saved value one of:
   (runtime/activations.py, [Note: activation copies]).
 
 The choice is greedy by cost per byte (`plan_pair`): over-budget memory, summed over the nodes
-of both graphs, is removed at the least predicted time per byte, one value at a time, until the
-peak is within the budget; then choices the budget no longer needs are undone, dearest first. A
+of both graphs, is removed at the least predicted time per byte, one value at a time (values of
+about the same cost per byte by size: [Note: stable choices]), until the peak is within the
+budget; then choices the budget no longer needs are undone, dearest first. A
 budget the pass cannot reach is reported with the lowest peak it reaches, and that plan is
 applied (it lowers a peak that is over the budget). With the peak within the budget (or no
 budget) it plans nothing.
@@ -63,6 +64,14 @@ from ._common import Step, size, steps_of, top
 log = logging.getLogger("deepcompile")
 
 MAX_CHAIN = 256        # forward nodes a recompute may copy
+# [Note: stable choices] Profiled times and the copy model are measurements: from one launch to
+# the next each moves by ±20% and more on a shared machine, and one value's cost per byte
+# against another's by up to 1.2 / 0.8 = 1.5x. A greedy that always took the cheapest would
+# plan differently from launch to launch between values of about the same cost. So the values
+# within TIE_MARGIN of the cheapest cost per byte are ranked by what they remove from the
+# over-budget memory (bytes and positions: the same in every launch), a recompute before an
+# offload of the same value (it holds no host memory and needs no copy stream), then by name.
+TIE_MARGIN = 1.5
 HOST_OP_S = 30e-6      # host time of one Python op (an offload costs three per graph run)
 
 
@@ -166,7 +175,7 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
     f_cur, b_cur = curves(fw_live, bw_live, by_name, choice)
     o_cur = over(f_cur, b_cur)
     while o_cur > 0:
-        best, held = None, pinned()
+        found, held = [], pinned()
         for a in acts:
             if a.name in choice or a.name in held:
                 continue
@@ -176,14 +185,16 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
                 f2, b2 = f_cur.copy(), b_cur.copy()
                 _shift(f2, b2, a, opt, +1)
                 gain = o_cur - over(f2, b2)
-                if gain <= 0:
-                    continue
-                key = (opt.cost_s / gain, -gain, a.name, opt.action)
-                if best is None or key < best[0]:
-                    best = (key, a, opt, f2, b2)
-        if best is None:
+                if gain > 0:
+                    found.append((opt.cost_s / gain, gain, a, opt, f2, b2))
+        if not found:
             break
-        _, a, opt, f_cur, b_cur = best
+        # [Note: stable choices] among the options within TIE_MARGIN per byte of the cheapest,
+        # the one that removes the most over-budget memory (a fact of the graphs, not of timing)
+        cheapest = min(f[0] for f in found)
+        _, _, a, opt, f_cur, b_cur = min(
+            (f for f in found if f[0] <= TIE_MARGIN * cheapest),
+            key=lambda f: (-f[1], f[3].action != "recompute", f[2].name))
         choice[a.name] = opt
         o_cur = over(f_cur, b_cur)
     if o_cur == 0:   # undo what the budget no longer needs, dearest first
