@@ -95,7 +95,9 @@ def _rank(rank: int, world: int, args: dict, results) -> None:
         results.put((rank, "error", traceback.format_exc()))
 
 
-def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
+def launch(args: dict, world: int, timeout_s: float, target=None) -> list[dict]:
+    """One launch of `world` ranks running `target(rank, world, args, results)` (`_rank`, or a
+    benchmark's own that builds other systems the same way); every rank's result."""
     import multiprocessing as mp
 
     from deepcompile import _demo
@@ -110,7 +112,7 @@ def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
         for r in range(world):
             os.environ.update(child_env(r, world, port, "cpu"),
                               TORCHINDUCTOR_CACHE_DIR=args["inductor_cache"])
-            p = ctx.Process(target=_rank, args=(r, world, args, results), daemon=True)
+            p = ctx.Process(target=target or _rank, args=(r, world, args, results), daemon=True)
             p.start()
             procs.append(p)
     finally:
