@@ -103,7 +103,7 @@ def test_the_cheapest_value_per_byte_goes_first_and_only_what_the_budget_needs()
 
 
 def test_offload_where_copies_are_cheaper_than_recomputing():
-    # the copies (2 x 0.4 us + the ops' host time) are cheaper than a 10 ms recompute
+    # the copies (3 x 0.4 us + the ops' host time) are cheaper than a 10 ms recompute
     acts = [A.Activation("a", 400, 1, 2, 4, 1e-2)]
     fw, bw = _pair([100] * 4, [200, 0, 0, 0, 0, 0], acts)
     plan = A.plan_pair(fw, bw, acts, 550, COPY, overlap=False)
@@ -153,6 +153,27 @@ def test_an_unattainable_budget_is_reported_with_the_lowest_peak():
     # both went, and where both are used they are both held: nothing reaches lower
     assert {c["name"] for c in plan["choices"]} == {"a", "b"}
     assert plan["peak_after"] == max(f + b) == 500 + 400 + 300
+
+
+def test_choices_of_about_the_same_cost_do_not_follow_20_percent_noise():
+    """[Note: stable choices] Three values, any one of which the budget needs, whose costs per
+    byte are within 1.3x (the third's offload within 1.1x of recomputing it): whatever ±20%
+    noise does to the costs, the same value goes, recomputed."""
+    plans = set()
+    for seed in range(20):
+        rng = random.Random(seed)
+        j = lambda t: t * rng.uniform(0.8, 1.2)   # noqa: E731
+        acts = [A.Activation("p", 400, 0, 3, 3, j(1.3e-3), offload=False),
+                A.Activation("q", 400, 1, 4, 4, j(1e-3), offload=False),
+                A.Activation("r", 800, 2, 1, 1, j(1e-3))]
+        fw, bw = _pair([100] * 4, [500, 0, 0, 0, 0, 0], acts)
+        copy = lambda n, k=j(1e-3 / 3 / 800): k * n   # noqa: E731  (offloading r ~ 1 ms)
+        plan = A.plan_pair(fw, bw, acts, 1800, copy, overlap=False)
+        _check(fw, bw, acts, plan, 1800)
+        plans.add(tuple((c["name"], c["action"]) for c in plan["choices"]))
+    assert len(plans) == 1, plans
+    (plan,) = plans
+    assert all(action == "recompute" for _, action in plan)
 
 
 def _random_instance(rng: random.Random, n: int):
@@ -464,33 +485,3 @@ def test_a_recompute_does_not_transplant_onto_other_shapes():
     families.transplant(rep, planned, graph(2))   # the same shapes: carried over
     with pytest.raises(families.TransplantError, match="representative's shapes"):
         families.transplant(rep, planned, graph(3))
-
-
-@pytest.mark.parametrize("model", ["llama", "mixtral"])
-def test_the_plan_does_not_follow_20_percent_noise(group, model):
-    """[Note: stable choices] Re-planned from the same graphs with every profiled time and the
-    copy model moved by up to ±20% (what one launch sees against the next), the plan keeps its
-    choices."""
-    import copy
-
-    from deepcompile.compiler.cost import LinearCostModel
-
-    peak = {"llama": LLAMA_PEAK, "mixtral": 1_500_328}[model]
-    eng = _engine(model, 0.6 * peak, passes=())   # profiled, nothing planned
-    _train(eng, model, steps=3)
-    ctx = eng._pipeline._context()
-    plans = []
-    for seed in range(8):
-        rng = random.Random(seed)
-        c = copy.copy(ctx)
-        c.profiles = copy.deepcopy(ctx.profiles)
-        for prof in c.profiles.values():
-            for n in prof.nodes:
-                n.time_s *= rng.uniform(0.8, 1.2)
-        a, b = ctx.cost.copy
-        c.cost = LinearCostModel(coeffs=ctx.cost.coeffs, copy=(a * rng.uniform(0.8, 1.2),
-                                                               b * rng.uniform(0.8, 1.2)))
-        d = A.plan(c)["g0"]
-        plans.append(sorted((x["name"], x["action"], x["reload_after"]) for x in d["choices"]))
-    diffs = [sorted(set(p) ^ set(plans[0])) for p in plans]
-    assert plans[0] and not any(diffs), diffs

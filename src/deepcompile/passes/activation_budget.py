@@ -65,13 +65,15 @@ log = logging.getLogger("deepcompile")
 
 MAX_CHAIN = 256        # forward nodes a recompute may copy
 # [Note: stable choices] Profiled times and the copy model are measurements: from one launch to
-# the next each moves by ±20% and more on a shared machine, and one value's cost per byte
-# against another's by up to 1.2 / 0.8 = 1.5x. A greedy that always took the cheapest would
-# plan differently from launch to launch between values of about the same cost. So the values
-# within TIE_MARGIN of the cheapest cost per byte are ranked by what they remove from the
-# over-budget memory (bytes and positions: the same in every launch), a recompute before an
-# offload of the same value (it holds no host memory and needs no copy stream), then by name.
-TIE_MARGIN = 1.5
+# the next each moves by ±20% and more on a shared machine, and one cost against another by up
+# to 1.2 / 0.8 = 1.5x. A greedy that always took the cheapest would plan differently from launch
+# to launch between options of about the same cost. So a value is recomputed where that costs
+# within TIE_MARGIN of offloading it (a recompute holds no host memory and needs no copy
+# stream), and among the values within TIE_MARGIN of the cheapest cost per byte the one that
+# removes the most over-budget memory goes first (bytes and positions: the same in every
+# launch), then by name. Costs that differ by more than TIE_MARGIN x 1.5 keep their order; only
+# those near the margin can still change places.
+TIE_MARGIN = 2.0
 HOST_OP_S = 30e-6      # host time of one Python op (an offload costs three per graph run)
 
 
@@ -106,8 +108,8 @@ def options(a: Activation, fw: list[Step], bw: list[Step], copy_s: Callable[[int
     first use. An offload's copies run on copy streams where `overlap` (CUDA): exposed only
     where the compute they can hide behind is shorter than they are; its copy back starts as
     late as that allows (from the top of the backward at the earliest). Without overlap (the
-    CPU's imitation runs each copy when it is waited for) both copies are exposed, and the copy
-    back starts right before the first use."""
+    CPU's imitation runs each copy when it is waited for, out of a snapshot of the value) its
+    three copies are exposed, and the copy back starts right before the first use."""
     out = []
     if a.recompute_s is not None:
         out.append(Option("recompute", a.recompute_s, max(a.bw_first - 1, 0), a.recompute_bytes))
@@ -115,7 +117,7 @@ def options(a: Activation, fw: list[Step], bw: list[Step], copy_s: Callable[[int
         t = copy_s(a.nbytes)
         if not overlap:
             r = a.bw_first - 1 if a.bw_first > 0 else None
-            out.append(Option("offload", 2 * t + 3 * HOST_OP_S, max(a.bw_first - 1, 0),
+            out.append(Option("offload", 3 * t + 3 * HOST_OP_S, max(a.bw_first - 1, 0),
                               reload_after=r))
         else:
             lead, r = 0.0, a.bw_first - 1
@@ -129,6 +131,14 @@ def options(a: Activation, fw: list[Step], bw: list[Step], copy_s: Callable[[int
             out.append(Option("offload", max(0.0, t - window) + max(0.0, t - lead)
                               + 3 * HOST_OP_S, start, reload_after=reload_after))
     return out
+
+
+def _pick(avail: list[Option]) -> Option:
+    """A value's option: the cheapest, a recompute where it is within TIE_MARGIN of it ([Note:
+    stable choices])."""
+    cheapest = min(o.cost_s for o in avail)
+    return min((o for o in avail if o.cost_s <= TIE_MARGIN * cheapest),
+               key=lambda o: (o.action != "recompute", o.cost_s))
 
 
 def curves(fw_live: np.ndarray, bw_live: np.ndarray, acts: dict[str, Activation],
@@ -179,22 +189,24 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
         for a in acts:
             if a.name in choice or a.name in held:
                 continue
-            for opt in opts[a.name]:
-                if opt.action == "recompute" and any(leaf in choice for leaf in a.leaves):
-                    continue
-                f2, b2 = f_cur.copy(), b_cur.copy()
-                _shift(f2, b2, a, opt, +1)
-                gain = o_cur - over(f2, b2)
-                if gain > 0:
-                    found.append((opt.cost_s / gain, gain, a, opt, f2, b2))
+            avail = [o for o in opts[a.name] if o.action != "recompute"
+                     or not any(leaf in choice for leaf in a.leaves)]
+            if not avail:
+                continue
+            opt = _pick(avail)
+            f2, b2 = f_cur.copy(), b_cur.copy()
+            _shift(f2, b2, a, opt, +1)
+            gain = o_cur - over(f2, b2)
+            if gain > 0:
+                found.append((opt.cost_s / gain, gain, a, opt, f2, b2))
         if not found:
             break
-        # [Note: stable choices] among the options within TIE_MARGIN per byte of the cheapest,
+        # [Note: stable choices] among the values within TIE_MARGIN per byte of the cheapest,
         # the one that removes the most over-budget memory (a fact of the graphs, not of timing)
         cheapest = min(f[0] for f in found)
         _, _, a, opt, f_cur, b_cur = min(
             (f for f in found if f[0] <= TIE_MARGIN * cheapest),
-            key=lambda f: (-f[1], f[3].action != "recompute", f[2].name))
+            key=lambda f: (-f[1], f[2].name))
         choice[a.name] = opt
         o_cur = over(f_cur, b_cur)
     if o_cur == 0:   # undo what the budget no longer needs, dearest first
