@@ -127,6 +127,20 @@ def test_a_recomputes_inputs_stay_saved():
     assert [(c["name"], c["action"]) for c in plan["choices"]] == [("y", "recompute")]
 
 
+def test_offloads_fit_the_host_memory_there_is():
+    # offloading is far cheaper, but the host has room for one copy of one value: the other is
+    # recomputed; a forward run twice before its backwards holds two copies: both recomputed
+    acts = [A.Activation("a", 400, 0, 2, 2, 1e-2), A.Activation("b", 400, 1, 4, 4, 1e-2)]
+    fw, bw = _pair([100] * 4, [400, 0, 0, 0, 0, 0], acts)   # both must go for 700 B
+    plan = A.plan_pair(fw, bw, acts, 700, COPY, overlap=False, host_room=500)
+    assert sorted(c["action"] for c in plan["choices"]) == ["offload", "recompute"]
+    assert plan["host_bytes"] == 400
+    _check(fw, bw, acts, plan, 700)
+    plan = A.plan_pair(fw, bw, acts, 700, COPY, overlap=False, host_room=500, copies=2)
+    assert [c["action"] for c in plan["choices"]] == ["recompute", "recompute"]
+    _check(fw, bw, acts, plan, 700)
+
+
 def test_copies_back_start_early_enough_to_hide_them_on_a_gpu():
     # backward steps of 1 ms; a copy of 2.5 ms starts 3 steps before the first use
     acts = [A.Activation("a", 2_500_000, 0, 8, 9, 1.0)]

@@ -160,8 +160,11 @@ def _shift(fw: np.ndarray, bw: np.ndarray, a: Activation, opt: Option, sign: int
 
 
 def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: float,
-              copy_s: Callable[[int], float], overlap: bool) -> dict[str, Any]:
-    """The plan of one forward/backward pair (see the module docstring); pure."""
+              copy_s: Callable[[int], float], overlap: bool, host_room: float = float("inf"),
+              copies: int = 1) -> dict[str, Any]:
+    """The plan of one forward/backward pair (see the module docstring); pure. What it offloads
+    is held in pinned host memory `copies` times (the forward runs that often before its
+    backwards), within `host_room` bytes."""
     fw_live = np.array([s.live_bytes for s in fw] or [0], dtype=np.int64)
     bw_live = np.array([s.live_bytes for s in bw] or [0], dtype=np.int64)
     before = int(max(fw_live.max(), bw_live.max()))
@@ -189,8 +192,11 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
         for a in acts:
             if a.name in choice or a.name in held:
                 continue
-            avail = [o for o in opts[a.name] if o.action != "recompute"
-                     or not any(leaf in choice for leaf in a.leaves)]
+            host = copies * sum(by_name[n].nbytes for n, o in choice.items()
+                                if o.action == "offload")
+            avail = [o for o in opts[a.name]
+                     if (o.action == "offload" and host + copies * a.nbytes <= host_room)
+                     or (o.action == "recompute" and not any(leaf in choice for leaf in a.leaves))]
             if not avail:
                 continue
             opt = _pick(avail)
@@ -222,6 +228,8 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
                bw_peak_after=int(b_cur.max()), unattainable=o_cur > 0,
                added_s=sum(o.cost_s for o in choice.values()),
                recompute_s=sum(o.cost_s for o in choice.values() if o.action == "recompute"),
+               host_bytes=copies * sum(by_name[n].nbytes for n, o in choice.items()
+                                       if o.action == "offload"),
                choices=[{"name": n, "action": o.action, "bytes": by_name[n].nbytes,
                          "cost_s": o.cost_s,
                          "reload_after": (bw[o.reload_after].name
@@ -345,8 +353,7 @@ class Pair:
     fw_key: str
     bw_key: str
     acts: list[Activation]
-    chains: dict[str, Chain]
-    flops: dict[str, int]
+    flops: dict[str, int]         # matrix-multiply FLOPs of each recomputable value's chain
 
 
 def analyse(fw_key: str, bw_key: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule,
@@ -368,7 +375,7 @@ def analyse(fw_key: str, bw_key: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModu
         r = _root(n)
         by_root[r] = by_root.get(r, 0) + 1
     fw_readers, bw_readers = _readers(fw_gm.graph, fw_index), _readers(bw_gm.graph, bw_index)
-    acts, chains, flops = [], {}, {}
+    acts, flops = [], {}
     for n in outs:
         val = n.meta.get("val")
         r = _root(n)
@@ -387,11 +394,10 @@ def analyse(fw_key: str, bw_key: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModu
                         if c.name in fw_index)
             rec_bytes = _chain_peak(chain, n, out_bytes)
             leaves = tuple(sorted(leaf.name for leaf in chain.leaves))
-            chains[n.name] = chain
             flops[n.name] = _flops(chain.nodes)
         acts.append(Activation(n.name, out_bytes.get(r.name, 0), fw_free, min(bw_uses),
                                max(bw_uses), rec_s, rec_bytes, leaves))
-    return Pair(fw_key, bw_key, acts, chains, flops)
+    return Pair(fw_key, bw_key, acts, flops)
 
 
 def _chain_peak(chain: Chain, s: fx.Node, out_bytes: dict[str, int]) -> int:
@@ -432,6 +438,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     if budget == float("inf") or ctx.cost is None or not len(ctx.registry.entries):
         return decisions
     overlap = getattr(ctx.runtime, "device", torch.device("cpu")).type == "cuda"
+    room = _host_room(ctx)
+    gas = ctx.runtime.step.gradient_accumulation_steps
     for fw_key, bw_key in pairs(ctx):
         fw_steps, bw_steps = steps_of(ctx.profiles[fw_key]), steps_of(ctx.profiles[bw_key])
         out_bytes = {n.name: n.out_bytes for n in ctx.profiles[fw_key].nodes}
@@ -440,9 +448,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         shapes = any(getattr(ctx.slots[k], "members", None) for k in (fw_key, bw_key))
         pair = analyse(fw_key, bw_key, ctx.slots[fw_key].gm, ctx.slots[bw_key].gm, fw_steps,
                        bw_steps, out_bytes, recompute=not shapes)
-        d = plan_pair(fw_steps, bw_steps, pair.acts, budget, ctx.cost.copy_s, overlap)
+        d = plan_pair(fw_steps, bw_steps, pair.acts, budget, ctx.cost.copy_s, overlap, room,
+                      copies=max(1, ctx.order.count(fw_key) // gas))
         if d["peak_before"] <= budget:
             continue
+        room -= d["host_bytes"]
         d.update(fw=fw_key, bw=bw_key, recompute_off=shapes,   # (an estimate: a float)
                  recompute_flops=float(sum(pair.flops.get(c["name"], 0) for c in d["choices"]
                                            if c["action"] == "recompute")))
@@ -453,6 +463,22 @@ def plan(ctx: PassContext) -> dict[str, Any]:
                         size(budget), size(d["peak_after"]), size(d["peak_before"]))
         decisions[fw_key[:-3]] = d
     return decisions
+
+
+def _host_room(ctx: PassContext) -> float:
+    """Pinned host bytes the activations may take on every rank: what the node has available
+    now, shared by its local ranks (`Offloader.host_capacity` less the optimizer offload's own
+    buffers, which that already counts), plus this engine's activation buffers already made
+    (a plan reuses them); the MIN over ranks."""
+    from ..compiler.agree import agree_max
+
+    store = ctx.runtime.offload
+    room = store.host_capacity() - store.host_buffer_bytes() + \
+        ctx.runtime.activation_store().held_host_bytes()
+    if ctx.world_size > 1:
+        (neg,) = agree_max(ctx.runtime.comm, [-room], ctx.runtime.device)
+        room = -neg
+    return room
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
