@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,7 +48,7 @@ import paired  # noqa: E402
 
 
 def _workload(name: str, seq: int | None, batch: int | None):
-    from deepcompile._bench import workloads
+    from deepcompile.tools import workloads
 
     w = workloads.get(name)
     if seq:
@@ -88,7 +87,7 @@ def _build(spec: dict, w, device, compiler: str, budget: int | None):
     import torch
 
     import deepcompile
-    from deepcompile._bench import workloads
+    from deepcompile.tools import workloads
 
     model = workloads.build_model(w, device)
     if spec.get("ckpt"):
@@ -104,81 +103,78 @@ def _build(spec: dict, w, device, compiler: str, budget: int | None):
                                   config=deepcompile.Config(**cfg))
 
 
-def _rank(rank: int, world: int, args: dict, results) -> None:
-    try:
-        import contextlib
+def _rank(rank: int, world: int, args: dict) -> dict:
+    import contextlib
 
-        import torch
-        import torch._functorch.config as functorch_config
-        import torch.distributed as dist
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch.distributed as dist
 
-        from deepcompile._bench import workloads
+    from deepcompile.tools import workloads
 
-        torch.set_num_threads(1)
-        device = torch.device(args["device"])
-        if device.type == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
-                                timeout=timedelta(seconds=900))
-        w = _workload(args["workload"], args["seq"], args["batch"])
-        out: dict[str, dict] = {}
-        built, peaks = [], {}
-        held = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else \
-            (lambda: 0)
-        for spec in args["specs"]:   # hf-ckpt before ours (its peak is ours' budget)
-            # each engine's own peak: on CUDA `memory_allocated` counts the engines built before
-            # (the CPU memory model counts an engine's own storages)
-            base = held()
-            budget = spec.get("budget")
-            if isinstance(budget, str):   # "ckpt" or "ckpt+F": from the measured peaks
-                lo, hi = peaks["hf-ckpt"], peaks.get("none", peaks["hf-ckpt"])
-                budget = base + int(lo + float(budget.partition("+")[2] or 0) * (hi - lo))
-            engine = _build(spec, w, device, args["compiler"], budget)
-            patch = (functorch_config.patch(activation_memory_budget=spec["torch_budget"])
-                     if spec.get("torch_budget") is not None else contextlib.nullcontext())
+    torch.set_num_threads(1)
+    device = torch.device(args["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
+                            timeout=timedelta(seconds=900))
+    w = _workload(args["workload"], args["seq"], args["batch"])
+    out: dict[str, dict] = {}
+    built, peaks = [], {}
+    held = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else \
+        (lambda: 0)
+    for spec in args["specs"]:   # hf-ckpt before ours (its peak is ours' budget)
+        # each engine's own peak: on CUDA `memory_allocated` counts the engines built before
+        # (the CPU memory model counts an engine's own storages)
+        base = held()
+        budget = spec.get("budget")
+        if isinstance(budget, str):   # "ckpt" or "ckpt+F": from the measured peaks
+            lo, hi = peaks["hf-ckpt"], peaks.get("none", peaks["hf-ckpt"])
+            budget = base + int(lo + float(budget.partition("+")[2] or 0) * (hi - lo))
+        engine = _build(spec, w, device, args["compiler"], budget)
+        patch = (functorch_config.patch(activation_memory_budget=spec["torch_budget"])
+                 if spec.get("torch_budget") is not None else contextlib.nullcontext())
 
-            def one_step(engine=engine, patch=patch, micro=[0]):
-                start = time.perf_counter()
-                for _ in range(w.gas):
-                    ids = workloads.local_batch(w, micro[0] % 64, rank, world).to(device)
-                    micro[0] += 1
-                    with patch:   # (re-entered: a patch restores the config when it exits)
-                        loss = engine(input_ids=ids, labels=ids).loss
-                        engine.backward(loss)
-                engine.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                return time.perf_counter() - start
+        def one_step(engine=engine, patch=patch, micro=[0]):
+            start = time.perf_counter()
+            for _ in range(w.gas):
+                ids = workloads.local_batch(w, micro[0] % 64, rank, world).to(device)
+                micro[0] += 1
+                with patch:   # (re-entered: a patch restores the config when it exits)
+                    loss = engine(input_ids=ids, labels=ids).loss
+                    engine.backward(loss)
+            engine.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
 
-            warm, steady = 0, 0
-            while steady < 2:
-                one_step()
-                warm += 1
-                steady += engine.report().phase == "steady"
-                if warm > 40:
-                    raise RuntimeError(f"{spec['name']} not steady after {warm} steps")
-            peaks[spec["name"]] = _peak(engine) - base
-            rep = engine.report().to_dict()
-            out[spec["name"]] = {
-                "warmup_steps": warm, "step_s": [], "budget": None if budget is None
-                else budget - base,
-                "peak_bytes": peaks[spec["name"]], "recompute_flops": _recompute_flops(engine),
-                "plan": [{"pass": p["pass"], "kept": p["kept"], "changed": p["changed"]}
-                         for p in rep["passes"]],
-                "summary": [line for p in rep["passes"] for line in p["summary"]]}
-            if args["calibrate"]:
-                del engine
-                continue
-            built.append((spec["name"], one_step))
-        n = len(built)
-        for r in range(args["rounds"]):
-            for k in range(n):
-                name, one_step = built[(r + k) % n]
-                out[name]["step_s"].append(one_step())
-        dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001
-        results.put((rank, "error", traceback.format_exc()))
+        warm, steady = 0, 0
+        while steady < 2:
+            one_step()
+            warm += 1
+            steady += engine.report().phase == "steady"
+            if warm > 40:
+                raise RuntimeError(f"{spec['name']} not steady after {warm} steps")
+        peaks[spec["name"]] = _peak(engine) - base
+        rep = engine.report().to_dict()
+        out[spec["name"]] = {
+            "warmup_steps": warm, "step_s": [], "budget": None if budget is None
+            else budget - base,
+            "peak_bytes": peaks[spec["name"]], "recompute_flops": _recompute_flops(engine),
+            "plan": [{"pass": p["pass"], "kept": p["kept"], "changed": p["changed"]}
+                     for p in rep["passes"]],
+            "summary": [line for p in rep["passes"] for line in p["summary"]]}
+        if args["calibrate"]:
+            del engine
+            continue
+        built.append((spec["name"], one_step))
+    n = len(built)
+    for r in range(args["rounds"]):
+        for k in range(n):
+            name, one_step = built[(r + k) % n]
+            out[name]["step_s"].append(one_step())
+    dist.destroy_process_group()
+    return out
 
 
 def specs(a) -> list[dict]:
@@ -218,6 +214,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    from deepcompile.tools import spawn
+
     a = parser().parse_args()
     sp = specs(a)
     names = [s["name"] for s in sp]
@@ -228,7 +226,9 @@ def main() -> None:
     launches = []
     for i in range(1 if a.calibrate else a.launches):
         t0 = time.perf_counter()
-        launches.append(paired.launch(args, a.nproc, a.timeout, target=_rank))
+        launches.append(spawn.launch(_rank, a.nproc, args, timeout_s=a.timeout,
+                                     cpu=a.device == "cpu",
+                                     env={"TORCHINDUCTOR_CACHE_DIR": cache}))
         print(f"[activation_budget] launch {i + 1}: {time.perf_counter() - t0:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     w = _workload(a.workload, a.seq, a.batch)
@@ -255,7 +255,7 @@ def main() -> None:
             if ref == "hf-ckpt":
                 summary = s
     if a.out:
-        from deepcompile._bench.run import _git_commit
+        from deepcompile.tools.bench.run import _git_commit
 
         import torch
 
