@@ -316,7 +316,7 @@ def test_world1_offloads_and_recomputes_bit_for_bit(group):
     from deepcompile.runtime import activations as R
     assert count(fw, R.OFFLOAD) == count(bw, R.RELOAD) == count(bw, R.WAIT) == n_off
     # pinned buffers are made once and reused by every micro-step after (6 ran with the plan)
-    store = eng._runtime.activation_store()
+    store = eng._runtime.activations
     assert store.stats["buffers"] == n_off and store.stats["offloads"] == 6 * n_off
 
 

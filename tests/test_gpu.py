@@ -360,7 +360,7 @@ def test_activation_budget_parity_and_budget(nccl, compiler):
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for k in ref:
         torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6)
-    store = engine._runtime.activation_store()
+    store = engine._runtime.activations
     offloaded = sum(c["action"] == "offload" for c in d["choices"])
     if offloaded:
         assert store.copier.cuda and all(f.is_pinned() for f in store._flat.values())

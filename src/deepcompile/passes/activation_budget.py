@@ -474,7 +474,7 @@ def _host_room(ctx: PassContext) -> float:
 
     store = ctx.runtime.offload
     room = store.host_capacity() - store.host_buffer_bytes() + \
-        ctx.runtime.activation_store().held_host_bytes()
+        act_ops.store_of(ctx.runtime).held_host_bytes()
     if ctx.world_size > 1:
         (neg,) = agree_max(ctx.runtime.comm, [-room], ctx.runtime.device)
         room = -neg
@@ -485,7 +485,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     changed: list[str] = []
     if not decisions:
         return changed
-    store = ctx.runtime.activation_store()   # before the re-profile: its buffers are host memory
+    store = act_ops.store_of(ctx.runtime)   # before the re-profile: its buffers are host memory
     pid = next(iter(ctx.registry.entries)).pid
     for _, d in sorted(decisions.items()):
         if not d["choices"]:

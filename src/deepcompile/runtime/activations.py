@@ -132,11 +132,21 @@ def dense_strides(t: torch.Tensor) -> bool:
     return True
 
 
+def store_of(runtime) -> ActivationStore:
+    """The engine runtime's activations on the host, made on first use, through the optimizer
+    offload's copier ([Note: activation copies]). (Made here, not by the runtime: runtime.py
+    imports none of the modules that define ops.)"""
+    if runtime.activations is None:
+        runtime.activations = ActivationStore(runtime.offload.copier, runtime.device,
+                                              runtime.offload.own_sources)
+    return runtime.activations
+
+
 def _store(pid: int) -> ActivationStore:
     runtime = lookup(pid).runtime()
     if runtime is None:
         raise RuntimeError("deepcompile: an activation copy belongs to an engine that was released")
-    return runtime.activation_store()
+    return store_of(runtime)
 
 
 # -- the ops the pass inserts -----------------------------------------------------------------

@@ -11,8 +11,8 @@
 * `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
 * `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
 * `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py);
-* `activation_store()`: the activations kept on the host between forward and backward
-  (runtime/activations.py), made on first use.
+* `activations`: the activations kept on the host between forward and backward
+  (runtime/activations.py), made on first use by `activation_budget`'s ops.
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
@@ -106,7 +106,7 @@ class EngineRuntime:
         self.offload: Any = None          # runtime/offload.py, set by the engine
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])
-        self._activations: Any = None     # runtime/activations.py (`activation_store`)
+        self.activations: Any = None      # runtime/activations.py (`store_of`)
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
@@ -131,20 +131,10 @@ class EngineRuntime:
         storage moves at every step: [Note: masters on the host] in runtime/offload.py)."""
         return frozenset(p for t in self.flat_masters if (p := t.untyped_storage().data_ptr()))
 
-    def activation_store(self):
-        """The activations on the host (runtime/activations.py), through the optimizer
-        offload's copier ([Note: activation copies])."""
-        if self._activations is None:
-            from .activations import ActivationStore
-
-            self._activations = ActivationStore(self.offload.copier, self.device,
-                                                self.offload.own_sources)
-        return self._activations
-
     def host_storages(self) -> set[int] | frozenset[int]:
         """The addresses of host buffers that graphs pass around (activations on the host),
         which the CPU memory model does not count (compiler/profiler.py)."""
-        return self._activations.host_ptrs if self._activations is not None else frozenset()
+        return self.activations.host_ptrs if self.activations is not None else frozenset()
 
     def held_bytes(self) -> int:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
