@@ -29,8 +29,12 @@
 #   profile     12     4         torch.profiler over 3 steady steps, ours and plain compile
 #   attention   12,15  3         llama-1b's SDPA eager and compiled: mask, is_causal, the kernel
 #                                (compiled Llama gets an explicit mask before torch 2.14)
+#   activations 41     9         activation_budget on CUDA: parity, budget, copy streams and
+#                                pinned buffers (tests, fx and Inductor); llama-1b at 1 x 4096
+#                                tokens: ours against HF full checkpointing and torch's
+#                                activation_memory_budget at the same profiled peak, paired
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -114,13 +118,21 @@ one() {
       fi ;;
     attention)
       run 240 "$log" $py benchmarks/attention_path.py --workload llama-1b --out "$out" ;;
+    activations)
+      run 200 "$log" $py -m pytest tests/test_gpu.py -k activation_budget -q -s -ra \
+        -p no:cacheprovider
+      run 380 "$log" $py benchmarks/activation_budget.py --device cuda --nproc 1 \
+        --workload llama-1b --seq 4096 --batch 1 --torch-budget 0.1 --between \
+        --systems torch-budget ours --launches 1 --rounds 5 --timeout 360 \
+        --out "$out/activation_budget.json" ;;
     *) echo "unknown part $p" >&2; return 2 ;;
   esac
 }
 
 setup
 if [[ $part == all ]]; then
-  for p in tests bench offload host-step auto big big-peers tier4 validate profile attention; do
+  for p in tests bench offload host-step auto big big-peers tier4 validate profile attention \
+      activations; do
     one "$p"
   done
 else

@@ -98,12 +98,13 @@ def test_choose_reads_stage_world_collectives_and_budget():
     names = lambda chosen: [c.name for c in chosen]   # noqa: E731
     chosen, out = choose(_ctx(4, 4, 2, inf, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == ["selective_unshard", "prefetch", "bucket_reduce"]
-    assert {c.name for c in out} == {"offload_optimizer"} and all(c.reason for c in chosen + out)
+    assert {c.name for c in out} == {"offload_optimizer", "activation_budget"}
+    assert all(c.reason for c in chosen + out)
     chosen, _ = choose(_ctx(0, 4, 2, inf, 100), zero_stage=1, warmup_steps=2)
     assert names(chosen) == ["bucket_reduce"]
     chosen, out = choose(_ctx(4, 4, 1, inf, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == [] and all("world size 1" in c.reason for c in out
-                                       if c.name != "offload_optimizer")
+                                       if c.name not in ("offload_optimizer", "activation_budget"))
     # world size 1 with a compute dtype other than the masters': a gather is a cast at every
     # use, a kept copy is cast once per step (if there is memory for it)
     chosen, out = choose(_ctx(4, 4, 1, inf, 100, compute_dtype=torch.bfloat16), zero_stage=3,
@@ -119,6 +120,12 @@ def test_choose_reads_stage_world_collectives_and_budget():
     chosen, _ = choose(_ctx(4, 4, 2, 150.0, 100, movable=[(0, "exp_avg", 64)], step_bytes=200),
                        zero_stage=3, warmup_steps=2)
     assert names(chosen)[0] == "offload_optimizer"
+    # a profiled peak over the budget: activations are traded before anything spends memory
+    chosen, out = choose(_ctx(4, 4, 2, 150.0, 200), zero_stage=3, warmup_steps=2)
+    assert names(chosen) == ["activation_budget", "prefetch", "bucket_reduce"]
+    assert "over the budget" in chosen[0].reason
+    chosen, out = choose(_ctx(4, 4, 1, 150.0, 200), zero_stage=3, warmup_steps=2)
+    assert names(chosen) == ["activation_budget"]
 
 
 # ----------------------------------------------------- pure: fusion under ±20% noise

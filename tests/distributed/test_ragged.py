@@ -145,6 +145,10 @@ CONFIGS = {   # name: (config, optimizer steps)
     # between two plans every step, and every shape follows
     "zero2-bucket_reduce-measured": ({"zero_stage": 2, "passes": ("bucket_reduce",),
                                       "measure_steps": 1}, 8),
+    # saved activations recomputed and offloaded: another shape's graphs hand over and read
+    # back what the representative's do
+    "zero3-activation_budget": ({"zero_stage": 3, "passes": ("activation_budget", "prefetch"),
+                                 "measure_steps": 0, "memory_budget": 400_000}, 6),
 }
 
 
@@ -180,6 +184,8 @@ def test_ragged_lengths_train_like_one_process(ragged, name):
     assert r0["reps"] == r1["reps"] and r0["order"] == r1["order"]
     # (a pass may plan nothing from a profile: selective_unshard did with main's agreed times)
     assert r0["passes"] == r1["passes"] and any(changed for _, changed in r0["passes"])
+    if "activation_budget" in name:   # offloaded (no recompute: other shapes are compiled)
+        assert dict(r0["passes"])["activation_budget"]
     assert r0["comm"] == r1["comm"]
     # new shapes compiled new graphs, on both ranks, at different steps; each runs its family's
     # (planned) collectives, and nothing ran insertion-only

@@ -473,7 +473,7 @@ def test_gpu_acceptance_commands_are_valid():
             workloads.get(w)
         checked.add(name)
     assert checked == {"demo", "bench", "offload_gpu", "host_step", "opt_step",
-                       "plan_validate", "attention_path"}, checked
+                       "plan_validate", "attention_path", "activation_budget"}, checked
 
 
 def test_attention_path_reports_the_sdpa_calls_and_ops(tmp_path):

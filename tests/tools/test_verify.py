@@ -5,7 +5,8 @@ chose: the engine then trains bitwise as eager PyTorch does ([Note: what verify 
 
 One launch of 2 gloo ranks (tests/_dist.py) runs every job of `_jobs()` through verify's own
 rank code, the families for 3 optimizer steps with the fx compiler (warm-up, profile, then the
-passes "auto" chose); the parent runs verify's comparison for each. One launch of 1 rank runs
+passes "auto" chose; and again with `activation_budget` moving every saved value it can); the
+parent runs verify's comparison for each. One launch of 1 rank runs
 the implementation jobs. Small configs built here, nothing downloaded, dropout 0. The CLI runs
 once, on a file of its own.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _train
 from _dist import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +104,10 @@ FAMILIES = {
     "resnet-batchnorm": (resnet, _image_batch),
 }
 
+# with activation_budget: two families in the core matrix, all in the full one ([Note: the
+# core matrix] in tests/_train.py)
+ACTIVATION_FAMILIES = list(FAMILIES) if _train.FULL else list(FAMILIES)[:2]
+
 
 # ------------------------------------------------------------------ models verify must flag
 class WithUnused(nn.Module):
@@ -158,8 +165,14 @@ def _jobs():
 
     cfg = Config(compiler="fx", warmup_steps=1, measure_steps=0)
     quick = Config(compiler="fx", passes=(), warmup_steps=1)
+    # activation_budget under a budget no plan reaches: it applies the plan of the lowest peak
+    # (every saved value it can move recomputed or offloaded), the most it ever changes
+    acts = Config(compiler="fx", warmup_steps=1, measure_steps=0, passes=("activation_budget",),
+                  memory_budget=1)
     jobs = [Job(name=n, config=cfg, steps=3, build_model=b, make_batch=m)
             for n, (b, m) in FAMILIES.items()]
+    jobs += [Job(name=f"{n}-activation_budget", config=acts, steps=3, build_model=FAMILIES[n][0],
+                 make_batch=FAMILIES[n][1]) for n in ACTIVATION_FAMILIES]
     return jobs + _implementation_jobs() + [
         # ZeRO-1, accumulation and clipping in the reference too; weight decay 0: this job
         # checks that parameters without a gradient are listed, not how the step treats them
@@ -219,6 +232,19 @@ def test_a_family_verifies(results, name):
     for s in res.steps:   # every micro-step communicated
         assert all(sum(c.values()) > 0 for c in s.micro_comm), s.micro_comm
     assert res.steps[-1].micro_comm != res.steps[0].micro_comm   # the passes changed them
+
+
+@pytest.mark.parametrize("name", ACTIVATION_FAMILIES)
+def test_a_family_verifies_with_its_activations_recomputed_and_offloaded(results, name):
+    res = results[f"{name}-activation_budget"]
+    print(f"\n{res}\n{res.engine_report}")
+    assert res.error is None, res.error
+    assert len(res.steps) == 3 and res.ok, str(res)
+    report = res.engine_report
+    assert "activation_budget:\n  kept: " in report, report
+    moved = [int(r) + int(o) for r, o in
+             re.findall(r"(\d+) recomputed \([^)]*\), (\d+) offloaded", report)]
+    assert moved and sum(moved) > 0, report
 
 
 def test_parameters_without_a_gradient_are_listed(results):

@@ -33,9 +33,9 @@ KNOWN_CIRCLES: list[set[str]] = [
      "deepcompile.runtime.regather", "deepcompile.runtime.replicas"},
     # passes/__init__.py imports the built-in passes to register them, and they import
     # PassContext and register_pass back from it
-    {"deepcompile.passes", "deepcompile.passes._common", "deepcompile.passes.bucket_reduce",
-     "deepcompile.passes.offload_optimizer", "deepcompile.passes.prefetch",
-     "deepcompile.passes.selective_unshard"},
+    {"deepcompile.passes", "deepcompile.passes._common", "deepcompile.passes.activation_budget",
+     "deepcompile.passes.bucket_reduce", "deepcompile.passes.offload_optimizer",
+     "deepcompile.passes.prefetch", "deepcompile.passes.selective_unshard"},
     # engine.py imports __version__ from the package, which imports initialize and Engine
     # (lazily, and in its TYPE_CHECKING block)
     {"deepcompile", "deepcompile._api", "deepcompile.engine"},

@@ -76,9 +76,11 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
     blocking = [n for p in profiles for n in p.nodes if n.kind in ops.BLOCKING]
     means = iter(_reduce(comm, [n.time_s for p in profiles for n in p.nodes],
                          dist.ReduceOp.SUM, device))
-    # one MAX reduction: live bytes, each graph's run time and compute sum, and (negated, so
-    # that their MAX is the MIN) the blocking nodes' times
-    maxima = iter(agree_max(comm, [n.live_bytes for p in profiles for n in p.nodes]
+    # one MAX reduction: live and output bytes (ranks that compiled a graph for different
+    # shapes: the larger), each graph's run time and compute sum, and (negated, so that their
+    # MAX is the MIN) the blocking nodes' times
+    maxima = iter(agree_max(comm, [x for p in profiles for n in p.nodes
+                                   for x in (n.live_bytes, n.out_bytes)]
                             + [x for p in profiles
                                for x in (p.total_s, sum(n.time_s for n in p.nodes
                                                         if n.kind == "compute"))]
@@ -86,7 +88,7 @@ def agree_profiles(comm, slots: dict, order: list[str], device: torch.device) ->
     for p in profiles:
         for n in p.nodes:
             n.time_s = next(means) / comm.world
-            n.live_bytes = int(next(maxima))
+            n.live_bytes, n.out_bytes = int(next(maxima)), int(next(maxima))
     for p in profiles:
         p.total_s, slowest = next(maxima), next(maxima)
         compute = [n for n in p.nodes if n.kind == "compute"]

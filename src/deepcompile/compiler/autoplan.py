@@ -11,6 +11,10 @@ for the model it simulates and asks the same passes. The built-in ones:
 * `offload_optimizer` first, when the budget is bounded and the step with all optimizer state on
   the device (the profiled peak, or the optimizer step itself) exceeds it: the passes after it
   then plan within what its plan leaves;
+* `activation_budget` next, when the budget is bounded and a profiled peak still exceeds it: the
+  values the backward saves are recomputed or offloaded where that is cheapest per byte
+  (passes/activation_budget.py), after `offload_optimizer` (which plans on a step whose peak
+  counts the state) and before the passes that spend memory left under the budget;
 * `selective_unshard` next (ZeRO-3, more than one rank, memory left under the budget): keeping a
   parameter gathered removes whole collectives, and planned before `prefetch` it values every
   gather at the cost of its own collective (after `prefetch` it would see a share of a fused one);

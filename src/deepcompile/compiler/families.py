@@ -200,6 +200,16 @@ def _correspond(s0: fx.Graph, n0: fx.Graph) -> dict[fx.Node, fx.Node]:
     return corr
 
 
+def _same_shapes(s0: fx.Graph, n0: fx.Graph) -> bool:
+    """The two graphs take inputs of the same static shapes."""
+    def shapes(g: fx.Graph) -> list:
+        return [tuple(v.shape) if isinstance(v := n.meta.get("val"), torch.Tensor) else repr(v)
+                for n in g.nodes if n.op == "placeholder"]
+    a, b = shapes(s0), shapes(n0)
+    return a == b and not any(isinstance(d, torch.SymInt) for t in a if isinstance(t, tuple)
+                              for d in t)
+
+
 def _resolvable(resolve: Callable[[fx.Node], tuple], node: fx.Node) -> bool:
     try:
         resolve(node)
@@ -220,6 +230,10 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
     node} for the nodes that correspond (see [Note: shape families])."""
     s0, star, n0 = rep_original.graph, rep_planned.graph, member_original.graph
     corr = _correspond(s0, n0)
+    bound = [p.name for p in star.nodes if p.meta.get("dc_shape_bound")]
+    if bound and not _same_shapes(s0, n0):
+        raise TransplantError(f"the plan computes {bound[0]} with the representative's shapes "
+                              "(activation_budget's recompute), and the member's differ")
     s0_by_name = {n.name: n for n in s0.nodes}
     star_by_name = {n.name: n for n in star.nodes}
     orig = {n: s0_by_name[n.name] for n in star.nodes if n.name in s0_by_name}   # planned -> compiled
@@ -312,10 +326,31 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
         p = comm_kept.get(m)
         items.append(("p", p) if p is not None else ("m", m))
     index = {it: i for i, it in enumerate(items)}
+    # uses the plan moved to a node of its own while the node they used stays (activation_budget:
+    # a saved value's readers read it back from the host or recomputed; the forward returns a
+    # host buffer or an empty tensor in its place): the member's node moves them alike (by
+    # value: a graph with symbolic sizes has more arguments, the sizes it saves)
+    moved: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
+    for x in s0.nodes:
+        x_star, m = star_by_name.get(x.name), corr.get(x)
+        if x_star is None or m is None:
+            continue
+        a0, a1 = _flat((x.args, x.kwargs)), _flat((x_star.args, x_star.kwargs))
+        subs = {corr.get(a): b for a, b in zip(a0, a1)
+                if isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.name in star_by_name
+                and a.name != b.name and orig.get(b) is None}
+        if not subs:
+            continue
+        if len(a0) != len(a1) or None in subs:
+            raise TransplantError(f"the plan moved what {x.name} reads, which the member's "
+                                  f"{m.name} lacks")
+        moved[m] = subs
 
     def deps(it: tuple) -> list[tuple]:
         resolve = resolver(it)
-        return [resolve(a) for a in _flat((it[1].args, it[1].kwargs)) if isinstance(a, fx.Node)]
+        subs = moved.get(it[1], {}) if it[0] == "m" else {}
+        return [resolve(a) for a in _flat((it[1].args, it[1].kwargs)) if isinstance(a, fx.Node)] \
+            + [("p", b) for b in subs.values()]
 
     # a stable topological order (the intended order wherever the dependencies allow it)
     waiting = {it: set(deps(it)) for it in items}
@@ -337,7 +372,9 @@ def transplant(rep_original: fx.GraphModule, rep_planned: fx.GraphModule,
     while ready:
         it = items[heapq.heappop(ready)]
         kind, node = it
-        made = graph.node_copy(node, lambda a, r=resolver(it): new[r(a)])
+        subs = moved.get(node, {}) if kind == "m" else {}
+        made = graph.node_copy(node, lambda a, r=resolver(it), subs=subs:
+                               new[("p", subs[a])] if a in subs else new[r(a)])
         new[it] = made
         if kind == "p":
             to_rep[made.name] = node.name

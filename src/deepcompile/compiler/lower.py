@@ -19,6 +19,7 @@ planned one describes; nothing in it calls back into Python.
 | accumulated (`accumulate_grad` / `accumulate_start` bucket, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad` (a bucket: one reduce-scatter), zero the accumulator | ZeRO-1: not deferred |
 | `reload_state` (offload) | unchanged: the one Python op left, once per reload group | |
 | `grad_to_host` (offload, tier 2) | unchanged (a Python op per gradient sent to the host); the gradient's output becomes None | |
+| `activation_offload` / `_reload` / `_wait` (activation_budget) | unchanged (a Python op each per offloaded activation: runtime/activations.py) | |
 
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
 gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of

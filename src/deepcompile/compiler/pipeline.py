@@ -380,6 +380,7 @@ class Pipeline:
                                         name_of=_param_name, runtime_bytes=self._runtime_bytes,
                                         uncounted=low.uncounted, transient=low.transient,
                                         split=rt.flat_storages,
+                                        host_memory=rt.host_storages(),
                                         lead_s=self._profile_lead(slot))
             except BaseException:
                 self.guard.failed_graph = slot.key

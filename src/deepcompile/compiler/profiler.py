@@ -12,8 +12,10 @@ the bytes the runtime holds outside the graph.
 values, so views cost nothing and a value freed while a view survives stays counted. The
 parameter shards are views of a few flat buffers (runtime/flat.py): a tensor in one of those
 (`split`) is counted by its own extent, keyed by (storage, offset), so a graph holds the
-shards it takes, not their whole buffers. The static model in `liveness.py` computes the same
-curve from shapes alone; tests compare them.
+shards it takes, not their whole buffers. Host buffers that graphs pass around (activations
+kept on the host between forward and backward: runtime/activations.py) are not device memory
+and are not counted (`host_memory`). The static model in `liveness.py` computes the same curve from
+shapes alone; tests compare them.
 """
 
 from __future__ import annotations
@@ -185,12 +187,14 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
                 uncounted: frozenset[int] = frozenset(),
                 transient: frozenset[int] = frozenset(),
                 split: frozenset[int] = frozenset(),
+                host_memory: set[int] | frozenset[int] = frozenset(),
                 lead_s: float = 0.0) -> tuple[Any, GraphProfile]:
     """Run `gm` on `args` once, node by node; return its outputs and its profile. Inputs at
     the positions in `uncounted` are the runtime's (counted by `runtime_bytes`, not here);
     inputs at the positions in `transient` are freed after their last use (`args` is
     consumed: the caller hands them over); the others stay alive to the end, as the caller's
-    arguments do. `lead_s` (CUDA): [Note: profiling ahead of the device]."""
+    arguments do. Storages at the addresses in `host_memory` are host memory, not counted ([Note: CPU
+    memory model]). `lead_s` (CUDA): [Note: profiling ahead of the device]."""
     graph = gm.graph
     cuda = any(t.is_cuda for t in tensors_in(args))
     free_after = last_uses(graph, keep_inputs=not transient)
@@ -219,17 +223,19 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
         if node.op == "placeholder":
             i, value = next(arg_iter)
             env[node] = value
+            counted = [(key, nbytes) for key, nbytes in _storages(value, split)[0]
+                       if key not in host_memory]
             if i in transient:
                 args[i] = None
-                held[node] = [key for key, _ in _storages(value, split)[0]]
-                for key, nbytes in _storages(value, split)[0]:
+                held[node] = [key for key, _ in counted]
+                for key, nbytes in counted:
                     live.add(key, nbytes)
             else:
                 inputs.add(node)
                 if i in uncounted:   # the runtime's: its views and in-place results neither
-                    external.update(key for key, _ in _storages(value, split)[0])
+                    external.update(key for key, _ in counted)
                 else:
-                    for key, nbytes in _storages(value, split)[0]:  # inputs stay alive to the end
+                    for key, nbytes in counted:  # inputs stay alive to the end
                         live.add(key, nbytes)
             continue
         if node.op == "output":
@@ -257,8 +263,9 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
             end = clock()
         env[node] = value
         storages, out_bytes = _storages(value, split)
-        if external:
-            storages = [(key, nbytes) for key, nbytes in storages if key not in external]
+        if external or host_memory:   # (it grows while the graph runs: buffers made on first use)
+            storages = [(key, nbytes) for key, nbytes in storages
+                        if key not in external and key not in host_memory]
         for key, nbytes in storages:
             live.add(key, nbytes)
         held[node] = [key for key, _ in storages]

@@ -7,8 +7,10 @@ A pass has two halves so that a cached plan can be re-applied without profiling:
 A re-plan (the step drifted: compiler/drift.py) runs the kept passes again on the graphs as
 compiled ([Note: a re-plan starts over] in compiler/planner.py): a pass never sees its own
 previous rewrite.
-Passes only schedule: they never change a graph's inputs or outputs. A pass is a
-no-op when its pattern is absent. Built-in passes register here as they land; users register
+Passes only schedule: they never change a graph's inputs or outputs, but for
+`activation_budget`, which changes what a forward hands its backward in a saved value's place
+([Note: activations after partitioning]). A pass is a no-op when its pattern is absent.
+Built-in passes register here as they land; users register
 their own with `deepcompile.register_pass`.
 """
 
@@ -139,7 +141,8 @@ def needs_of(names) -> dict[str, list[str]]:
 
 
 def _register_builtin() -> None:
-    from . import bucket_reduce, offload_optimizer, prefetch, selective_unshard  # noqa: F401
+    from . import (activation_budget, bucket_reduce, offload_optimizer, prefetch,  # noqa: F401
+                   selective_unshard)
 
 
 _register_builtin()

@@ -407,6 +407,12 @@ class Offloader:
             flat.on_load.append(self._after_load)
             flat.on_layout.append(self._layout_changed)
 
+    @property
+    def copier(self):
+        """The copy streams (or their CPU imitation), shared with the activations on the host
+        (runtime/activations.py)."""
+        return self._copier
+
     # -- placement ---------------------------------------------------------------------------
     @property
     def active(self) -> bool:

@@ -10,7 +10,9 @@
 * `parked`: gathers a graph started for the next graph, until that graph takes them;
 * `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
 * `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
-* `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py).
+* `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py);
+* `activations`: the activations kept on the host between forward and backward
+  (runtime/activations.py), made on first use by `activation_budget`'s ops.
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
@@ -104,6 +106,7 @@ class EngineRuntime:
         self.offload: Any = None          # runtime/offload.py, set by the engine
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])
+        self.activations: Any = None      # runtime/activations.py (`store_of`)
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
@@ -127,6 +130,11 @@ class EngineRuntime:
         splits by view (compiler/profiler.py); read when a graph is profiled (a tier-3 master's
         storage moves at every step: [Note: masters on the host] in runtime/offload.py)."""
         return frozenset(p for t in self.flat_masters if (p := t.untyped_storage().data_ptr()))
+
+    def host_storages(self) -> set[int] | frozenset[int]:
+        """The addresses of host buffers that graphs pass around (activations on the host),
+        which the CPU memory model does not count (compiler/profiler.py)."""
+        return self.activations.host_ptrs if self.activations is not None else frozenset()
 
     def held_bytes(self) -> int:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
