@@ -27,7 +27,7 @@ result dict per scenario.  `torch._dynamo.reset()` separates scenarios.
 test command) is the core: every job's scenarios on 2 ranks or fewer with fx, and the first
 scenario of each Inductor job and of each job on more than 2 ranks (what the others add is the
 same code on a slower compiler or more ranks); a scenario made with `extended=True` is left out
-too. `DEEPCOMPILE_FULL_TESTS=1` runs every scenario. A test of a scenario left out is skipped,
+too, and one made with `core=True` is kept whatever its job. `DEEPCOMPILE_FULL_TESTS=1` runs every scenario. A test of a scenario left out is skipped,
 saying so.
 """
 
@@ -64,10 +64,12 @@ LEGACY_PASSES = {1: ("bucket_reduce",), 2: ("bucket_reduce",), 3: ()}
 def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
              clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
              record: tuple[str, ...] = (), chunk_bytes: int | None = None,
-             profile_seed: int | None = None, extended: bool = False, **config) -> dict:
+             profile_seed: int | None = None, extended: bool = False, core: bool = False,
+             **config) -> dict:
     """Build a scenario dict (see module docstring). `chunk_bytes`: the flat layout's chunk
     size (runtime/flat.py; tiny models fit one chunk of the default size, and offloading
-    moves whole chunks). `extended`: only in the full matrix ([Note: the core matrix])."""
+    moves whole chunks). `extended`: only in the full matrix; `core`: always ([Note: the core
+    matrix])."""
     kwargs = {"lr": lr}
     if optim == "sgd":
         kwargs["momentum"] = 0.9
@@ -81,6 +83,8 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
         out["profile_seed"] = profile_seed
     if extended:
         out["extended"] = True
+    if core:
+        out["core"] = True
     return out
 
 
@@ -127,7 +131,7 @@ def make_optimizer(spec):
 def scenario_key(sc: dict) -> str:
     """What the reference training depends on."""
     return json.dumps({k: v for k, v in sc.items()
-                       if k not in ("record", "profile_seed", "extended")},
+                       if k not in ("record", "profile_seed", "extended", "core")},
                       sort_keys=True, default=str)
 
 
@@ -433,7 +437,7 @@ class Jobs:
         self.left_out: dict[str, set[str]] = {}   # [Note: the core matrix]
         for name, (world, scs) in jobs.items():
             core = scs if FULL else [
-                sc for i, sc in enumerate(scs) if not sc.get("extended") and
+                sc for i, sc in enumerate(scs) if sc.get("core") or not sc.get("extended") and
                 (i == 0 or (world <= 2 and not name.startswith("inductor")))]
             self.left_out[name] = {sc["id"] for sc in scs} - {sc["id"] for sc in core}
             if core:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 
 from . import _compat
+from ._files import write_json_atomic
 
 METADATA_FILE = "dcp_metadata.json"
 
@@ -95,16 +96,6 @@ def metadata_from_json(d: dict) -> Metadata:
                         version=d.get("version"))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointFormatError(f"{METADATA_FILE} is malformed ({type(e).__name__}: {e})") from e
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """`obj` as JSON at `path`: a temporary file in the same directory, fsynced, renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class JsonWriter(FileSystemWriter):

@@ -73,6 +73,7 @@ from . import _dcp
 from ._ckpt_format import (CLIENT, COMMIT, FORMAT, HF_CONFIG, HF_GENERATION, PLAN, POINTER,
                            STATE, TMP_PREFIX, CheckpointError, hf_config_dicts, persistent_buffers,
                            resolve, rng_file, validate)
+from ._files import write_json_atomic
 
 log = logging.getLogger("deepcompile")
 
@@ -301,9 +302,9 @@ def _client_bytes(client_state: Any) -> bytes:
 def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module,
                        plan: dict | None) -> None:
     tmp.mkdir(parents=True, exist_ok=False)
-    _dcp.write_json_atomic(tmp / STATE, state)
+    write_json_atomic(tmp / STATE, state)
     if plan is not None:
-        _dcp.write_json_atomic(tmp / PLAN, plan)
+        write_json_atomic(tmp / PLAN, plan)
     if client is not None:
         with open(tmp / CLIENT, "wb") as f:
             f.write(client)
@@ -311,9 +312,9 @@ def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module,
             os.fsync(f.fileno())
     config, generation = hf_config_dicts(module)
     if config is not None:
-        _dcp.write_json_atomic(tmp / HF_CONFIG, config)
+        write_json_atomic(tmp / HF_CONFIG, config)
     if generation is not None:
-        _dcp.write_json_atomic(tmp / HF_GENERATION, generation)
+        write_json_atomic(tmp / HF_GENERATION, generation)
 
 
 def _publish(root: Path, version: str) -> None:
@@ -321,11 +322,11 @@ def _publish(root: Path, version: str) -> None:
     then the older versions go ([Note: atomic checkpoints])."""
     tmp = root / f"{TMP_PREFIX}{version}"
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    _dcp.write_json_atomic(tmp / COMMIT, {"format": FORMAT, "version": version, "files": files})
+    write_json_atomic(tmp / COMMIT, {"format": FORMAT, "version": version, "files": files})
     _fsync_dir(tmp)
     os.rename(tmp, root / version)
     _fsync_dir(root)
-    _dcp.write_json_atomic(root / POINTER, {"format": FORMAT, "current": version})
+    write_json_atomic(root / POINTER, {"format": FORMAT, "current": version})
     _fsync_dir(root)
     _cleanup(root, keep=version)
 

@@ -15,6 +15,7 @@ import torch
 _COMPILERS = ("inductor", "fx")
 _SUPPORTED_STAGES = (1, 2, 3)
 _NONFINITE = ("raise", "skip", "off")
+_HOST_STEP = ("auto", "always", "never")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -114,6 +115,9 @@ class Config:
         rank: "raise" (every rank raises NonFiniteError; the step is not taken), "skip" (every
         rank skips the step, with a warning), or "off" (no check). With dynamic loss scaling
         (float16) an overflow always skips the step and lowers the scale. Default "raise".
+    host_step: where `offload_optimizer` steps the chunks whose masters it moves to the host:
+        "auto" (on the host where that is predicted faster than streaming them through the
+        device's step), "always" (on the host), "never" (streamed). Default "auto".
     """
 
     zero_stage: int = 3
@@ -135,6 +139,7 @@ class Config:
     startup_timeout_s: float | None = 1800.0
     divergence_check_every: int = 1
     on_nonfinite: str = "raise"
+    host_step: str = "auto"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Config":
         _check_removed(kwargs)   # before the dataclass __init__'s TypeError for an unknown key
@@ -223,6 +228,9 @@ class Config:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"Config.divergence_check_every: {every!r} is not allowed; allowed: "
                              "an integer >= 0 (0: no check)")
+        if self.host_step not in _HOST_STEP:
+            raise ValueError(f"Config.host_step: {self.host_step!r} is not allowed; allowed: "
+                             f"{', '.join(map(repr, _HOST_STEP))}")
         if self.on_nonfinite not in _NONFINITE:
             raise ValueError(f"Config.on_nonfinite: {self.on_nonfinite!r} is not allowed; "
                              f"allowed: {', '.join(map(repr, _NONFINITE))}")

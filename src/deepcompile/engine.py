@@ -162,6 +162,7 @@ class Engine:
         self._runtime.flat_masters = [c.param for c in self._flat.chunks]
         self._registry.reuse_listeners.append(self._check_reuse)
         self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
+        self._offload.host_step = config.host_step   # what offload_optimizer's plan reads
         self._runtime.offload = self._offload
         self._fallback = EagerFallback(
             module, self._runtime, gather=config.zero_stage == 3,

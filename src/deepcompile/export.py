@@ -16,6 +16,7 @@ import torch
 
 from ._ckpt_format import (HF_CONFIG, HF_GENERATION, hf_config_dicts, persistent_buffers,
                            resolve, validate)
+from ._files import write_json_atomic
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3   # as transformers' save_pretrained ("5GB")
 WEIGHTS = "model.safetensors"
@@ -83,10 +84,7 @@ def write_hf_dir(out: str | os.PathLike, tensors: list[tuple[list[str], torch.Te
 
 
 def _write_json(path: Path, obj: dict) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 def save_pretrained(engine, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import pytest
 import torch
@@ -737,15 +736,13 @@ def _parity_job(rank, world):
     # streamed through the device's step (tier 3), and stepped on the host (tier 4: on the
     # CPU the host step is the device's without the copies, so "auto" takes it)
     for which, mode in (("masters", "never"), ("host", "auto")):
-        os.environ["DEEPCOMPILE_HOST_STEP"] = mode
-        try:
-            d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
-            sc = scenario(f"llama-adamw-bf16-{which}", "llama", "adamw", 1e-2,
-                          passes=("offload_optimizer", "prefetch"), measure_steps=0,
-                          memory_budget=d["lowest_peak_bytes"], record=("report",), **bf16)
-            out["masters"][which] = (sc, _one_scenario(rank, world, sc))
-        finally:
-            del os.environ["DEEPCOMPILE_HOST_STEP"]
+        probe["config"]["host_step"] = mode
+        d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
+        sc = scenario(f"llama-adamw-bf16-{which}", "llama", "adamw", 1e-2,
+                      passes=("offload_optimizer", "prefetch"), measure_steps=0,
+                      memory_budget=d["lowest_peak_bytes"], record=("report",), host_step=mode,
+                      **bf16)
+        out["masters"][which] = (sc, _one_scenario(rank, world, sc))
     budget = out[1]["half"][0]["config"]["memory_budget"]
     for passes in (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer")):
         sc = scenario("llama-adamw-" + "-".join(passes), "llama", "adamw", 1e-2, steps=STEPS,

@@ -107,7 +107,7 @@ def facts(ctx, *, zero_stage: int, warmup_steps: int, late: bool = False) -> Fac
     step_bytes, unmovable = None, "no movable optimizer state"
     if store is not None and store.movable():
         step_bytes = store.step_bytes()
-    elif store is not None and store.flat is not None and store.flat.inner is None:
+    elif getattr(store, "flat", None) is not None and store.flat.inner is None:
         unmovable = (f"{type(store.flat.facade).__name__} steps parameter by parameter (not an "
                      "elementwise torch.optim optimizer): its state cannot be offloaded")
     return Facts(world_size=ctx.world_size, zero_stage=zero_stage,

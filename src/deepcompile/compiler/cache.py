@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ from torch import fx
 
 from ..runtime import ops
 from .profiler import GraphProfile, NodeProfile
+from .._files import write_json_atomic
 
 FORMAT = 2   # 2: pass entries say whether the pass was kept
 
@@ -65,11 +65,7 @@ def load(cache_dir: str | os.PathLike, key: str) -> dict | None:
 def save(cache_dir: str | os.PathLike, key: str, plan: dict) -> Path:
     path = path_for(cache_dir, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": FORMAT, "key": key, **plan}, f, indent=1, default=str)
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, {"format": FORMAT, "key": key, **plan}, default=str)
 
 
 def profile_from_dict(d: dict) -> GraphProfile:

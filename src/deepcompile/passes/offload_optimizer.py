@@ -54,9 +54,8 @@ The plan:
   in the compute dtype goes up. The plan takes it where it is predicted faster — per chunk, its
   copies in and out (the two directions at once) plus the device's step, against the host's
   step at the rate the runtime measured (`Offloader.host_step_rate`, agreed over the ranks:
-  `host_figures`) plus
-  the copy's way up — or where only it fits the budget; `DEEPCOMPILE_HOST_STEP` (auto, always,
-  never) overrides the comparison. The decision's `host_step` says what was compared;
+  `host_figures`) plus the copy's way up — or where only it fits the budget;
+  `Config.host_step` (auto, always, never) overrides the comparison. The decision's `host_step` says what was compared;
 * a budget that even all state, gradients and masters off the device does not meet is
   unattainable: the plan says so with the figures and changes nothing. So is a plan that
   would keep more on the host than the host has for this rank (`host_bytes` against
@@ -78,7 +77,6 @@ import dataclasses
 import itertools
 import logging
 import operator
-import os
 from typing import Any, Callable
 
 import torch
@@ -650,18 +648,6 @@ def _shard_inputs(graph: fx.Graph) -> set[int]:
     return out
 
 
-HOST_STEP_MODES = ("auto", "always", "never")
-
-
-def host_step_mode() -> str:
-    """`DEEPCOMPILE_HOST_STEP`: auto (the default), always, never; anything else is an error."""
-    mode = os.environ.get("DEEPCOMPILE_HOST_STEP", "auto")
-    if mode not in HOST_STEP_MODES:
-        raise ValueError(f"DEEPCOMPILE_HOST_STEP={mode!r}: allowed are "
-                         f"{', '.join(HOST_STEP_MODES)}")
-    return mode
-
-
 def host_figures(ctx: PassContext, masters_may_go: bool) -> tuple[float | None, float]:
     """The host step's rate (None where no master may go: then it is not measured) and the
     host's capacity, as the runtime measures them on this rank, agreed over the ranks in one
@@ -684,7 +670,7 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # offload] in runtime/offload.py): add it back
     offset = store.profile_offset()
     points = timeline(ctx, offset)
-    mode = host_step_mode()
+    mode = store.host_step   # Config.host_step
     rate, capacity = host_figures(ctx, any(map(store.master_saving, store.slots)))
     host = None if rate is None else HostStep(
         rate, rate if store.device.type != "cuda" else 0.0, mode)

@@ -386,6 +386,7 @@ class Offloader:
         self._groups: list[list[Slot]] = []    # what each reload op brings back
         self._pending: list = []               # copy-back events the step waits for
         self.provisional = False               # tier 1 everywhere until a plan is set
+        self.host_step = "auto"                # Config.host_step, set by the engine
         self.budget: float = float("inf")
         # CUDA: the allocator's count, read before each in-graph reload (the plan is a model;
         # a reload that would go over the budget now is left to the step). Tests set a model.

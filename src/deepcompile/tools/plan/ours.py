@@ -858,7 +858,10 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
                   casts=n if s.world == 1 and s.stage == 3 and s.csize < MASTER_BYTES else 0,
                   step_bytes=(MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work)
     chosen, out = autoplan.choose(facts)
-    return [c.name for c in chosen], {c.name: c.reason for c in out}
+    left = {c.name: c.reason for c in out}
+    left.update({c.name: f"chosen ({c.reason}), but not modelled by this planner"
+                 for c in chosen if c.name not in _RUN})
+    return [c.name for c in chosen if c.name in _RUN], left
 
 
 # ------------------------------------------------------------------------------ events
