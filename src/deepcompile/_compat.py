@@ -91,6 +91,23 @@ def funcol_ops():
             c.wait_tensor.default)
 
 
+def all_gather_into_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group):
+    """Launch one coalesced all-gather of `inputs[i]` into `outputs[i]` (each `world` times its
+    input, rank-major); returns the Work. gloo runs it as one collective of the concatenated
+    inputs and copies each output out on its own thread; NCCL as one group of all-gathers
+    straight into the outputs. The ProcessGroup method is private in 2.11-2.15
+    (`dist.all_gather_into_tensor` in `_coalescing_manager` reaches it, with a Python context
+    manager per launch)."""
+    return (group if group is not None else dist.group.WORLD).allgather_into_tensor_coalesced(
+        outputs, inputs)
+
+
+def register_work(tensor: torch.Tensor, work) -> None:
+    """Make `wait_tensor` of (any tensor on the storage of) `tensor` wait for `work`: what
+    functional collectives do for their outputs. Private in 2.11-2.15 (`_register_work`)."""
+    torch._C._distributed_c10d._register_work(tensor, work)
+
+
 def below_autograd():
     """Run below the autograd dispatch key: the functional collectives have Python autograd
     kernels, which cost host time even under no_grad; the compiled graphs run without grad."""

@@ -805,12 +805,19 @@ class Offloader:
     def run_step(self) -> None:
         """The inner optimizer's step over every chunk (gradients folded, hyperparameters
         synced): resident chunks in one call, offloaded ones streamed through the device,
-        tier-4 ones stepped on the host ([Note: the host step]) while the device works."""
-        flat = self.flat
+        tier-4 ones stepped on the host ([Note: the host step]) while the device works. Each
+        chunk's update is announced as soon as it is done (`EngineRuntime.stepped`: ZeRO-1/2's
+        deferred refresh launches its gather then, [Note: deferred refresh] in
+        runtime/replicas.py), and the resident chunks step in `step_segments` calls where those
+        gathers run while the next chunks step."""
+        flat, rt = self.flat, self.runtime
         self._reloaded()
         ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
+        stepped = rt.stepped if rt is not None else _nothing
         with record_function("deepcompile.optimizer_step"):
-            flat.step(ready)
+            for part in _segments(ready, rt.step_segments if rt is not None else 1):
+                flat.step(part)
+                stepped(part)
         on_host = [self.host_tier(s) and s.offloaded and s.master_off for s in self.slots]
         hosted = [s for s, h in zip(self.slots, on_host) if h]
         streamed = [s for s, h in zip(self.slots, on_host)
@@ -824,6 +831,7 @@ class Offloader:
                     if host_grad:
                         self._grad_ready(s)
                     flat.step([s.chunk])
+                    stepped([s.chunk])
                     s.host_opt = None   # its scalars moved on the device ([Note: the host step])
                     self._offload(s)
                     if self.master_tier(s):
@@ -841,6 +849,7 @@ class Offloader:
                 groups = {id(p): g for g in flat.inner.param_groups for p in g["params"]}
                 ups = [self._host_step(s, groups[id(s.chunk.param)], scale) for s in hosted]
                 self._copier.wait(ups)   # the next forward's gathers read the copies
+                stepped([s.chunk for s in hosted])
                 self.host_seconds += time.perf_counter() - t0
             self._counts["stepped_on_host"] += len(hosted)
 
@@ -1145,3 +1154,22 @@ GRAD_TO_HOST = torch.ops.deepcompile.grad_to_host.default
 torch.fx.node.has_side_effect(GRAD_TO_HOST)
 ops.register_comm_op(GRAD_TO_HOST, "grad_offload")   # a device->host copy: not a collective
 ops.FOLLOWERS.add(GRAD_TO_HOST)
+
+
+def _nothing(_chunks) -> None:
+    return None
+
+
+def _segments(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    """`chunks` in at most `n` consecutive parts of (nearly) equal length (one: all of them,
+    in one call)."""
+    n = max(1, min(n, len(chunks)))
+    if n == 1:
+        return [chunks]
+    size, extra = divmod(len(chunks), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        out.append(chunks[start:end])
+        start = end
+    return out
