@@ -132,7 +132,12 @@ class Engine:
         self._registry.reuse_listeners.append(self._check_reuse)
         self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
         self._runtime.offload = self._offload
-        self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3)
+        # ZeRO-1/2: the optimizer step may leave the replicas' refresh in flight (overlap_refresh:
+        # [Note: deferred refresh] in runtime/replicas.py); eager readers then wait for it
+        defers = config.zero_stage < 3 and ("overlap_refresh" in config.pass_list
+                                            or config.auto_passes)
+        self._fallback = EagerFallback(module, self._runtime, gather=config.zero_stage == 3,
+                                       settle=defers)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
                                   engine_fingerprint=self._fingerprint(), guard=self._rails)
         if "offload_optimizer" in config.pass_list:
@@ -164,7 +169,8 @@ class Engine:
         self._compiled = _compat.compile_module(module, WeakBackend(self._backend))
         self._warned_uncompiled = False
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
-        self._guard = ModelGuard(module, self._registry, config.zero_stage)
+        self._guard = ModelGuard(module, self._registry, config.zero_stage,
+                                 self._runtime.replicas if defers else None)
         self._compiled = self._guard.wrap(self._compiled)
         self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
         self._grad_check = GradCheck(self._trainable, self.device)   # [Note: overflow agreement]

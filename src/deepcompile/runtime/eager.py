@@ -13,10 +13,13 @@ The hooks do nothing while Dynamo traces (the compiled graphs gather for themsel
 eagerly, they run with Dynamo off ([Note: eager hooks run eagerly]).
 
 ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
-reads them directly and no forward hooks are installed; only the gradient hook is, so that a
-gradient eager autograd accumulates into a replica is reduced into its shard at once (ZeRO-1:
-kept local until the last micro-step, in the same accumulator the compiled graphs use:
-[Note: local gradient accumulation]) and no replicated `.grad` stays behind.
+reads them directly and nothing is gathered; the gradient hook reduces a gradient eager autograd
+accumulates into a replica into its shard at once (ZeRO-1: kept local until the last
+micro-step, in the same accumulator the compiled graphs use: [Note: local gradient
+accumulation]) and no replicated `.grad` stays behind. Where the replicas' refresh may be left
+in flight by the optimizer step (`settle`: [Note: deferred refresh] in runtime/replicas.py),
+every module also gets a forward pre-hook that, run eagerly, waits for it: eager code inside
+the compiled model (a module Dynamo does not capture) reads updated replicas.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class _SavedParamRef:
 
 
 class EagerFallback:
-    def __init__(self, module: nn.Module, runtime, gather: bool = True) -> None:
+    def __init__(self, module: nn.Module, runtime, gather: bool = True,
+                 settle: bool = False) -> None:
         self._runtime = runtime
         registry = runtime.registry
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
@@ -78,6 +82,10 @@ class EagerFallback:
             self._handles.append(mod.register_forward_pre_hook(_weak_hook(self._pre_hook, k)))
             self._handles.append(mod.register_forward_hook(_weak_hook(self._post_hook, k),
                                                            always_call=True))
+        if settle and runtime.replicas is not None and runtime.comm.world > 1:
+            self._settle = runtime.replicas.wait   # one hook per module: waits for them all
+            hook = _weak_hook(self._wait_hook, 0)
+            self._handles += [mod.register_forward_pre_hook(hook) for mod in module.modules()]
         self._grad_entries = [e for e in registry if e.param.requires_grad]
         for k, entry in enumerate(self._grad_entries):
             self._handles.append(entry.param.register_post_accumulate_grad_hook(
@@ -98,6 +106,9 @@ class EagerFallback:
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_eagerly, self._unpack_eagerly)
         ctx.__enter__()
         mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
+
+    def _wait_hook(self, _k: int, mod, args) -> None:
+        self._settle()
 
     def _post_hook(self, k: int, mod, args, output) -> None:
         stack = getattr(mod, "_deepcompile_saved_hooks", None)
