@@ -17,7 +17,11 @@ budget), so every launch of the same program chooses the same list:
 * `prefetch` (ZeRO-3, more than one rank, gathers in the graphs): the gathers that are left
   become asynchronous and fused;
 * `bucket_reduce` (more than one rank, reduce-scatters in the graphs): bucketed, asynchronous
-  gradient reductions.
+  gradient reductions;
+* `overlap_refresh` (ZeRO-1/2, more than one rank, trainable parameters): the all-gather of the
+  updated replicas leaves the optimizer step and runs under the next forward ([Note: deferred
+  refresh] in runtime/replicas.py); last, on the profile with the buckets, since it reads only
+  where the forward first reads each parameter.
 
 The step can grow while the chosen passes are planned (a longer sequence in a re-profile) or
 after (a new shape in steady state). So `offload_optimizer`, when left out, is asked again on
@@ -59,7 +63,7 @@ from ..runtime import ops
 TIME_MARGIN = 0.03     # a pass is slower when its median step is > 3% slower (and see verdict)
 
 # the built-in passes, in the order `choose` runs them
-ORDER = ("offload_optimizer", "selective_unshard", "prefetch", "bucket_reduce")
+ORDER = ("offload_optimizer", "selective_unshard", "prefetch", "bucket_reduce", "overlap_refresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +187,18 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
         add("bucket_reduce", False, "no gradient reductions in the graphs")
     else:
         add("bucket_reduce", True, f"{reduces} gradient reductions: bucketed and asynchronous")
+    # overlap_refresh
+    trainable = 0 if zero_stage == 3 or world == 1 else sum(
+        e.padded_numel * e.compute_dtype.itemsize for e in ctx.registry if e.shard.requires_grad)
+    if world == 1:
+        add("overlap_refresh", False, one)
+    elif zero_stage == 3:
+        add("overlap_refresh", False, "ZeRO-3: no replicated parameters to refresh")
+    elif not trainable:
+        add("overlap_refresh", False, "no trainable parameters")
+    else:
+        add("overlap_refresh", True, f"ZeRO-{zero_stage}: the replicas' refresh ({_mib(trainable)}"
+            " all-gathered after every optimizer step) overlaps the next forward")
     order = {name: i for i, name in enumerate(ORDER)}
     chosen.sort(key=lambda c: order.get(c.name, len(order)))
     return chosen, out

@@ -18,7 +18,8 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            machine, consecutive windows of steps differ by 30% and more). Each step's time is
            the slowest rank's (agreed with MAX). Steps of the side before a pass that kept
            parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
-           redone, outside the timed steps, before the other side runs again.
+           redone, outside the timed steps, before the other side runs again; steps of the side
+           before `overlap_refresh` refresh the replicas synchronously (`Replicas.suspend`).
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs). When the step drifts from what was
            planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
@@ -545,7 +546,12 @@ class Pipeline:
         self._ab = {"entry": entry, "faces": faces, "side": "after",
                     "samples": {"after": [], "before": []},
                     # the pass started keeping parameters: the side before it skips the refresh
-                    "suspend": bool(kept_now) and not snap.runtime["kept"]}
+                    "suspend": bool(kept_now) and not snap.runtime["kept"],
+                    # the pass left the replicas' refresh in flight: the side before it (whose
+                    # graphs do not wait for it) refreshes synchronously
+                    "sync_refresh": self.runtime.replicas is not None
+                    and self.runtime.replicas.groups is not None
+                    and snap.runtime.get("refresh") is None}
         self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
 
     def _set_side(self, side: str) -> None:
@@ -558,6 +564,11 @@ class Pipeline:
                 self.runtime.kept.suspend()
             else:
                 self.runtime.kept.resume()
+        if ab["sync_refresh"]:
+            if side == "before":
+                self.runtime.replicas.suspend()
+            else:
+                self.runtime.replicas.resume()
 
     def _finish_measure(self) -> None:
         ab = self._ab

@@ -79,7 +79,8 @@ def known_passes() -> tuple[str, ...]:
 
 
 def _register_builtin() -> None:
-    from . import bucket_reduce, offload_optimizer, prefetch, selective_unshard  # noqa: F401
+    from . import (bucket_reduce, offload_optimizer, overlap_refresh, prefetch,  # noqa: F401
+                   selective_unshard)
 
 
 _register_builtin()
