@@ -36,6 +36,7 @@ reduce-scatters before the last bucket already ran under the backward.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -76,6 +77,63 @@ def _name(ctx: PassContext, pid: int) -> str:
     return next((e.name for e in ctx.registry if e.pid == pid), f"pid {pid}")
 
 
+@dataclasses.dataclass
+class Member:
+    """A trainable replica the refresh gathers, as `plan_groups` sees it."""
+    name: str
+    pid: int
+    nbytes: int                # gathered bytes (the padded parameter, compute dtype)
+    dtype: str
+    chunk: int                 # the flat chunk whose step updates it
+    read_at: float | None      # forward compute before its first read (None: never read)
+    first_read: str | None = None   # where (for the report)
+
+
+def plan_groups(members: list[Member], cost, policy: str, forward_s: float,
+                max_bytes: int = MAX_GROUP_BYTES) -> list[dict[str, Any]]:
+    """The refresh's launches: consecutive members of one chunk, fused while `fuses` says so
+    (the compute between the group's first read and the newcomer's is what its own gather
+    could hide behind); pure (the planner at scale runs it too: planner/ours.py)."""
+    c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
+    host = launch_s(cost, "all_gather")
+    at = lambda m: m.read_at if m.read_at is not None else forward_s  # noqa: E731
+    groups: list[list[Member]] = []
+    for m in members:
+        last = groups[-1] if groups else None
+        if last is not None and last[0].chunk == m.chunk:
+            nxt = Collective(m.name, 0, m.nbytes, m.pid, m.dtype)
+            head = [Collective(x.name, 0, x.nbytes, x.pid, x.dtype) for x in last]
+            if fuses(c, head, nxt, max(0.0, at(m) - at(last[0])), max_bytes, host, policy):
+                last.append(m)
+                continue
+        groups.append([m])
+    out = []
+    for g in groups:
+        nbytes = sum(m.nbytes for m in g)
+        first = min((m for m in g if m.read_at is not None), key=lambda m: m.read_at,
+                    default=None)
+        out.append({"chunk": g[0].chunk, "params": [m.name for m in g], "bytes": nbytes,
+                    "predicted_s": c(nbytes), "read_at_s": first and first.read_at,
+                    "first_read": first and first.first_read})
+    return out
+
+
+def exposed(groups: list[dict[str, Any]], forward_s: float) -> float:
+    """Predicted wait in the next forward: the groups complete one after the other from the
+    end of the step (one queue), each is waited for at its first read (a group no graph reads:
+    after the forward), and a wait delays what comes after it."""
+    done, t = [], 0.0
+    for g in groups:
+        t += g["predicted_s"]
+        done.append(t)
+    stall = 0.0
+    for d, g in sorted(zip(done, groups), key=lambda x: x[1]["read_at_s"]
+                       if x[1]["read_at_s"] is not None else forward_s):
+        at = (g["read_at_s"] if g["read_at_s"] is not None else forward_s) + stall
+        stall += max(0.0, d - at)
+    return stall
+
+
 def plan(ctx: PassContext) -> dict[str, Any]:
     runtime = ctx.runtime
     replicas = getattr(runtime, "replicas", None)
@@ -112,27 +170,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         clock += t
     if not waits:
         return {"skipped": "no forward graph reads a trainable replica"}
-    cost, policy = ctx.cost, ctx.fusion
-    c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
-    host = launch_s(cost, "all_gather")
-    groups: list[dict[str, Any]] = []
-    for chunk in flat.chunks:
-        members: list[Collective] = []
-        for e in chunk.entries:
-            if not e.shard.requires_grad:
-                continue
-            nxt = Collective(e.name, 0, e.padded_numel * e.compute_dtype.itemsize, e.pid,
-                             str(e.compute_dtype))
-            if members:
-                t0 = read_at.get(members[0].pid, clock)
-                between = max(0.0, read_at.get(nxt.pid, clock) - t0)
-                if fuses(c, members, nxt, between, MAX_GROUP_BYTES, host, policy):
-                    members.append(nxt)
-                    continue
-                groups.append(_group(chunk, members, c, read_at, first_read))
-            members = [nxt]
-        if members:
-            groups.append(_group(chunk, members, c, read_at, first_read))
+    members = [Member(e.name, e.pid, e.padded_numel * e.compute_dtype.itemsize,
+                      str(e.compute_dtype), chunk.index, read_at.get(e.pid),
+                      first_read.get(e.pid))
+               for chunk in flat.chunks for e in chunk.entries if e.shard.requires_grad]
+    groups = plan_groups(members, ctx.cost, ctx.fusion, clock)
     # memory: the cast inputs of every group until the forward waits; gloo's own buffers of one
     # group (its inputs' copy and its output) at a time
     by_name = {e.name: e for e in ctx.registry}
@@ -147,45 +189,19 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         return {"skipped": f"the forward's peak {size(peak)} and the refresh's {size(extra)} in "
                            f"flight exceed the budget {size(budget)}: the refresh stays in the "
                            "step"}
-    exposed = _exposed(groups, clock)
+    wait = exposed(groups, clock)
     refresh = sum(g["predicted_s"] for g in groups)
-    segments = min(MAX_SEGMENTS, len(flat.chunks)) if policy == "overlap" else 1
+    segments = min(MAX_SEGMENTS, len(flat.chunks)) if ctx.fusion == "overlap" else 1
     decision = {"groups": groups, "waits": waits, "segments": segments,
-                "refresh_s": refresh, "exposed_s": exposed, "forward_s": clock,
+                "refresh_s": refresh, "exposed_s": wait, "forward_s": clock,
                 "extra_bytes": extra,
                 "budget_bytes": None if budget == float("inf") else budget}
     log.info("deepcompile overlap_refresh: the replicas' refresh, %d all-gathers (%s) after the "
              "optimizer step -> launched as their chunks step, waited for where the next "
              "forward first reads them: exposed %.2f -> %.2f ms predicted (forward %.2f ms)",
-             len(groups), size(sum(g["bytes"] for g in groups)), refresh * 1e3, exposed * 1e3,
+             len(groups), size(sum(g["bytes"] for g in groups)), refresh * 1e3, wait * 1e3,
              clock * 1e3)
     return decision
-
-
-def _group(chunk, members: list[Collective], c, read_at: dict[int, float],
-           first_read: dict[int, str]) -> dict[str, Any]:
-    nbytes = sum(m.nbytes for m in members)
-    reads = [(read_at[m.pid], first_read[m.pid]) for m in members if m.pid in read_at]
-    first = min(reads) if reads else None
-    return {"chunk": chunk.index, "params": [m.name for m in members], "bytes": nbytes,
-            "predicted_s": c(nbytes), "read_at_s": first[0] if first else None,
-            "first_read": first[1] if first else None}
-
-
-def _exposed(groups: list[dict[str, Any]], forward_s: float) -> float:
-    """Predicted wait in the next forward: the groups complete one after the other from the
-    end of the step (one queue), each is waited for at its first read (a group no graph reads:
-    after the forward), and a wait delays what comes after it."""
-    done, t = [], 0.0
-    for g in groups:
-        t += g["predicted_s"]
-        done.append(t)
-    stall = 0.0
-    for d, g in sorted(zip(done, groups), key=lambda x: x[1]["read_at_s"]
-                       if x[1]["read_at_s"] is not None else forward_s):
-        at = (g["read_at_s"] if g["read_at_s"] is not None else forward_s) + stall
-        stall += max(0.0, d - at)
-    return stall
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
