@@ -18,8 +18,8 @@ accumulates into a replica into its shard at once (ZeRO-1: kept local until the 
 micro-step, in the same accumulator the compiled graphs use: [Note: local gradient
 accumulation]) and no replicated `.grad` stays behind. Where the replicas' refresh may be left
 in flight by the optimizer step (`settle`: [Note: deferred refresh] in runtime/replicas.py),
-every module also gets a forward pre-hook that, run eagerly, waits for it: eager code inside
-the compiled model (a module Dynamo does not capture) reads updated replicas.
+every module below the root also gets a forward pre-hook that, run eagerly, waits for it: eager
+code inside the compiled model (a module Dynamo does not capture) reads updated replicas.
 """
 
 from __future__ import annotations
@@ -83,9 +83,13 @@ class EagerFallback:
             self._handles.append(mod.register_forward_hook(_weak_hook(self._post_hook, k),
                                                            always_call=True))
         if settle and runtime.replicas is not None and runtime.comm.world > 1:
-            self._settle = runtime.replicas.wait   # one hook per module: waits for them all
+            # one hook per module below the root, which waits for them all; not on the root,
+            # whose call runs eagerly around the compiled forward, which waits by itself (a
+            # direct `model(...)` waits at its first read of a PendingParameter: guard.py)
+            self._settle = runtime.replicas.wait
             hook = _weak_hook(self._wait_hook, 0)
-            self._handles += [mod.register_forward_pre_hook(hook) for mod in module.modules()]
+            self._handles += [mod.register_forward_pre_hook(hook) for mod in module.modules()
+                              if mod is not module]
         self._grad_entries = [e for e in registry if e.param.requires_grad]
         for k, entry in enumerate(self._grad_entries):
             self._handles.append(entry.param.register_post_accumulate_grad_hook(
