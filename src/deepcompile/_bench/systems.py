@@ -58,6 +58,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     # at stages 1/2)
     System("ours-z1", "ours", "deepcompile ZeRO-1 (optimizer state sharded) + bucket_reduce "
            "(its default)", stage=1, passes=("bucket_reduce",)),
+    System("ours-z1+overlap", "ours", "deepcompile ZeRO-1 + bucket_reduce + overlap_refresh "
+           "(the updated parameters' all-gather under the next forward)", stage=1,
+           passes=("bucket_reduce", "overlap_refresh")),
     System("fsdp2", "fsdp2", "PyTorch FSDP2 (fully_shard per decoder layer, then root), eager"),
     System("fsdp2-compile", "fsdp2", "FSDP2 with each decoder layer torch.compile'd before "
            "sharding (the torchtitan recipe)", compile=True),
@@ -93,7 +96,8 @@ CPU_MATRIX: dict[str, tuple[str, ...]] = {
                         "ddp", "ds-z3", "ds-z1", "compile-1proc"),
     "small-llama": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
     "tiny-mixtral": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
-    "tiny-llama-b1": ("ours-z1", "ours-z1-auto", "ds-z1", "ddp"),
+    "tiny-llama-b1": ("ours-z1", "ours-z1+overlap", "ours-z1-auto", "ds-z1", "ddp",
+                      "ddp-compile"),
 }
 CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
 
