@@ -32,7 +32,9 @@ same shards, cast the same way, copied into the same storage.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -99,6 +101,10 @@ class Replicas:
         # called with True when replicas become pending, with False when they are waited for
         # (the model guard switches the parameters' class: guard.py)
         self.listeners: list[Callable[[bool], None]] = []
+        # the refresh of a training loop's last step is still pending when the script ends: it
+        # is waited for then (c10d warns at exit about work registered for `wait_tensor` and
+        # never waited for)
+        atexit.register(_wait_at_exit, weakref.ref(self))
 
     def _plan(self, frozen_too: bool) -> RegatherPlan:
         plan = self._plans.get(frozen_too)
@@ -206,3 +212,9 @@ class Replicas:
             return n
         self.wait()
         return self._plan(frozen_too).run()
+
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    replicas = ref()
+    if replicas is not None:
+        replicas.wait()
