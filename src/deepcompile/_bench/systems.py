@@ -37,6 +37,7 @@ class System:
     compile: bool = False  # peers: torch.compile (per block for FSDP2, engine.compile() for DS)
     deepcompile: bool = False  # DeepSpeed's own DeepCompile (CUDA only)
     single_process: bool = False  # one process, one rank's batch: the compute bound
+    config: tuple[tuple[str, Any], ...] = ()   # ours: more Config keys
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,6 +62,12 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("ours-z1+overlap", "ours", "deepcompile ZeRO-1 + bucket_reduce + overlap_refresh "
            "(the updated parameters' all-gather under the next forward)", stage=1,
            passes=("bucket_reduce", "overlap_refresh")),
+    # what the cross-rank checks cost (Config.divergence_check_every, on_nonfinite: one
+    # all-reduce each per optimizer step, which DDP does not make)
+    System("ours-z1+overlap-nochecks", "ours", "ours-z1+overlap without the divergence check "
+           "and the inf/NaN check (one small all-reduce each per step)", stage=1,
+           passes=("bucket_reduce", "overlap_refresh"),
+           config=(("divergence_check_every", 0), ("on_nonfinite", "off"))),
     System("fsdp2", "fsdp2", "PyTorch FSDP2 (fully_shard per decoder layer, then root), eager"),
     System("fsdp2-compile", "fsdp2", "FSDP2 with each decoder layer torch.compile'd before "
            "sharding (the torchtitan recipe)", compile=True),
@@ -133,7 +140,8 @@ def resolved_passes(system: System) -> tuple[str, ...] | str:
 def ours_config(system: System, *, compiler: str, gas: int, dtype: str) -> dict[str, Any]:
     """The Config (as a dict) of an "ours" system for a workload."""
     cfg: dict[str, Any] = {"zero_stage": system.stage, "passes": resolved_passes(system),
-                           "compiler": compiler, "gradient_accumulation_steps": gas}
+                           "compiler": compiler, "gradient_accumulation_steps": gas,
+                           **dict(system.config)}
     if dtype != "float32":
         cfg["param_dtype"] = dtype
     return cfg
