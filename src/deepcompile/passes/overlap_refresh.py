@@ -73,10 +73,6 @@ def _replica_reads(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def _name(ctx: PassContext, pid: int) -> str:
-    return next((e.name for e in ctx.registry if e.pid == pid), f"pid {pid}")
-
-
 @dataclasses.dataclass
 class Member:
     """A trainable replica the refresh gathers, as `plan_groups` sees it."""
@@ -149,12 +145,13 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     read_at: dict[int, float] = {}
     first_read: dict[int, str] = {}
     clock, peak = 0.0, 0
+    name = {e.pid: e.name for e in ctx.registry}
     for key in _forward_keys(ctx):
         slot, prof = ctx.slots[key], ctx.profiles.get(key)
         reads = _replica_reads(slot.gm)
         if not reads:
             continue
-        waits[key] = [[ph.name, _name(ctx, int(ph.meta["dc_replica"]))] for ph, _ in reads]
+        waits[key] = [[ph.name, name.get(int(ph.meta["dc_replica"]), "?")] for ph, _ in reads]
         before: dict[str, float] = {}
         t = 0.0
         for n in prof.nodes if prof is not None else ():
@@ -178,9 +175,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # memory: the cast inputs of every group until the forward waits; gloo's own buffers of one
     # group (its inputs' copy and its output) at a time
     by_name = {e.name: e for e in ctx.registry}
-    cast = sum(sum(by_name[p].shard.numel() for p in g["params"]) * by_name[g["params"][0]]
-               .compute_dtype.itemsize for g in groups
-               if any(by_name[p].shard.dtype != by_name[p].compute_dtype for p in g["params"]))
+    cast = 0
+    for g in groups:   # (a group casts all its members into one buffer, or none)
+        entries = [by_name[p] for p in g["params"]]
+        if any(e.shard.dtype != e.compute_dtype for e in entries):
+            cast += sum(e.shard.numel() for e in entries) * entries[0].compute_dtype.itemsize
     gloo = max((g["bytes"] + g["bytes"] // ctx.world_size for g in groups), default=0) \
         if getattr(getattr(runtime, "comm", None), "backend", "") == "gloo" else 0
     extra = cast + gloo
@@ -206,6 +205,8 @@ def plan(ctx: PassContext) -> dict[str, Any]:
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     if not decisions.get("groups"):
+        if getattr(ctx.runtime, "replicas", None) is not None:
+            ctx.runtime.replicas.defer(None)   # (a re-plan that no longer defers)
         return []
     changed = []
     for key, reads in sorted(decisions["waits"].items()):

@@ -181,7 +181,7 @@ class Replicas:
             return
         pending, self._pending = self._pending, []
         with record_function("deepcompile.refresh_replicas_wait"):
-            for _work, outputs, _inputs, _cast in pending:   # pops the registered work of each output
+            for _work, outputs, _inputs, _cast in pending:   # pops each output's work
                 deque(map(_WAIT, outputs), maxlen=0)
         for fn in self.listeners:
             fn(False)
