@@ -71,7 +71,7 @@ class Lowered:
     runtime: Any
     # called before each run (ZeRO-1/2): waits for the replicas' refresh, in a graph that does
     # not wait for them itself (`replica_wait`: [Note: deferred refresh] in
-    # runtime/replicas.py); None where it does, and at ZeRO-3
+    # runtime/replicas.py); None where it does, at ZeRO-3 and at world size 1
     settle: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
@@ -557,7 +557,8 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True) -> Lowered:
     parked_ids = {id(p[0]) for p in lw.parked}
     transient = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in parked_ids)
     replicas = getattr(runtime, "replicas", None)
-    settle = replicas.wait if replicas is not None and not waits_for_replicas(gm) else None
+    settle = replicas.wait if replicas is not None and runtime.comm.world > 1 \
+        and not waits_for_replicas(gm) else None
     return Lowered(gm=lowered_gm, n_in=n_in, n_out=n_out, extra_inputs=extra_inputs,
                    uncounted=uncounted, transient=transient, park_keys=lw.park_keys,
                    counts=tuple((k, n, b) for k, (n, b) in sorted(lw.counts.items())),
