@@ -84,12 +84,13 @@ def _lazy_refresh():
 
     real_launch, real_register = Comm.all_gather_coalesced_async, _compat.register_work
 
-    def launch(self, outputs, inputs):
-        self._count("all_gather", sum(o.numel() * o.element_size() for o in outputs))
+    def launch(self, outputs, inputs, nbytes):
+        self._count("all_gather", nbytes)
         return _LazyGroup(self, outputs, inputs)
 
-    def register(tensor, group):
-        real_register(tensor, group.works[tensor.untyped_storage().data_ptr()])
+    def register(tensors, group):
+        for t in tensors:
+            real_register([t], group.works[t.untyped_storage().data_ptr()])
 
     Comm.all_gather_coalesced_async, _compat.register_work = launch, register
     try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,10 +104,20 @@ def all_gather_into_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Te
         outputs, inputs)
 
 
-def register_work(tensor: torch.Tensor, work) -> None:
-    """Make `wait_tensor` of (any tensor on the storage of) `tensor` wait for `work`: what
-    functional collectives do for their outputs. Private in 2.11-2.15 (`_register_work`)."""
-    torch._C._distributed_c10d._register_work(tensor, work)
+def register_work(tensors: Sequence[torch.Tensor], work) -> None:
+    """Make `wait_tensor` of (any tensor on the storage of) each of `tensors` wait for `work`:
+    what functional collectives do for their outputs (one C call each, no Python frame).
+    Private in 2.11-2.15 (`_register_work`)."""
+    deque(map(torch._C._distributed_c10d._register_work, tensors, itertools.repeat(work)),
+          maxlen=0)
+
+
+def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """`wait_tensor` of each of `tensors` (each pops and waits for the work registered on its
+    storage, if any), in C: the op's C++ entry point is private in 2.11-2.15 (`OpOverload._op`;
+    calling the overload itself runs a Python frame per tensor)."""
+    op = funcol_ops()[2]
+    deque(map(getattr(op, "_op", op), tensors), maxlen=0)
 
 
 def below_autograd():

@@ -33,9 +33,7 @@ same shards, cast the same way, copied into the same storage.
 from __future__ import annotations
 
 import atexit
-import itertools
 import weakref
-from collections import deque
 from typing import Callable
 
 import torch
@@ -46,8 +44,6 @@ from .regather import RegatherPlan
 from .registry import ParamEntry, padded_view
 
 BUCKET_BYTES = 256 << 20
-
-_WAIT = _compat.funcol_ops()[2]
 
 
 def padded_flat(entry: ParamEntry) -> torch.Tensor:
@@ -72,16 +68,17 @@ class _Group:
         self.comm = entries[0].comm
         self.nbytes = sum(self.sizes) * self.comm.world * self.dtype.itemsize
 
+    @torch.no_grad()
     def launch(self) -> tuple[object, list[torch.Tensor]]:
         """(work, the inputs it reads): the inputs are the shards, or their cast into one
-        buffer of the compute dtype (three calls, none per parameter)."""
-        inputs = [s.detach() for s in self.shards] if not self.cast else \
-            list(torch.empty(sum(self.sizes), dtype=self.dtype,
-                             device=self.shards[0].device).split(self.sizes))
+        buffer of the compute dtype (a few calls, none per parameter)."""
+        inputs = self.shards
         if self.cast:
-            torch._foreach_copy_(inputs, [s.detach() for s in self.shards])
-        work = self.comm.all_gather_coalesced_async(self.outputs, inputs)
-        deque(map(_compat.register_work, self.outputs, itertools.repeat(work)), maxlen=0)
+            inputs = list(torch.empty(sum(self.sizes), dtype=self.dtype,
+                                      device=self.shards[0].device).split(self.sizes))
+            torch._foreach_copy_(inputs, self.shards)
+        work = self.comm.all_gather_coalesced_async(self.outputs, inputs, self.nbytes)
+        _compat.register_work(self.outputs, work)
         return work, inputs
 
 
@@ -182,7 +179,7 @@ class Replicas:
         pending, self._pending = self._pending, []
         with record_function("deepcompile.refresh_replicas_wait"):
             for _work, outputs, _inputs, _cast in pending:   # pops each output's work
-                deque(map(_WAIT, outputs), maxlen=0)
+                _compat.wait_tensors(outputs)
         for fn in self.listeners:
             fn(False)
 
