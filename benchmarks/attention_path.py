@@ -106,7 +106,7 @@ def _attention_ops(fn, cuda: bool) -> dict[str, dict]:
 def measure(workload: str, device: str, backend: str) -> dict:
     import torch
 
-    from deepcompile._bench import workloads as W
+    from deepcompile.tools import workloads as W
 
     w = W.get(workload)
     cuda = torch.device(device).type == "cuda"

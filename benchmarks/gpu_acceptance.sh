@@ -102,7 +102,7 @@ one() {
       local gpu=h100
       if [[ $dry != 1 ]] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200
       then gpu=h200; fi
-      run 570 "$log" $py benchmarks/plan_validate.py --device cuda --gpu $gpu \
+      run 570 "$log" $py benchmarks/validation/plan_validate.py --device cuda --gpu $gpu \
         --workloads llama-1b --worlds 1 --systems ours-z3 fsdp2 ds-z3 --launches 2 \
         --out "$out" ;;
     profile)

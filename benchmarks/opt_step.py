@@ -43,7 +43,7 @@ def _shapes(workload: str) -> list[tuple]:
     """The workload's parameter shapes (the model built on the meta device)."""
     import torch
 
-    from deepcompile._bench import workloads
+    from deepcompile.tools import workloads
 
     with torch.device("meta"):
         model = workloads.build_model(workloads.get(workload), "meta")
@@ -57,7 +57,7 @@ class _Way:
     def __init__(self, way: str, shapes: list[tuple], device, seed: int) -> None:
         import torch
 
-        from deepcompile._bench.workloads import ADAMW
+        from deepcompile.tools.workloads import ADAMW
 
         self.name = way
         g = torch.Generator(device=device).manual_seed(seed)

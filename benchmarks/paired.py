@@ -33,109 +33,69 @@ import datetime
 import json
 import os
 import platform
-import queue as queue_mod
 import random
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 
 DRAWS = 10_000
 
 
-def _rank(rank: int, world: int, args: dict, results) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def _rank(rank: int, world: int, args: dict) -> dict:
+    import torch
+    import torch.distributed as dist
 
-        from deepcompile._bench import systems, trainers, workloads
+    from deepcompile.tools import workloads
+    from deepcompile.tools.bench import systems, trainers
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=900))
-        w = workloads.get(args["workload"])
-        device = torch.device("cpu")
-        out: dict[str, dict] = {}
-        built = []
-        for name in args["build_order"]:
-            system = systems.get(name.split("#")[0])
-            t = trainers.build(system, w, device, world, args["compiler"], None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    w = workloads.get(args["workload"])
+    device = torch.device("cpu")
+    out: dict[str, dict] = {}
+    built = []
+    for name in args["build_order"]:
+        system = systems.get(name.split("#")[0])
+        t = trainers.build(system, w, device, world, args["compiler"], None)
 
-            def one_step(t=t, micro=[0]):   # each system its own batch counter: the same data
-                start = time.perf_counter()
-                for m in range(w.gas):
-                    ids = workloads.local_batch(w, micro[0] % 64, rank, world).to(device)
-                    micro[0] += 1
-                    t.micro(ids, last=m == w.gas - 1)
-                t.step()
-                return time.perf_counter() - start
+        def one_step(t=t, micro=[0]):   # each system its own batch counter: the same data
+            start = time.perf_counter()
+            for m in range(w.gas):
+                ids = workloads.local_batch(w, micro[0] % 64, rank, world).to(device)
+                micro[0] += 1
+                t.micro(ids, last=m == w.gas - 1)
+            t.step()
+            return time.perf_counter() - start
 
-            warm = 0
-            while True:
-                one_step()
-                warm += 1
-                if warm >= args["warmup"] and t.steady():
-                    break
-                if warm >= args["warmup"] + 80:
-                    raise RuntimeError(f"{name} not steady after {warm} steps")
-            out[name] = {"warmup_steps": warm, "step_s": [],
-                         "plan": (t.info().get("plan") or {}).get("passes")}
-            if rank == 0 and system.kind == "ours":   # what the passes decided, and why
-                out[name]["report"] = str(t.engine.report())
-            built.append((name, one_step))
-        n = len(built)
-        for r in range(args["rounds"]):
-            for k in range(n):
-                name, one_step = built[(r + k) % n]
-                out[name]["step_s"].append(one_step())
-        dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001
-        results.put((rank, "error", traceback.format_exc()))
+        warm = 0
+        while True:
+            one_step()
+            warm += 1
+            if warm >= args["warmup"] and t.steady():
+                break
+            if warm >= args["warmup"] + 80:
+                raise RuntimeError(f"{name} not steady after {warm} steps")
+        out[name] = {"warmup_steps": warm, "step_s": [],
+                     "plan": (t.info().get("plan") or {}).get("passes")}
+        if rank == 0 and system.kind == "ours":   # what the passes decided, and why
+            out[name]["report"] = str(t.engine.report())
+        built.append((name, one_step))
+    n = len(built)
+    for r in range(args["rounds"]):
+        for k in range(n):
+            name, one_step = built[(r + k) % n]
+            out[name]["step_s"].append(one_step())
+    dist.destroy_process_group()
+    return out
 
 
 def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
-    import multiprocessing as mp
+    from deepcompile.tools import spawn
 
-    from deepcompile import _demo
-    from deepcompile._bench.worker import child_env
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _demo._free_port()
-    saved = dict(os.environ)
-    procs = []
-    try:
-        for r in range(world):
-            os.environ.update(child_env(r, world, port, "cpu"),
-                              TORCHINDUCTOR_CACHE_DIR=args["inductor_cache"])
-            p = ctx.Process(target=_rank, args=(r, world, args, results), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    got = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < world:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"launch timed out after {timeout_s:.0f} s")
-            try:
-                rank, status, data = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                if any(not p.is_alive() for r, p in enumerate(procs) if r not in got):
-                    raise RuntimeError("a rank exited without a result") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{data}")
-            got[rank] = data
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-        _demo._terminate(procs)
-    return [got[r] for r in range(world)]
+    return spawn.launch(_rank, world, args, timeout_s=timeout_s, cpu=True,
+                        env={"TORCHINDUCTOR_CACHE_DIR": args["inductor_cache"]})
 
 
 def _per_round(ranks: list[dict], name: str) -> list[float]:
@@ -225,7 +185,7 @@ def main() -> None:
         ap.error("--workload is required (unless --pool)")
     import torch
 
-    from deepcompile._bench import systems
+    from deepcompile.tools.bench import systems
 
     deepspeed = [n for n in a.systems if systems.get(n.split("#")[0]).kind == "deepspeed"]
     if deepspeed and len(a.systems) > 1:
@@ -250,7 +210,7 @@ def main() -> None:
     _print(s, f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
               f"(every system one optimizer step per round, order rotated)")
     if a.out:
-        from deepcompile._bench.run import _git_commit
+        from deepcompile.tools.bench.run import _git_commit
 
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                 "command": " ".join(["python"] + sys.argv), "commit": _git_commit(),

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from deepcompile.planner import plan as P
-    from deepcompile.planner import report
+    from deepcompile.tools.plan import plan as P
+    from deepcompile.tools.plan import report
 
     date = datetime.date.today().isoformat()
     out = Path(args.out or Path(__file__).parent / "results" / f"{date}-planner")
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             for gas in args.gas:
                 pa = P.PlanArgs(model=model, nodes=4, gpus_per_node=8, gpu="h100", seq=1024,
                                 batch=1, gas=gas, ac=True, assume=dict(NETWORKS[net]))
-                plan = P.make_plan(pa, log=lambda *a: None)
+                plan = P.make_plan(pa)
                 res = {r["system"]: r for r in plan.rows()}
                 ours = {k: v for k, v in res.items() if k.startswith("ours")}
                 best = min(ours, key=lambda k: ours[k]["step_s"])

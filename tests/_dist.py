@@ -5,10 +5,11 @@
 `fn(rank, world_size, *args)` must be a picklable top-level function (it is imported by name
 in each child).  Each child is forked from a fork server started once per test session with
 torch, transformers and deepcompile already imported (`_context`), and:
-  * gets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK in its env,
-    OMP_NUM_THREADS=1, torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
+  * gets the tools' rank environment (deepcompile.tools.spawn.rank_env: MASTER_ADDR /
+    MASTER_PORT (a free port) / RANK / WORLD_SIZE / LOCAL_RANK, OMP_NUM_THREADS=1, ...),
+    torch.set_num_threads(1) and a private TORCHINDUCTOR_CACHE_DIR under
     <repo>/build/inductor-cache;
-  * runs SCHED_BATCH (deepcompile._bench.cpu_sched, as the bench's ranks: gloo's device
+  * runs SCHED_BATCH (deepcompile.tools.cpu_sched, as the bench's ranks: gloo's device
     thread otherwise spins for a scheduler tick in some collectives on a machine with no core
     to spare), calls dist.init_process_group("gloo") itself, runs fn, and destroys the group;
   * sends its result back as bytes written by torch.save (CPU tensors, floats, dicts, ...).
@@ -28,11 +29,12 @@ import signal
 import tempfile
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+
+from deepcompile.tools import cpu_sched, spawn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INDUCTOR_CACHE = REPO_ROOT / "build" / "inductor-cache"
@@ -46,21 +48,9 @@ class DistributedTestError(AssertionError):
     """A rank raised, died, or the job ran past its timeout."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# what every rank's process has in its environment before it imports torch
-_COMMON_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
-    # Inductor compiles in-process: no worker pool competing for the 2 cores
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+# what every rank's process has in its environment before it imports torch (the tools' CPU
+# ranks', with the suite's Inductor cache)
+_COMMON_ENV = {**spawn.base_env(cpu=True), "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
 # imported once by the fork server, so that a rank starts without importing them: torch, Dynamo,
 # AOTAutograd, Inductor, transformers' models, deepcompile, the test helpers (~3.7 s of CPU per
 # rank on the 2-core VM, and ~1.4 s more, under cProfile, first imported when a graph compiles)
@@ -73,15 +63,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot
 
 
 def child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        **_COMMON_ENV,
-    }
+    return {**spawn.rank_env(rank, world_size, port, cpu=True), **_COMMON_ENV}
 
 
 _CTX = None
@@ -126,8 +108,6 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, pg_t
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        from deepcompile._bench import cpu_sched
-
         cpu_sched.apply()  # before gloo starts its threads: [Note: gloo's spinning loop]
         dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout_s))
         try:
@@ -165,22 +145,24 @@ def _died(rank: int, code: int | None, fault_log: str) -> str:
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
-                    failures_ok: bool = False, grace: float = _GRACE_S):
+                    failures_ok: bool = False, grace: float = _GRACE_S,
+                    pg_timeout: float | None = None):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return the list of results.
 
     `failures_ok` (fault-injection tests): a rank that raised or died does not fail the job;
     its entry in the returned list is a `DistributedTestError` describing it. `grace`: how long
-    the other ranks may take to report once one rank failed."""
+    the other ranks may take to report once one rank failed. `pg_timeout`: the `timeout` the
+    ranks give `init_process_group` (default: `timeout`)."""
     import torch
 
     INDUCTOR_CACHE.mkdir(parents=True, exist_ok=True)
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    port = spawn.free_port()
     logs = tempfile.mkdtemp(prefix="dist-", dir=INDUCTOR_CACHE.parent)
     fault_logs = [os.path.join(logs, f"rank{r}-faults.txt") for r in range(world_size)]
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, timeout,
-                                              fault_logs[r]),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results,
+                                              pg_timeout or timeout, fault_logs[r]),
                          name=f"rank{r}", daemon=True)
              for r in range(world_size)]
     for p in procs:

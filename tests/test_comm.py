@@ -1,6 +1,6 @@
 """The engine's collectives on gloo: one worker thread, so functional all-gathers never run two
 at a time (two at once corrupt gloo's heap; see _compat.serial_gloo_group and
-benchmarks/gloo_inflight.py, which reproduces the crash on a default gloo group)."""
+benchmarks/validation/gloo_inflight.py, which reproduces the crash on a default gloo group)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _threads_and_stress(rank: int, world: int, rounds: int, inflight: int):
 
 def test_engine_gloo_group_runs_collectives_one_at_a_time():
     # 16 functional all-gathers in flight, 400 rounds: on a default (two-thread) gloo group this
-    # killed a rank in 3 of 10 launches (benchmarks/gloo_inflight.py)
+    # killed a rank in 3 of 10 launches (benchmarks/validation/gloo_inflight.py)
     out = run_distributed(_threads_and_stress, 2, 400, 16, timeout=300)
     assert [o["rank"] for o in out] == [0, 1]
     assert all(o["engine"] == 1 and o["default"] == 2 for o in out), out

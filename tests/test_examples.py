@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from deepcompile.tools.spawn import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(script: str, *args: str, timeout: float = 600) -> str:
@@ -27,7 +22,7 @@ def _torchrun(script: str, *args: str, timeout: float = 600) -> str:
                TORCHINDUCTOR_CACHE_DIR=str(ROOT / "build" / "inductor-cache"),
                TORCHINDUCTOR_COMPILE_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "examples" / script), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
@@ -82,11 +77,14 @@ def test_train_llama_logs_metrics_and_draws(tmp_path):
                     "--seq-len", "32", "--tensorboard", str(tmp_path / "tb"),
                     "--plot-dir", str(tmp_path / "plots"))
     assert "done at step 26" in out and "passes chosen (auto)" in out
+    # where deepcompile's setup is, and when it is done (docs/guide/setup.md)
+    assert "setup: step 1: warmup" in out and "setup: step 3: profile" in out, out
+    assert re.search(r"^setup done \(\d+ steps\): steady state from step \d+$", out, re.M), out
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("step_s", "tokens_per_s", "flops_per_s", "exposed_comm_s", "peak_memory_bytes",
-                "collectives_per_step"):
+                "collectives_per_step", "grad_norm"):
         assert f"deepcompile/{key}" in tags, tags
     assert len(acc.Scalars("deepcompile/step_s")) == 26
     assert "deepcompile/exposed_comm_s_measured" in tags   # the traced steady step

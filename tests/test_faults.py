@@ -13,6 +13,7 @@ from the start of the faulty step.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import time
@@ -200,6 +201,7 @@ def nan_skip(rank, group, out):
         if step == 3:
             before = engine.full_state_dict()
         out.setdefault("stepped", []).append(_step(engine, step, rank, nan=step == 3 and rank == 1))
+        out.setdefault("norms", []).append(engine.metrics()["grad_norm"])
         if step == 3:
             after = engine.full_state_dict()
             out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
@@ -221,6 +223,7 @@ def nan_raise(rank, group, out):
                 _step(engine, step, rank, nan=rank == 1)
             except NonFiniteError as e:
                 out["error"] = str(e)
+            out["norm"] = float(engine.grad_norm())
             out["unchanged"] = all(torch.equal(before[k], v)
                                    for k, v in engine.full_state_dict().items())
         elif step == 4:   # the loop's misuses, on every rank: refused, and the engine goes on
@@ -391,12 +394,17 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(alive):
         assert "type" not in r, r
         assert r["stepped"] == [True] * 6 and r["skipped"] == 1
         assert r["unchanged"] and r["moved_after"] and r["phase"] == "steady"
+        # the step's gradient norm: NaN where a gradient was, on every rank; finite elsewhere
+        norms = r["norms"]
+        assert math.isnan(norms[3]) and all(math.isfinite(n) and n > 0 for n in norms[:3] + norms[4:])
+    assert alive["nan_skip"][0]["norms"][:3] == alive["nan_skip"][1]["norms"][:3]
 
 
 def test_nonfinite_raise_raises_on_every_rank(alive):
     for r in alive["nan_raise"]:
         assert "type" not in r, r
         assert "inf/NaN at optimizer step 3 (loss on rank(s) [1], gradients on rank(s)" in r["error"]
+        assert math.isnan(r["norm"])
         assert r["unchanged"] and r["steps"] == 6
         assert len(r["usage"]) == 2 and r["stepped_after_misuse"]
         assert "engine.step() without engine.backward()" in r["usage"][0]
@@ -478,3 +486,54 @@ def _kill_job_rank0(rank, world):
         out["type"], out["message"] = type(e).__name__, str(e)
     out["elapsed"] = time.monotonic() - out.get("t0", time.monotonic())
     return out
+
+
+# ------------------------------------------------- a timeout the user gave the process group
+USER_TIMEOUT = 3.0   # init_process_group(timeout=...) in this job; Config's left at its defaults
+
+
+def _user_timeout_job(rank, world):
+    """Rank 1 stops calling collectives in the steady state: rank 0 stops within the user's
+    timeout (the job's own timeout, 120 s, is far below Config's 600 s)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from deepcompile import Config, _compat
+    from deepcompile.engine import Engine
+
+    def engine(group=None):
+        return Engine(Faulty(), functools.partial(torch.optim.SGD, lr=0.05),
+                      Config(compiler="fx", warmup_steps=1, passes=(), measure_steps=0), group)
+
+    out: dict = {"default_group": engine(dist.new_group())._rails.timeout_s}  # torch's default
+    e = engine()
+    out["startup"] = e._rails.timeout_s
+    step = 0
+    while not e._rails.steady and step < 8:
+        _step(e, step, rank)
+        step += 1
+    out["steady"] = e._rails.timeout_s if e._rails.steady else None
+    store = _compat.default_store()
+    if rank == 1:   # no more collectives until rank 0 has given up
+        store.wait(["user-timeout/done"], timedelta(seconds=100))
+        return out
+    try:
+        _step(e, step, rank)
+    except Exception as exc:  # noqa: BLE001
+        out["type"], out["message"] = type(exc).__name__, str(exc)
+    finally:
+        store.set("user-timeout/done", "1")
+    return out
+
+
+def test_a_shorter_timeout_the_user_gave_the_process_group_is_kept():
+    """[Note: the user's timeout] in runtime/guardrails.py."""
+    r0, r1 = run_distributed(_user_timeout_job, 2, timeout=120, pg_timeout=USER_TIMEOUT)
+    print(f"\n--- rank 1 stopped calling collectives; rank 0:\n{r0.get('message')}")
+    for r in (r0, r1):
+        # Config's 1800 s and 600 s; torch's default timeout is no timeout the user gave
+        assert r["default_group"] == 1800.0
+        assert r["startup"] == r["steady"] == USER_TIMEOUT
+    assert r0["type"] == "DistributedError"
+    assert "rank 1: nothing reported within 3 s" in r0["message"]
+    assert f"A rank waits at most {USER_TIMEOUT:g} s for the others" in r0["message"]

@@ -113,7 +113,7 @@ def test_pyproject_requires_torch_without_upper_pin():
     assert len(torch_reqs) == 1
     spec = torch_reqs[0].replace(" ", "")
     assert spec == "torch>=2.11", spec
-    assert project["scripts"]["deepcompile"] == "deepcompile.cli:main"
+    assert project["scripts"]["deepcompile"] == "deepcompile.tools.cli:main"
     extras = project["optional-dependencies"]
     assert any(r.startswith("transformers") for r in extras["demo"])
     assert any(r.startswith("pytest") for r in extras["test"])
@@ -142,7 +142,7 @@ def test_help_describes_the_stages_and_answers_without_importing_torch():
     compiler: the fastest of three runs stays well under a second."""
     import time
 
-    code = ("import sys; from deepcompile.cli import main\n"
+    code = ("import sys; from deepcompile.tools.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'deepcompile.engine') "
             "if m in sys.modules))")
@@ -195,7 +195,7 @@ def test_cli_rejects_bad_values():
 
 def test_demo_without_transformers_says_how_to_install():
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from deepcompile.cli import main\n"
+            "from deepcompile.tools.cli import main\n"
             "sys.exit(main(['demo', '--steps', '1']))")
     r = _run(sys.executable, "-c", code)
     assert r.returncode != 0
@@ -206,19 +206,19 @@ def test_demo_without_transformers_says_how_to_install():
 
 def test_demo_data_is_deterministic_and_sliced_by_rank():
     torch = pytest.importorskip("torch")
-    from deepcompile import _demo
+    from deepcompile.tools import workloads
 
-    windows = _demo.make_windows(32)
+    windows = workloads.text_windows(32)
     assert windows.dtype == torch.long and windows.shape[1] == 32
     assert int(windows.max()) < 256
-    b0 = _demo.global_batch(windows, 0, 8)
-    assert torch.equal(b0, _demo.global_batch(windows, 0, 8))
-    assert not torch.equal(b0, _demo.global_batch(windows, 1, 8))
-    slices = [_demo.rank_slice(b0, r, 4) for r in range(2)]
+    b0 = workloads.text_batch(windows, 0, 8)
+    assert torch.equal(b0, workloads.text_batch(windows, 0, 8))
+    assert not torch.equal(b0, workloads.text_batch(windows, 1, 8))
+    slices = [workloads.rank_slice(b0, r, 4) for r in range(2)]
     assert torch.equal(torch.cat(slices), b0)
     # wraps around the end of the text
     n = windows.shape[0]
-    assert torch.equal(_demo.global_batch(windows, n, 1)[0], windows[0])
+    assert torch.equal(workloads.text_batch(windows, n, 1)[0], windows[0])
 
 
 # ---- optional dependencies ------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_integrations_without_their_extras_say_what_to_install():
         assert r.returncode != 0
         assert "pip install -c constraints.txt -e '.[hf]'" in r.stderr, r.stderr[-500:]
     code = ("import sys; sys.modules['safetensors'] = None; sys.modules['safetensors.torch'] = None\n"
-            "from deepcompile.cli import main\nsys.exit(main(['consolidate', 'nowhere', 'out']))")
+            "from deepcompile.tools.cli import main\nsys.exit(main(['consolidate', 'nowhere', 'out']))")
     r = _run(sys.executable, "-c", code)
     assert r.returncode == 1
     assert "safetensors" in r.stderr and "'.[hf]'" in r.stderr, r.stderr[-500:]

@@ -1,10 +1,10 @@
-"""`deepcompile plan` (cli.py, planner/plan.py, planner/report.py) end to end, in process."""
+"""`deepcompile plan` (tools/cli.py, tools/plan/plan.py, tools/plan/report.py) end to end, in
+process."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from deepcompile import cli  # noqa: E402
+from deepcompile.tools import cli  # noqa: E402
 
 TINY = ["plan", "--model", "tiny-llama", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "2",
         "--seq", "64", "--batch", "2"]
@@ -103,59 +103,56 @@ def test_a_model_that_cannot_fit_says_how_many_gpus_would(capsys):
 
 
 def test_help_imports_nothing_heavy():
-    code = ("import sys; from deepcompile import cli; p = cli.build_parser(); "
+    code = ("import sys; from deepcompile.tools import cli; p = cli.build_parser(); "
             "p.parse_args(['plan', '--model', 'x']); "
-            "print('deepcompile.planner.plan' in sys.modules, 'transformers' in sys.modules)")
+            "print('deepcompile.tools.plan.plan' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_planning_for_this_machine_at_two_ranks_measures_what_the_pieces_miss(capsys):
-    """--gpu cpu at 2 gloo ranks: the ranks run SCHED_BATCH as the bench's do ([Note: gloo's
-    spinning loop]), and what the composed pieces miss ([Note: what the pieces miss]) is
-    measured there too, on a copy of the one-layer model whose group is each rank alone (until
-    stop 37 it was 0 at more than one rank; here ~0.4 ms a micro-step: the prelude and the
-    per-parameter ops)."""
-    code, out, _ = _plan(capsys, ["plan", "--model", "tiny-llama", "--gpu", "cpu", "--nodes", "1",
-                                  "--gpus-per-node", "2", "--seq", "16", "--batch", "1",
-                                  "--repeats", "2", "--peers", "", "--passes", "", "--json"])
-    assert code == 0
-    host = json.loads(out)["assumed"]["host"]
-    assert host["world"] == 2
-    assert host["sched"] == ("batch" if hasattr(os, "SCHED_BATCH") else "normal")
-    assert host["missed_s"] > 0
-    # the sweep checked against the one-layer model's collectives in a step ([Note: the sweep
-    # checked in a step]): every parameter's gradient reduced, each gathered at least once
-    step = host["in_step"]
-    n_rs, n_ag = step["comm"]["reduce_scatter"][0], step["comm"]["all_gather"][0]
-    assert n_rs > 0 and n_rs <= n_ag <= 2 * n_rs, step
-    assert step["s"] > 0 and step["factor"] == pytest.approx(step["s"] / step["sweep_s"])
-    # and its asynchronous ones ([Note: the asynchronous collectives checked in a step]): with
-    # prefetch + bucket_reduce its few fused collectives take less than its 35 synchronous ones
-    a = step["async"]
-    assert step["overlap_runs_s"] < step["z3_runs_s"] and a["measured_s"] < 0, step
-    assert 1 / 64 <= a["factor"] <= 64 and a["range_s"][0] < a["range_s"][1]
+def test_planning_for_gloo_ranks_needs_a_host_profile_and_says_how_to_measure_one(capsys):
+    argv = ["plan", "--model", "tiny-llama", "--gpu", "cpu", "--gpus-per-node", "2", "--seq", "16",
+            "--batch", "1", "--json"]
+    code, out, err = _plan(capsys, argv)
+    assert code == 2 and not out
+    assert ("python benchmarks/validation/host_profile.py --model tiny-llama --world 2 "
+            "--batch 1 --seq 16 --out host.json") in err and "--host-profile" in err
 
 
-def test_planning_for_this_machine_measures_it(capsys):
-    """--gpu cpu: the pieces, the runtime's ops, the optimizer and the framework's overhead
-    timed at that many gloo ranks (one here: a spawned process), then the same schedules."""
-    code, out, _ = _plan(capsys, ["plan", "--model", "tiny-llama", "--gpu", "cpu", "--nodes", "1",
-                                  "--gpus-per-node", "1", "--seq", "16", "--batch", "1",
-                                  "--repeats", "2", "--peers", "", "--passes", "", "--json"])
+def test_planning_for_gloo_ranks_reads_a_saved_host_profile(capsys, tmp_path):
+    """--gpu cpu --host-profile FILE plans from the profile's figures alone (nothing is
+    measured); a profile of another world size, or not a profile, is refused with the command
+    that measures the right one."""
+    import _host_profile
+
+    profile = _host_profile.synthetic("tiny-llama", 1, batch=1, seq=16)
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile.to_dict()))
+    argv = ["plan", "--model", "tiny-llama", "--gpu", "cpu", "--gpus-per-node", "1", "--seq", "16",
+            "--batch", "1", "--peers", "", "--passes", "", "--json", "--host-profile", str(path)]
+    code, out, _ = _plan(capsys, argv)
     assert code == 0
     d = json.loads(out)
     host = d["assumed"]["host"]
-    assert host["world"] == 1 and host["optimizer_s"] > 0 and host["overhead_s"] >= 0
-    assert set(host["graph_s"]) == {f"{p}.{ph}" for p in ("embed", "layer", "head")
-                                    for ph in ("fw", "bw")}
-    assert all(t > 0 for t in host["graph_s"].values())
-    assert host["plan_cost"]["coeffs"]["all_gather"]   # the runtime's calibration, for the passes
+    assert host["record"] == {"made_up": True} and host["copy_bw"] == 1e10
     (r,) = d["systems"]
+    # the step: both layers' graphs, the embedding's and the head's, the framework's time per
+    # micro-step and the optimizer, one after the other on one thread; at world size 1 nothing
+    # is communicated
     graphs = sum(host["graph_s"][f"{p}.{ph}"] * (2 if p == "layer" else 1)
                  for p in ("embed", "layer", "head") for ph in ("fw", "bw"))
-    # the step: both layers' graphs, the embedding's and the head's, and the optimizer, one
-    # after the other on one thread; at world size 1 the lowered graphs communicate nothing
-    # (a gather is the fp32 shard itself, a reduction the gradient)
-    assert r["step_s"] > graphs + host["optimizer_s"]
+    assert r["step_s"] == pytest.approx(graphs + 5e-4 + 1e-3, rel=0.05)
     assert r["collectives"] == {}
+    again = json.loads(_plan(capsys, argv)[1])
+    assert {k: v for k, v in again.items() if k != "machine"} == \
+        {k: v for k, v in d.items() if k != "machine"}   # the same figures: nothing measured
+    other = [a if a != "1" or argv[i - 1] != "--gpus-per-node" else "2"
+             for i, a in enumerate(argv)]
+    code, _, err = _plan(capsys, other)
+    assert code == 2 and "measured for tiny-llama at 1 rank(s)" in err
+    assert "host_profile.py --model tiny-llama --world 2 --batch 1 --seq 16" in err
+    code, _, err = _plan(capsys, TINY + ["--host-profile", str(path)])
+    assert code == 2 and "--host-profile times gloo ranks (--gpu cpu)" in err
+    path.write_text("{}")
+    code, _, err = _plan(capsys, argv)
+    assert code == 2 and "is not a host profile" in err

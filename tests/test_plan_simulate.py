@@ -1,10 +1,10 @@
-"""The planner's step simulator (planner/simulate.py) on synthetic event lists."""
+"""The planner's step simulator (tools/plan/simulate.py) on synthetic event lists."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepcompile.planner.simulate import Event, simulate
+from deepcompile.tools.plan.simulate import Event, simulate
 
 
 def C(name, dur, live=0, host=0.0, peak=None):

@@ -1,13 +1,13 @@
-"""The planner at ZeRO-1/2 (planner/ours.py, peers.py): `overlap_refresh`'s refresh in flight
+"""The planner at ZeRO-1/2 (tools/plan/ours.py, peers.py): `overlap_refresh`'s refresh in flight
 under the next forward, and the peers beside it, DDP and DeepSpeed ZeRO-1, on synthetic graphs."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepcompile.planner import ours, peers
-from deepcompile.planner.schedule import Setting
-from deepcompile.planner.simulate import simulate
+from deepcompile.tools.plan import ours, peers
+from deepcompile.tools.plan.schedule import Setting
+from deepcompile.tools.plan.simulate import simulate
 from test_plan_schedules import MS, NUMEL, setting, synthetic
 
 ON = ("bucket_reduce", "overlap_refresh")

@@ -1,7 +1,8 @@
 """deepcompile: train an unmodified PyTorch model data-parallel (ZeRO) by compiling it.
 
-Public API: `initialize`, `Config`, the `Engine` it returns, and `register_pass` (with the
-`PassContext` a pass receives) for user-defined optimization passes.
+Public API: `initialize`, `Config`, the `Engine` it returns, `verify` (a model of your own
+trained with the engine and with eager PyTorch, compared step by step), and `register_pass`
+(with the `PassContext` a pass receives) for user-defined optimization passes.
 
 Nothing heavy is imported with the package: torch and the compiler load on first use of one of
 these names (PEP 562), so that `deepcompile --help` answers at once.
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["initialize", "Config", "Engine", "register_pass", "PassContext"]
+__all__ = ["initialize", "Config", "Engine", "verify", "register_pass", "PassContext"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "initialize": "._api",
     "Config": ".config",
     "Engine": ".engine",
+    "verify": ".tools.verify",   # a tool, exported by name only: the library never imports it
     "register_pass": ".passes",
     "PassContext": ".passes",
 }

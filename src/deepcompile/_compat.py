@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
+import re
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -44,7 +46,7 @@ def group_name(group) -> str:
 # gloo's `allgather_into_tensor_coalesced` -- the path `_c10d_functional.all_gather_into_tensor`
 # takes -- then corrupts the heap: the rank dies with SIGSEGV or SIGABRT ("malloc(): unaligned
 # tcache chunk"). Seen on CI (stops 18 and 19); reproduced on torch 2.13 by
-# benchmarks/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
+# benchmarks/validation/gloo_inflight.py (2 ranks, 16 in flight, 300 rounds): a rank died in 3 of 10
 # launches on a default gloo group, in 0 of 10 on one worker thread
 # (benchmarks/results/2026-11-23-cpu2-gloo-inflight). `dist.all_gather_into_tensor`, which takes
 # `_allgather_base`, survived the same load in 5 of 5 ad-hoc launches.
@@ -134,6 +136,26 @@ def default_store():
     return dist.distributed_c10d._get_default_store()
 
 
+def pg_timeout(group) -> tuple[float, float] | None:
+    """(the timeout `group`'s collectives have now, torch's default timeout for its backend), in
+    seconds; None where neither a gloo nor an NCCL backend says. The backend's options hold it
+    (what `init_process_group(timeout=...)` or `new_group(timeout=...)` set); the default is
+    `_get_default_timeout` (30 min; NCCL: 10 min). Private in 2.11-2.15."""
+    c10d = dist.distributed_c10d
+    group = group if group is not None else c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        if torch.device(device) not in group._device_types:
+            continue
+        try:
+            options = group._get_backend(torch.device(device)).options
+            own = options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        default = c10d._get_default_timeout(dist.get_backend(group))
+        return own.total_seconds(), default.total_seconds()
+    return None
+
+
 def set_pg_timeout(group, seconds: float) -> None:
     """Set the timeout of `group`'s collectives (gloo: each operation's timeout; NCCL: the
     watchdog's). Private in 2.11-2.15 (`_set_pg_timeout`, what torchtitan uses to shorten the
@@ -155,6 +177,60 @@ def compile_module(module, backend):
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return torch.compile(module, backend=backend, isolate_recompiles=True)
     return torch.compile(module, backend=backend)
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason (each counted when a frame is
+    traced, not each time it runs). Private in 2.11-2.15 (`torch._dynamo.utils.counters`)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def recompile_limit_name(limit_type: str = "recompile_limit") -> str:
+    """Where the user raises Dynamo's limit `limit_type` ("recompile_limit", or
+    "accumulated_recompile_limit"; named `cache_size_limit` and `accumulated_cache_size_limit`
+    before torch 2.6, the old names kept as aliases since)."""
+    config = torch._dynamo.config
+    if not hasattr(config, limit_type):
+        limit_type = limit_type.replace("recompile_limit", "cache_size_limit")
+    return f"torch._dynamo.config.{limit_type} (now {getattr(config, limit_type, '?')})"
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Reads Dynamo's warning that a frame hit its recompile limit (passes every record on)."""
+
+    def __init__(self, callback: Callable[[str, str], None]) -> None:
+        super().__init__()
+        self.callback = callback
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = record.msg, record.args
+        if isinstance(msg, str) and msg.startswith("torch._dynamo hit config.") \
+                and isinstance(args, tuple) and len(args) >= 3:
+            self.callback(str(args[0]), str(args[2]))
+        return True
+
+
+def on_recompile_limit(callback: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call `callback(limit_type, function)` when Dynamo stops compiling a frame because it hit
+    a recompile limit (from then on, calls no graph of the frame's serves run eagerly). Dynamo
+    says so only in a warning on its `convert_frame` logger (2.11-2.15: "torch._dynamo hit
+    config.%s (%s)\n   function: %s ...", the function as "'name' (file:line)"): a filter on
+    that logger reads it and passes it on. Returns what removes the filter."""
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    filt = _RecompileLimitFilter(callback)
+    logger.addFilter(filt)
+    return functools.partial(logger.removeFilter, filt)
+
+
+def describe_frame(function: str) -> str:
+    """Dynamo's "'name' (file:line)" of a frame, in words: the code after a graph break is a
+    function Dynamo names `torch_dynamo_resume_in_<function>_at_<line>`."""
+    m = re.match(r"'torch_dynamo_resume_in_(\w+)_at_(\d+)' \((.*):\d+\)$", function)
+    if m is None:
+        return function
+    return f"the code of {m[1]}() after its graph break at line {m[2]} of {m[3]}"
 
 
 def never_a_dynamo_frame(code) -> None:
@@ -221,12 +297,29 @@ def extend_graph_inputs(gm: torch.fx.GraphModule, names: Sequence[str],
 
 
 def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
-                          partition_fn, decompositions=None):
+                          partition_fn, decompositions=None, eager_backward: bool = False):
+    """AOTAutograd; `eager_backward`: the backward graph is handed to `bw_compiler` with the
+    forward's, at compile time, instead of at the first backward."""
+    import torch._functorch.config as fconfig
     from torch._functorch.aot_autograd import aot_module_simplified as _aot
 
-    return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                inference_compiler=inference_compiler, partition_fn=partition_fn,
-                decompositions=decompositions)
+    # (where a torch lacks the setting, the backward comes at its first call, as by default)
+    eager = {"force_non_lazy_backward_lowering": True} if eager_backward and hasattr(
+        fconfig, "force_non_lazy_backward_lowering") else {}
+    with fconfig.patch(**eager):
+        return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                    inference_compiler=inference_compiler, partition_fn=partition_fn,
+                    decompositions=decompositions)
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes():
+    """The Python dispatch modes in force set aside (AOTAutograd's first call of a compiled
+    forward runs under one: [Note: first call] in compiler/pipeline.py)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def inductor_decompositions():

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from ._ckpt_format import (HF_CONFIG, HF_GENERATION, hf_config_dicts, persistent_buffers,
+                           resolve, validate)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3   # as transformers' save_pretrained ("5GB")
 WEIGHTS = "model.safetensors"
@@ -27,18 +29,6 @@ def require_safetensors():
         raise ImportError("deepcompile: writing safetensors needs the safetensors package: "
                           "pip install -c constraints.txt -e '.[hf]'") from None
     return st
-
-
-def hf_config_dicts(module: Any) -> tuple[dict | None, dict | None]:
-    """(config, generation config) of a Hugging Face model as plain dicts; (None, None) else."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return None, None
-    cfg = config.to_dict()
-    cfg["architectures"] = [type(module).__name__]
-    gen = getattr(module, "generation_config", None)
-    gen = gen.to_dict() if gen is not None and hasattr(gen, "to_dict") else None
-    return cfg, gen
 
 
 def write_hf_dir(out: str | os.PathLike, tensors: list[tuple[list[str], torch.Tensor]], *,
@@ -103,8 +93,6 @@ def save_pretrained(engine, directory: str | os.PathLike, *, dtype: torch.dtype 
                     max_shard_bytes: int | None = None) -> str:
     """`engine.save_pretrained`: gather on every rank, rank 0 writes, every rank returns (or
     raises the same error)."""
-    from .checkpoint import _persistent_buffers
-
     comm = engine._comm
     error = None
     try:
@@ -118,7 +106,7 @@ def save_pretrained(engine, directory: str | os.PathLike, *, dtype: torch.dtype 
     error = None
     if comm.rank == 0:
         tensors = [(list(e.names), full[e.name]) for e in engine._registry]
-        tensors += [([name], b) for name, b in _persistent_buffers(engine.module).items()]
+        tensors += [([name], b) for name, b in persistent_buffers(engine.module).items()]
         config, generation = hf_config_dicts(engine.module)
         try:
             write_hf_dir(directory, tensors, config=config, generation_config=generation,
@@ -139,7 +127,6 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     import torch.distributed.checkpoint as dcp
 
     from . import _dcp
-    from .checkpoint import HF_CONFIG, HF_GENERATION, resolve, validate
 
     require_safetensors()
     version = resolve(Path(checkpoint))

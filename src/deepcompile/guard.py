@@ -30,19 +30,28 @@ would read freed memory (a segfault, or garbage), and `model.state_dict()`,
 * `model(...)` called directly (evaluation, generation) runs eagerly: at ZeRO-1/2 on the
   replicas, at ZeRO-3 through the eager fallback's hooks, which gather each module's parameters
   for its forward (collective: every rank must make the same calls).
+* The module's parameters never hold gradients (the engine's shards do), so the habits of a
+  plain loop would silently do nothing: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1)`
+  returned 0 and clipped nothing. At every stage each parameter object is a `GuardedParameter`
+  between compiled calls (ZeRO-3: `ShardedParameter`, its subclass), whose `.grad` warns when
+  read (`clip_grad_norm_` reads nothing else), naming Config.max_grad_norm and
+  `engine.grad_norm()`; `model.zero_grad()` does nothing (`engine.step()` zeroes the
+  gradients).
 * At ZeRO-1/2 with the replicas' refresh left in flight after the optimizer step (`overlap_
   refresh`: [Note: deferred refresh] in runtime/replicas.py), the trainable parameters are
-  `PendingParameter`s from the step until the refresh is waited for: any op but metadata waits
-  for it first (every group, then the class is switched back), so eager code sees the
-  updated values; `state_dict` and `save_pretrained` wait first. Around the compiled call they
-  are plain parameters (Dynamo's guards see what they traced), and the refresh is waited for
-  before the call returns (the compiled graphs wait inside, where each replica is first read).
+  `PendingParameter`s (a `GuardedParameter` subclass) from the step until the refresh is waited
+  for: any op but metadata waits for it first (every group, then the class is switched back),
+  so eager code sees the updated values; `state_dict` and `save_pretrained` wait first. Around
+  the compiled call they are plain parameters (Dynamo's guards see what they traced), and the
+  refresh is waited for before the call returns (the compiled graphs wait inside, where each
+  replica is first read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import deque
 from itertools import repeat
 import weakref
@@ -91,11 +100,48 @@ def _op_name(func: Callable) -> str:
     return name
 
 
-class ShardedParameter(nn.Parameter):
-    """A ZeRO-3 module parameter between uses (see [Note: the guarded model]). Never
-    constructed: existing `nn.Parameter` objects are switched to this class in place."""
+_TENSOR_GRAD = torch.Tensor.grad   # the tensor's own `.grad` (a C descriptor)
+GRAD_READ = ("deepcompile: {name}.grad was read after deepcompile.initialize, but the model's "
+             "parameters hold no gradients (the engine's shards do): "
+             "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing and returns "
+             "0. Clip with deepcompile.Config(max_grad_norm=...); the step's gradient norm is "
+             "engine.grad_norm() (or engine.metrics()['grad_norm']).")
+
+
+class GuardedParameter(nn.Parameter):
+    """A module parameter after `initialize`, between compiled calls (see [Note: the guarded
+    model]): reading its `.grad`, which is always None, warns. Never constructed: existing
+    `nn.Parameter` objects are switched to this class in place."""
 
     _deepcompile_info: tuple[str, int]   # (name, world size)
+
+    @property
+    def grad(self):
+        grad = _TENSOR_GRAD.__get__(self)
+        if grad is None:
+            warnings.warn(GRAD_READ.format(name=self._deepcompile_info[0]), UserWarning,
+                          stacklevel=2)
+        return grad
+
+    @grad.setter
+    def grad(self, value):
+        _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        _TENSOR_GRAD.__delete__(self)
+
+    def __deepcopy__(self, memo):
+        """A copy is the user's own parameter: a plain one (ZeRO-3: reading the data raises)."""
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                          self.requires_grad)
+        return memo[id(self)]
+
+
+class ShardedParameter(GuardedParameter):
+    """A ZeRO-3 module parameter between uses (see [Note: the guarded model]). Never
+    constructed: existing `nn.Parameter` objects are switched to this class in place."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -122,7 +168,7 @@ class ShardedParameter(nn.Parameter):
         return super().__repr__(*args, **kwargs)
 
 
-class PendingParameter(nn.Parameter):
+class PendingParameter(GuardedParameter):
     """A ZeRO-1/2 module parameter whose refresh after the optimizer step is still in flight
     (see [Note: the guarded model]). Never constructed: switched to in place."""
 
@@ -135,7 +181,7 @@ class PendingParameter(nn.Parameter):
             pending = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(a, PendingParameter)), None)
             if pending is not None:
-                pending._deepcompile_wait()   # every parameter plain again
+                pending._deepcompile_wait()   # every one a GuardedParameter again
         with _compat.disable_torch_function_subclass():
             return func(*args, **kwargs)
 
@@ -165,18 +211,17 @@ class ModelGuard:
         self.params: list[nn.Parameter] = []
         # ZeRO-1/2: the replicas whose refresh may be left in flight (runtime/replicas.py)
         self.replicas = replicas if zero_stage < 3 and self.world > 1 else None
-        self._pending_class = False   # the parameters are PendingParameters now
+        self.pending: list[nn.Parameter] = []   # what becomes a PendingParameter meanwhile
         wait = _weak_call(self.replicas.wait) if self.replicas is not None else None
         for entry in registry:
             p = entry.param
-            if type(p) is not nn.Parameter:   # a foreign Parameter subclass keeps its class
-                continue
-            if zero_stage == 3:
+            if type(p) is nn.Parameter:   # a foreign Parameter subclass keeps its class
                 p._deepcompile_info = (" = ".join(entry.names), self.world)  # tied: all
                 self.params.append(p)
-            elif self.replicas is not None and p.requires_grad:
-                p._deepcompile_wait = wait
-                self.params.append(p)
+                if self.replicas is not None and p.requires_grad:
+                    p._deepcompile_wait = wait
+                    self.pending.append(p)
+        self._guarded = ShardedParameter if zero_stage == 3 else GuardedParameter
         if self.replicas is not None:
             self.replicas.listeners.append(_weak_call(self._replicas_pending))
         module.__class__ = _guarded_class(type(module))
@@ -184,23 +229,17 @@ class ModelGuard:
         self._guard()
 
     def _guard(self) -> None:
-        if self.zero_stage == 3:
-            _set_class(self.params, ShardedParameter)
-        elif self.replicas is not None and self.replicas.pending and not self._pending_class:
-            _set_class(self.params, PendingParameter)
-            self._pending_class = True
+        _set_class(self.params, self._guarded)
+        if self.replicas is not None and self.replicas.pending:
+            _set_class(self.pending, PendingParameter)
 
     def _unguard(self) -> None:
-        if self.zero_stage == 3:
-            _set_class(self.params, nn.Parameter)
-        elif self._pending_class:
-            _set_class(self.params, nn.Parameter)
-            self._pending_class = False
+        _set_class(self.params, nn.Parameter)
 
     def _replicas_pending(self, pending: bool) -> None:
         """The replicas' refresh became pending, or was waited for."""
         if self._depth == 0:
-            self._guard() if pending else self._unguard()
+            _set_class(self.pending, PendingParameter if pending else self._guarded)
 
     def settle(self) -> None:
         """Wait for the replicas' refresh, if one is in flight (ZeRO-1/2)."""
@@ -292,6 +331,9 @@ class _GuardedModule:
                 "values (nothing was written). Call engine.save_pretrained(dir) on every rank "
                 "instead (rank 0 writes the directory).")
         return super().save_pretrained(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to zero: the parameters hold no gradients (engine.step() zeroes the shards')."""
 
     def load_state_dict(self, *args: Any, **kwargs: Any):
         raise RuntimeError(

@@ -16,6 +16,9 @@ from .. import _compat
 
 class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        # the group the engine was given (None: the default group); `group` is where its
+        # collectives run (on gloo a serial copy of it)
+        self.user_group = group if group is not None else dist.group.WORLD
         self.backend = str(dist.get_backend(group))
         if self.backend == "gloo" and dist.get_world_size(group) > 1:
             # gloo runs two collectives at once on two threads, and two concurrent functional
