@@ -251,7 +251,7 @@ def _reads(rank, world, compiler, ckpt):
     out["pending_after_step"] = (pending, cls, rt.replicas.pending)
     out["op_on_a_parameter"] = torch.equal(model.lm_head.weight.detach().clone(),
                                            full["lm_head.weight"])
-    out["plain_after_read"] = (rt.replicas.pending, type(model.lm_head.weight).__name__)
+    out["guarded_after_read"] = (rt.replicas.pending, type(model.lm_head.weight).__name__)
 
     train_step()
     full = masters()
@@ -305,7 +305,7 @@ def test_every_reader_waits(compiler, tmp_path):
     for r in results:
         assert r["pending_after_step"] == (True, "PendingParameter", True)
         assert r["op_on_a_parameter"]
-        assert r["plain_after_read"] == (False, "Parameter")
+        assert r["guarded_after_read"] == (False, "GuardedParameter")
         assert r["state_dict"]
         assert r["eager_forward"] == (True, True) and r["eager_forward_value"]
         assert r["eval_through_engine"]
