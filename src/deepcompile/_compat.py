@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import re
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -89,6 +91,33 @@ def funcol_ops():
     c = torch.ops._c10d_functional
     return (c.all_gather_into_tensor.default, c.reduce_scatter_tensor.default,
             c.wait_tensor.default)
+
+
+def all_gather_into_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group):
+    """Launch one coalesced all-gather of `inputs[i]` into `outputs[i]` (each `world` times its
+    input, rank-major); returns the Work. gloo runs it as one collective of the concatenated
+    inputs and copies each output out on its own thread; NCCL as one group of all-gathers
+    straight into the outputs. The ProcessGroup method is private in 2.11-2.15
+    (`dist.all_gather_into_tensor` in `_coalescing_manager` reaches it, with a Python context
+    manager per launch)."""
+    return (group if group is not None else dist.group.WORLD).allgather_into_tensor_coalesced(
+        outputs, inputs)
+
+
+def register_work(tensors: Sequence[torch.Tensor], work) -> None:
+    """Make `wait_tensor` of (any tensor on the storage of) each of `tensors` wait for `work`:
+    what functional collectives do for their outputs (one C call each, no Python frame).
+    Private in 2.11-2.15 (`_register_work`)."""
+    deque(map(torch._C._distributed_c10d._register_work, tensors, itertools.repeat(work)),
+          maxlen=0)
+
+
+def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """`wait_tensor` of each of `tensors` (each pops and waits for the work registered on its
+    storage, if any), in C: the op's C++ entry point is private in 2.11-2.15 (`OpOverload._op`;
+    calling the overload itself runs a Python frame per tensor)."""
+    op = funcol_ops()[2]
+    deque(map(getattr(op, "_op", op), tensors), maxlen=0)
 
 
 def below_autograd():

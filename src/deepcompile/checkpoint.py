@@ -515,6 +515,7 @@ def load(engine, path: str | os.PathLike) -> Any:
 
     comm = engine._comm
     wait(engine)
+    engine._runtime.settle()   # nothing may still read the shards this load overwrites
     st = _state(engine)
     root = Path(path)
     found = None

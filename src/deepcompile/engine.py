@@ -164,8 +164,12 @@ class Engine:
         self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
         self._offload.host_step = config.host_step   # what offload_optimizer's plan reads
         self._runtime.offload = self._offload
+        # ZeRO-1/2: the optimizer step may leave the replicas' refresh in flight (overlap_refresh:
+        # [Note: deferred refresh] in runtime/replicas.py); eager readers then wait for it
+        defers = config.zero_stage < 3 and ("overlap_refresh" in config.pass_list
+                                            or config.auto_passes)
         self._fallback = EagerFallback(
-            module, self._runtime, gather=config.zero_stage == 3,
+            module, self._runtime, gather=config.zero_stage == 3, settle=defers,
             agree=self._rails.agree_eager if self._rails.eager_group is not None else None,
             agree_mask=self._rails.agree_mask)
         self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
@@ -211,7 +215,8 @@ class Engine:
         weakref.finalize(self, _compat.on_recompile_limit(
             lambda *a: None if (m := hit()) is None else m(*a)))
         # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
-        self._guard = ModelGuard(module, self._registry, config.zero_stage)
+        self._guard = ModelGuard(module, self._registry, config.zero_stage,
+                                 self._runtime.replicas if defers else None)
         self._compiled = self._guard.wrap(self._compiled)
         self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
         self._grad_check = GradCheck(self._trainable, self.device)   # [Note: overflow agreement]

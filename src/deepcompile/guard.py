@@ -37,6 +37,14 @@ would read freed memory (a segfault, or garbage), and `model.state_dict()`,
   read (`clip_grad_norm_` reads nothing else), naming Config.max_grad_norm and
   `engine.grad_norm()`; `model.zero_grad()` does nothing (`engine.step()` zeroes the
   gradients).
+* At ZeRO-1/2 with the replicas' refresh left in flight after the optimizer step (`overlap_
+  refresh`: [Note: deferred refresh] in runtime/replicas.py), the trainable parameters are
+  `PendingParameter`s (a `GuardedParameter` subclass) from the step until the refresh is waited
+  for: any op but metadata waits for it first (every group, then the class is switched back),
+  so eager code sees the updated values; `state_dict` and `save_pretrained` wait first. Around
+  the compiled call they are plain parameters (Dynamo's guards see what they traced), and the
+  refresh is waited for before the call returns (the compiled graphs wait inside, where each
+  replica is first read).
 """
 
 from __future__ import annotations
@@ -160,6 +168,24 @@ class ShardedParameter(GuardedParameter):
         return super().__repr__(*args, **kwargs)
 
 
+class PendingParameter(GuardedParameter):
+    """A ZeRO-1/2 module parameter whose refresh after the optimizer step is still in flight
+    (see [Note: the guarded model]). Never constructed: switched to in place."""
+
+    _deepcompile_wait: Callable[[], None]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _allowed(func):
+            pending = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                            if isinstance(a, PendingParameter)), None)
+            if pending is not None:
+                pending._deepcompile_wait()   # every one a GuardedParameter again
+        with _compat.disable_torch_function_subclass():
+            return func(*args, **kwargs)
+
+
 def _materialized(p: torch.Tensor) -> bool:
     with _compat.disable_torch_function_subclass():
         return p.untyped_storage().nbytes() > 0
@@ -177,27 +203,48 @@ class ModelGuard:
     """Installs the guards on one engine's module and switches the parameter guard off around
     each compiled call."""
 
-    def __init__(self, module: nn.Module, registry, zero_stage: int) -> None:
+    def __init__(self, module: nn.Module, registry, zero_stage: int, replicas=None) -> None:
         check_not_initialized(module)
         self.zero_stage = zero_stage
         self.world = registry.comm.world
         self._depth = 0
         self.params: list[nn.Parameter] = []
+        # ZeRO-1/2: the replicas whose refresh may be left in flight (runtime/replicas.py)
+        self.replicas = replicas if zero_stage < 3 and self.world > 1 else None
+        self.pending: list[nn.Parameter] = []   # what becomes a PendingParameter meanwhile
+        wait = _weak_call(self.replicas.wait) if self.replicas is not None else None
         for entry in registry:
             p = entry.param
             if type(p) is nn.Parameter:   # a foreign Parameter subclass keeps its class
                 p._deepcompile_info = (" = ".join(entry.names), self.world)  # tied: all
                 self.params.append(p)
+                if self.replicas is not None and p.requires_grad:
+                    p._deepcompile_wait = wait
+                    self.pending.append(p)
         self._guarded = ShardedParameter if zero_stage == 3 else GuardedParameter
+        if self.replicas is not None:
+            self.replicas.listeners.append(_weak_call(self._replicas_pending))
         module.__class__ = _guarded_class(type(module))
         module._deepcompile_guard = weakref.ref(self)
         self._guard()
 
     def _guard(self) -> None:
         _set_class(self.params, self._guarded)
+        if self.replicas is not None and self.replicas.pending:
+            _set_class(self.pending, PendingParameter)
 
     def _unguard(self) -> None:
         _set_class(self.params, nn.Parameter)
+
+    def _replicas_pending(self, pending: bool) -> None:
+        """The replicas' refresh became pending, or was waited for."""
+        if self._depth == 0:
+            _set_class(self.pending, PendingParameter if pending else self._guarded)
+
+    def settle(self) -> None:
+        """Wait for the replicas' refresh, if one is in flight (ZeRO-1/2)."""
+        if self.replicas is not None:
+            self.replicas.wait()
 
     @contextlib.contextmanager
     def unguarded(self):
@@ -215,12 +262,26 @@ class ModelGuard:
     def wrap(self, fn: Callable) -> Callable:
         if not self.params:
             return fn
+        settle = self.settle
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
             with self.unguarded():
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                settle()   # ZeRO-1/2: no replica is left pending past the forward
+                return out
         return call
+
+
+def _weak_call(method) -> Callable:
+    """`method` called through a weak reference: the parameters and the runtime hold it, and
+    must not keep the guard or the replicas of a released engine alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        return m(*args) if m is not None else None
+    return call
 
 
 def _set_class(params: list[nn.Parameter], cls: type) -> None:
@@ -246,7 +307,14 @@ class _GuardedModule:
         guard = guard() if guard is not None else None
         return 3 if guard is None else guard.zero_stage   # engine gone: nothing is safe
 
+    def _deepcompile_settle(self) -> None:
+        guard = self.__dict__.get("_deepcompile_guard")
+        guard = guard() if guard is not None else None
+        if guard is not None:
+            guard.settle()
+
     def state_dict(self, *args: Any, **kwargs: Any):
+        self._deepcompile_settle()
         if self._deepcompile_stage() == 3:
             raise ShardedParameterError(
                 "deepcompile: model.state_dict() after deepcompile.initialize(zero_stage=3): the "
@@ -255,6 +323,7 @@ class _GuardedModule:
         return super().state_dict(*args, **kwargs)
 
     def save_pretrained(self, *args: Any, **kwargs: Any):
+        self._deepcompile_settle()
         if self._deepcompile_stage() == 3 and kwargs.get("state_dict") is None:
             raise ShardedParameterError(
                 "deepcompile: model.save_pretrained() after deepcompile.initialize(zero_stage=3): "

@@ -69,7 +69,7 @@ def test_verdict_reverts_only_what_is_worse_with_confidence():
 
 # ------------------------------------------------------------------------------- pure: choose
 def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak: int,
-         movable=(), step_bytes=0, compute_dtype=torch.float32):
+         movable=(), step_bytes=0, compute_dtype=torch.float32, trainable=False):
     from deepcompile.passes import PassContext
     from deepcompile.runtime import ops
 
@@ -84,8 +84,9 @@ def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak:
     prof = types.SimpleNamespace(peak_bytes=peak)
     store = types.SimpleNamespace(movable=lambda: list(movable), step_bytes=lambda: step_bytes)
     return PassContext(slots={"g0.fw": slot}, profiles={"g0.fw": prof}, order=["g0.fw"],
-                       registry=[types.SimpleNamespace(zero_stage=3, compute_dtype=compute_dtype,
-                                                       shard=torch.zeros(2), lowp=None)
+                       registry=[types.SimpleNamespace(
+                           zero_stage=3, compute_dtype=compute_dtype, lowp=None, padded_numel=2,
+                           shard=torch.zeros(2, requires_grad=trainable))
                                  for _ in range(zero_stage_gathers)],
                        runtime=types.SimpleNamespace(offload=store), cost=None,
                        memory_budget=budget, world_size=world, decisions={})
@@ -101,10 +102,14 @@ def test_choose_reads_stage_world_collectives_and_budget():
     names = lambda chosen: [c.name for c in chosen]   # noqa: E731
     chosen, out = choose(_ctx(4, 4, 2, inf, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == ["selective_unshard", "prefetch", "bucket_reduce"]
-    assert {c.name for c in out} == {"offload_optimizer", "activation_budget"}
+    assert {c.name for c in out} == {"offload_optimizer", "activation_budget", "overlap_refresh"}
     assert all(c.reason for c in chosen + out)
     chosen, _ = choose(_ctx(0, 4, 2, inf, 100), zero_stage=1, warmup_steps=2)
-    assert names(chosen) == ["bucket_reduce"]
+    assert names(chosen) == ["bucket_reduce"]   # (no trainable parameter: nothing to refresh)
+    chosen, out = choose(_ctx(4, 4, 2, inf, 100, trainable=True), zero_stage=1, warmup_steps=2)
+    assert names(chosen) == ["bucket_reduce", "overlap_refresh"]
+    chosen, out = choose(_ctx(4, 4, 1, inf, 100, trainable=True), zero_stage=2, warmup_steps=2)
+    assert "overlap_refresh" in {c.name for c in out}
     chosen, out = choose(_ctx(4, 4, 1, inf, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == [] and all("world size 1" in c.reason for c in out
                                        if c.name not in ("offload_optimizer", "activation_budget"))

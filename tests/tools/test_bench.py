@@ -73,6 +73,9 @@ def test_smoke_json_structure(smoke):
                 assert any("gloo" in t for t in ct["threads"]), ct["threads"]
             shares = [ct["machine"][f"{k}_share"] for k in ("busy", "idle", "steal")]
             assert sum(shares) == pytest.approx(1.0) and all(0 <= x <= 1 for x in shares)
+    # one rank's optimizer state: ZeRO-3's half of DDP's at 2 ranks (up to padding)
+    ours, ddp = (_entry(result, n)["memory"]["optimizer_state"] for n in ("ours-z3", "ddp"))
+    assert 0.45 * ddp < ours < 0.55 * ddp
     dc = _entry(result, "ds-deepcompile")
     assert dc["status"] == "unavailable" and "CUDA" in dc["reason"] and not dc["launches"]
 

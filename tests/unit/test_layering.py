@@ -35,6 +35,7 @@ KNOWN_CIRCLES: list[set[str]] = [
     # PassContext and register_pass back from it
     {"deepcompile.passes", "deepcompile.passes._common", "deepcompile.passes.activation_budget",
      "deepcompile.passes.bucket_reduce", "deepcompile.passes.offload_optimizer",
+     "deepcompile.passes.overlap_refresh",
      "deepcompile.passes.prefetch", "deepcompile.passes.selective_unshard"},
     # engine.py imports __version__ from the package, which imports initialize and Engine
     # (lazily, and in its TYPE_CHECKING block)

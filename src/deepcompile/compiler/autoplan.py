@@ -23,7 +23,11 @@ for the model it simulates and asks the same passes. The built-in ones:
 * `prefetch` (ZeRO-3, more than one rank, gathers in the graphs): the gathers that are left
   become asynchronous and fused;
 * `bucket_reduce` (more than one rank, reduce-scatters in the graphs): bucketed, asynchronous
-  gradient reductions.
+  gradient reductions;
+* `overlap_refresh` (ZeRO-1/2, more than one rank, trainable parameters): the all-gather of the
+  updated replicas leaves the optimizer step and runs under the next forward ([Note: deferred
+  refresh] in runtime/replicas.py); last, on the profile with the buckets, since it reads only
+  where the forward first reads each parameter.
 
 The step can grow while the chosen passes are planned (a longer sequence in a re-profile) or
 after (a new shape in steady state). So a pass that describes `choose_late` (`offload_optimizer`),
@@ -110,7 +114,9 @@ def facts(ctx, *, zero_stage: int, warmup_steps: int, late: bool = False) -> Fac
     elif getattr(store, "flat", None) is not None and store.flat.inner is None:
         unmovable = (f"{type(store.flat.facade).__name__} steps parameter by parameter (not an "
                      "elementwise torch.optim optimizer): its state cannot be offloaded")
-    return Facts(world_size=ctx.world_size, zero_stage=zero_stage,
+    replicas = 0 if zero_stage == 3 or ctx.world_size == 1 else sum(
+        e.padded_numel * e.compute_dtype.itemsize for e in ctx.registry if e.shard.requires_grad)
+    return Facts(world_size=ctx.world_size, zero_stage=zero_stage, replica_bytes=replicas,
                  memory_budget=ctx.memory_budget,
                  peak_bytes=max((p.peak_bytes for p in ctx.profiles.values()), default=0),
                  gathers=gathers, reduces=reduces, casts=casts, step_bytes=step_bytes,

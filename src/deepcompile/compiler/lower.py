@@ -14,6 +14,7 @@ planned one describes; nothing in it calls back into Python.
 | `allgather_for_next` | the next graph's shards as inputs, cast, cat, all-gather, **returned unwaited** (with its input, when not an input) | nothing |
 | `allgather_from_prev` | the parked buffer as an input, `wait_tensor`, split | per member as above |
 | `kept_param` | an input: the runtime's kept tensor | same |
+| `replica_wait` (ZeRO-1/2) | `wait_tensor` of the replica input: its deferred refresh | the replica |
 | `reduce_grad` | flatten, cast, pad, `reduce_scatter_tensor("sum")`, wait, divide, cast | flatten, cast |
 | `reduce_start` / `_wait` | per member flatten/cast/pad as [W, n], one `cat` along dim 1, one reduce-scatter; wait, divide, one slice copy per member | per member flatten, cast |
 | accumulated (`accumulate_grad` / `accumulate_start` bucket, ZeRO-1's `reduce_grad` / bucket with shards) | variant "accum": `add_` into the accumulator input, zeros out; "last": reduce `accumulator + grad` (a bucket: one reduce-scatter), zero the accumulator | ZeRO-1: not deferred |
@@ -72,6 +73,10 @@ class Lowered:
     acc_positions: tuple[int, ...]            # positions of accumulators among the extra inputs
     last: bool                                # the variant of the window's last micro-step
     runtime: Any
+    # called before each run (ZeRO-1/2): waits for the replicas' refresh, in a graph that does
+    # not wait for them itself (`replica_wait`: [Note: deferred refresh] in
+    # runtime/replicas.py); None where it does, at ZeRO-3 and at world size 1
+    settle: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self._pick_accs = _picker(list(self.acc_positions))
@@ -79,6 +84,8 @@ class Lowered:
     def prepare(self, args: list) -> tuple[list, tuple]:
         """The full argument list of a run (the planned graph's, then the extra inputs), and
         the accumulators among them."""
+        if self.settle is not None:
+            self.settle()
         extra = self.extra_inputs(args)
         accs = self._pick_accs(extra)
         return [*args, *extra], accs
@@ -298,6 +305,10 @@ class _Lowering:
                             [e.shard for e in entries], entries, dtype))
         return self.gather_split(self.op(_WAIT, ph), entries)
 
+    def replica_wait(self, node: fx.Node) -> fx.Node:
+        replica = self.env[node.args[0]]
+        return replica if self.world == 1 else self.op(_WAIT, replica)
+
     def kept(self, node: fx.Node) -> fx.Node:
         shard, pid, _shape, _dtype = node.args
         e = lookup(int(pid))
@@ -475,6 +486,8 @@ class _Lowering:
                 self.env[node] = self.gather_from_prev(node)
             elif t is ops.KEPT_PARAM:
                 self.env[node] = self.kept(node)
+            elif t is ops.REPLICA_WAIT:
+                self.env[node] = self.replica_wait(node)
             elif t is ops.REDUCE_GRAD:
                 self.env[node] = self.reduce_sync(
                     node, defer and ops.reduce_grad_shard(node) is not None)
@@ -587,10 +600,26 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True, key: str = "") -> L
     uncounted = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in held)
     parked_ids = {id(p[0]) for p in lw.parked}
     transient = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in parked_ids)
+    replicas = getattr(runtime, "replicas", None)
+    settle = replicas.wait if replicas is not None and runtime.comm.world > 1 \
+        and not waits_for_replicas(gm) else None
     return Lowered(gm=lowered_gm, n_in=n_in, n_out=n_out, extra_inputs=extra_inputs,
                    uncounted=uncounted, transient=transient, park_keys=lw.park_keys,
                    counts=tuple((k, n, b) for k, (n, b) in sorted(lw.counts.items())),
-                   acc_positions=acc_positions, last=last, runtime=runtime)
+                   acc_positions=acc_positions, last=last, runtime=runtime, settle=settle)
+
+
+def waits_for_replicas(gm: fx.GraphModule) -> bool:
+    """Whether a graph waits by itself for every trainable ZeRO-1/2 replica it reads: it has
+    `replica_wait`s, and no placeholder marked `dc_replica` (compiler/replicated.py) is read
+    but through one. (An inference graph has no marks, and no waits: it waits before it runs.)"""
+    waits = False
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get("dc_replica") is not None:
+            if any(u.op != "output" and u.target is not ops.REPLICA_WAIT for u in node.users):
+                return False
+        waits |= node.op == "call_function" and node.target is ops.REPLICA_WAIT
+    return waits
 
 
 def _fallback_gather(entries: list[ParamEntry], dtype: torch.dtype):

@@ -22,7 +22,8 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            than some step before it), which a pass that clearly helps reaches after one step of
            each side. Steps of the side before a pass that kept parameters gathered skip their
            refresh (`KeptParams.suspend`), and the refresh is redone, outside the timed steps,
-           before the other side runs again.
+           before the other side runs again; steps of the side before `overlap_refresh`
+           refresh the replicas synchronously (`Replicas.suspend`).
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs). When the step drifts from what was
            planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
@@ -694,7 +695,12 @@ class Pipeline:
         self._ab = {"entry": entry, "faces": faces, "side": "after",
                     "samples": {"after": [], "before": []},
                     # the pass started keeping parameters: the side before it skips the refresh
-                    "suspend": bool(kept_now) and not snap.runtime["kept"]}
+                    "suspend": bool(kept_now) and not snap.runtime["kept"],
+                    # the pass left the replicas' refresh in flight: the side before it (whose
+                    # graphs do not wait for it) refreshes synchronously
+                    "sync_refresh": self.runtime.replicas is not None
+                    and self.runtime.replicas.groups is not None
+                    and snap.runtime.get("refresh") is None}
         self._prepare_sides()
         # the ranks start the timed steps together: the time one rank took longer to prepare
         # would be in the others' first timed step, spent waiting at its first collective
@@ -735,6 +741,11 @@ class Pipeline:
                 self.runtime.kept.suspend()
             else:
                 self.runtime.kept.resume()
+        if ab["sync_refresh"]:
+            if side == "before":
+                self.runtime.replicas.suspend()
+            else:
+                self.runtime.replicas.resume()
 
     def _finish_measure(self) -> None:
         ab = self._ab

@@ -15,7 +15,10 @@ parameters. So:
    primals to (replica, shard) pairs by position — Dynamo's inputs follow any inputs AOT
    prepends — with a loud check of shapes and dtypes, then rewires: the replica's gradient
    output becomes None and the shard's becomes `reduce_grad(grad, pid, ...)`, placed right
-   after the node that completes the gradient (so `bucket_reduce` can start it early);
+   after the node that completes the gradient (so `bucket_reduce` can start it early). The
+   replica's placeholder is marked `meta["dc_replica"] = pid` (the partitioned graphs
+   share it): `overlap_refresh` finds the replicas a forward reads by it ([Note: deferred
+   refresh] in runtime/replicas.py);
 3. from then on everything is by `pid`: the reduced shard gradient reaches `shard.grad`
    through ordinary autograd, as at ZeRO-3; accumulation across micro-steps, tied weights and
    graph breaks need nothing else. ZeRO-1 also hands the shard to the op, which keeps the
@@ -80,6 +83,7 @@ def route_grads_to_shards(joint: fx.GraphModule, joint_inputs, links: list[Link]
         pi, si = offset + link.param_pos, offset + link.shard_pos
         _check(primals[pi], tuple(e.shape), e.compute_dtype, e, "parameter")
         _check(primals[si], (e.shard.numel(),), e.shard.dtype, e, "shard")
+        placeholders[pi].meta["dc_replica"] = e.pid
         if grads[si] is not None:
             raise RuntimeError(f"deepcompile: the shard of {e.name!r} already has a gradient "
                                "in the joint graph")

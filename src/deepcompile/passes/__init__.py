@@ -53,6 +53,8 @@ class Facts:
     gathers: int                  # parameter gathers in the training graphs
     reduces: int                  # gradient reductions in the training graphs
     casts: int = 0                # world size 1: parameters whose gather casts their shard
+    replica_bytes: float = 0      # ZeRO-1/2, several ranks: the trainable replicas' bytes (what
+                                  # the refresh after each optimizer step all-gathers)
     step_bytes: float | None = None   # the optimizer step with all its state on the device;
                                       # None: no state can move (`unmovable` says why)
     unmovable: str = "no movable optimizer state"
@@ -141,7 +143,8 @@ def needs_of(names) -> dict[str, list[str]]:
 
 
 def _register_builtin() -> None:
-    from . import (activation_budget, bucket_reduce, offload_optimizer, prefetch,  # noqa: F401
+    from . import (activation_budget, bucket_reduce, offload_optimizer,  # noqa: F401
+                   overlap_refresh, prefetch,
                    selective_unshard)
 
 

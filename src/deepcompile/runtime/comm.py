@@ -68,6 +68,14 @@ class Comm:
         work = _compat.all_gather_flat(out, shard.contiguous(), self.group, async_op=True)
         return out, work
 
+    def all_gather_coalesced_async(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                   nbytes: int):
+        """Launch one all-gather of flat `inputs[i]` into `outputs[i]` (`world` times its size,
+        rank-major), coalesced into one collective; returns the work handle. Counted as one
+        all-gather of `nbytes` (the outputs' bytes)."""
+        self._count("all_gather", nbytes)
+        return _compat.all_gather_into_coalesced(outputs, inputs, self.group)
+
     def reduce_scatter_avg(self, full: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Average of `full` (flat, world*k elements) over ranks, this rank's k-slice.
 

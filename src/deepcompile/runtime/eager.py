@@ -14,9 +14,12 @@ The hooks do nothing while Dynamo traces (the compiled graphs gather for themsel
 eagerly, they run with Dynamo off ([Note: eager hooks run eagerly]).
 
 ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
-reads them directly and no forward hooks are installed; only the gradient hook is, so that a
-gradient eager autograd accumulates into a replica is held for its shard and no replicated
-`.grad` stays behind.
+reads them directly and nothing is gathered; the gradient hook holds a gradient eager autograd
+accumulates into a replica for its shard, and no replicated `.grad` stays behind. Where the
+replicas' refresh may be left in flight by the optimizer step (`settle`: [Note: deferred
+refresh] in runtime/replicas.py), every module below the root also gets a forward pre-hook
+that, run eagerly, waits for it: eager code inside the compiled model (a module Dynamo does not
+capture) reads updated replicas.
 
 [Note: eager gradients are agreed] Eager code can run differently on each rank: the classic
 experts loop skips an expert no token of this rank is routed to. A gradient reduced the moment
@@ -85,8 +88,8 @@ class EagerFallback:
     eager gathers are agreed]; ZeRO-3 over several ranks, else None); `agree_mask(mask)`: the
     element-wise maximum of an integer tensor over the ranks (the identity on one rank)."""
 
-    def __init__(self, module: nn.Module, runtime, gather: bool = True, agree=None,
-                 agree_mask=None) -> None:
+    def __init__(self, module: nn.Module, runtime, gather: bool = True, settle: bool = False,
+                 agree=None, agree_mask=None) -> None:
         self._runtime = runtime
         registry = runtime.registry
         self._agree = agree
@@ -110,6 +113,14 @@ class EagerFallback:
             self._handles.append(mod.register_forward_pre_hook(_weak_hook(self._pre_hook, k)))
             self._handles.append(mod.register_forward_hook(_weak_hook(self._post_hook, k),
                                                            always_call=True))
+        if settle and runtime.replicas is not None and runtime.comm.world > 1:
+            # one hook per module below the root, which waits for them all; not on the root,
+            # whose call runs eagerly around the compiled forward, which waits by itself (a
+            # direct `model(...)` waits at its first read of a PendingParameter: guard.py)
+            self._settle = runtime.replicas.wait
+            hook = _weak_hook(self._wait_hook, 0)
+            self._handles += [mod.register_forward_pre_hook(hook) for mod in module.modules()
+                              if mod is not module]
         self._grad_entries = [e for e in registry if e.param.requires_grad]
         for k, entry in enumerate(self._grad_entries):
             self._handles.append(entry.param.register_post_accumulate_grad_hook(
@@ -140,6 +151,9 @@ class EagerFallback:
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_eagerly, self._unpack_eagerly)
         ctx.__enter__()
         mod._deepcompile_saved_hooks = getattr(mod, "_deepcompile_saved_hooks", []) + [ctx]
+
+    def _wait_hook(self, _k: int, mod, args) -> None:
+        self._settle()
 
     def _post_hook(self, k: int, mod, args, output) -> None:
         stack = getattr(mod, "_deepcompile_saved_hooks", None)

@@ -826,9 +826,13 @@ class Offloader:
 
     def run_step(self) -> None:
         """The inner optimizer's step over every chunk (gradients folded, hyperparameters
-        synced): resident chunks in one call, offloaded ones streamed through the device,
-        tier-4 ones stepped on the host ([Note: the host step]) while the device works."""
-        flat = self.flat
+        synced): resident chunks together, offloaded ones streamed through the device,
+        tier-4 ones stepped on the host ([Note: the host step]) while the device works. Each
+        chunk's update is announced as soon as it is done (`EngineRuntime.stepped`: ZeRO-1/2's
+        deferred refresh launches its gather then, [Note: deferred refresh] in
+        runtime/replicas.py), and the resident chunks step in `step_segments` calls where those
+        gathers run while the next chunks step."""
+        flat, rt = self.flat, self.runtime
         self._reloaded()
         for s in self.slots:   # a host gradient's shards: those some graph wrote this window
             if self.grad_tier(s):
@@ -839,8 +843,11 @@ class Offloader:
         # gradient] in runtime/flat.py): nothing of it moves
         stepping = [s for s in self.slots if flat.live_units(s.chunk)]
         ready = [s.chunk for s in stepping if not s.offloaded and not self.grad_tier(s)]
+        stepped = rt.stepped if rt is not None else _nothing
         with record_function("deepcompile.optimizer_step"):
-            flat.step(ready)
+            for part in _segments(ready, rt.step_segments if rt is not None else 1):
+                flat.step(part)
+                stepped(part)
         on_host = [self.host_tier(s) and s.offloaded and s.master_off and self._host_ready(s)
                    for s in stepping]
         hosted = [s for s, h in zip(stepping, on_host) if h]
@@ -855,6 +862,7 @@ class Offloader:
                     if host_grad:
                         self._grad_ready(s)
                     flat.step([s.chunk])
+                    stepped([s.chunk])
                     s.host_opt = None   # its scalars moved on the device ([Note: the host step])
                     self._offload(s)
                     if self.master_tier(s):
@@ -877,6 +885,7 @@ class Offloader:
                         flat.show_state([s.chunk])
                         self._show(s, s.tensors(flat.inner))
                 self._copier.wait(ups)   # the next forward's gathers read the copies
+                stepped([s.chunk for s in hosted])
                 self.host_seconds += time.perf_counter() - t0
             self._counts["stepped_on_host"] += len(hosted)
 
@@ -1195,3 +1204,22 @@ GRAD_TO_HOST = torch.ops.deepcompile.grad_to_host.default
 torch.fx.node.has_side_effect(GRAD_TO_HOST)
 ops.register_comm_op(GRAD_TO_HOST, "grad_offload")   # a device->host copy: not a collective
 ops.FOLLOWERS.add(GRAD_TO_HOST)
+
+
+def _nothing(_chunks) -> None:
+    return None
+
+
+def _segments(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    """`chunks` in at most `n` consecutive parts of (nearly) equal length (one: all of them,
+    in one call)."""
+    n = max(1, min(n, len(chunks)))
+    if n == 1:
+        return [chunks]
+    size, extra = divmod(len(chunks), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        out.append(chunks[start:end])
+        start = end
+    return out

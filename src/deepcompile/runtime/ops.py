@@ -20,7 +20,8 @@ in the graph and never run (`_marker`): `allgather_start` / `allgather_wait` (a 
 asynchronous gather), `allgather_for_next` / `allgather_from_prev` (a gather one graph starts
 for the next), `reduce_start` / `reduce_wait` (a gradient bucket), `kept_param` (a parameter
 kept gathered by the runtime), `accumulate_grad` (a gradient accumulated locally over the
-micro-steps). Every marker's second argument is its parameter id or the list of them.
+micro-steps), `replica_wait` (ZeRO-1/2: a replica the optimizer step's refresh may still be
+writing). Every marker's second argument is its parameter id or the list of them.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ accumulate_start = _marker(
     "added to its accumulator; on the window's last micro-step one reduce-scatter of them all "
     "(`reduce_wait` hands out the shard gradients, zeros before the last micro-step).")
 
+replica_wait = _marker(
+    "replica_wait", "(replica, pid) -> replica: ZeRO-1/2's replicated parameter, once the "
+    "refresh the optimizer step left in flight has written it ([Note: deferred refresh] in "
+    "runtime/replicas.py).")
+
 ALLGATHER = torch.ops.deepcompile.allgather_param.default
 REDUCE_GRAD = torch.ops.deepcompile.reduce_grad.default
 ALLGATHER_START = allgather_start
@@ -124,8 +130,10 @@ REDUCE_WAIT = reduce_wait
 KEPT_PARAM = kept_param
 ACCUMULATE_GRAD = accumulate_grad
 ACCUMULATE_START = accumulate_start
+REPLICA_WAIT = replica_wait
 MARKERS = (ALLGATHER_START, ALLGATHER_WAIT, ALLGATHER_FOR_NEXT, ALLGATHER_FROM_PREV,
-           REDUCE_START, REDUCE_WAIT, KEPT_PARAM, ACCUMULATE_GRAD, ACCUMULATE_START)
+           REDUCE_START, REDUCE_WAIT, KEPT_PARAM, ACCUMULATE_GRAD, ACCUMULATE_START,
+           REPLICA_WAIT)
 torch.fx.node.has_side_effect(ALLGATHER_FOR_NEXT)
 # Ops that act on a value right where it is produced (offload's `grad_to_host`): a pass that
 # replaces the value's node by one further down (bucket_reduce's wait) moves them after it, and
@@ -180,3 +188,5 @@ register_comm_op(ACCUMULATE_GRAD, "reduce_scatter_accumulate", blocking=True)
 # its bucket: the start launches on the last micro-step only (counted by the lowered graphs,
 # `Lowered.counts`); the bucket's `reduce_wait` is where the graph waits
 register_comm_op(ACCUMULATE_START, "reduce_scatter_accumulate_start")
+# the refresh it waits for was launched by the optimizer step (counted there)
+register_comm_op(REPLICA_WAIT, "all_gather_wait", blocking=True)

@@ -8,7 +8,8 @@
 * `accum`: the gradients accumulated locally over the micro-steps, ZeRO-1's and
   `selective_unshard`'s alike (runtime/accumulators.py);
 * `parked`: gathers a graph started for the next graph, until that graph takes them;
-* `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
+* `replicas`: ZeRO-1/2's replicated module parameters and their refresh after the optimizer
+  step, which `overlap_refresh` leaves in flight (runtime/replicas.py);
 * `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
 * `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py);
 * `activations`: the activations kept on the host between forward and backward
@@ -16,8 +17,9 @@
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
-`shards_changed` around the optimizer step. Nothing here is global: two engines in one process
-have two runtimes.
+`shards_changed` around the optimizer step (the flat step calls `stepped` as it updates each
+chunk), and `settle` where nothing may be left in flight. Nothing here is global: two engines
+in one process have two runtimes.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class EngineRuntime:
         allocator counts them)."""
         total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes() + \
             sum(g.untyped_storage().nbytes() for g in self.eager_grads.values())
+        if self.replicas is not None:
+            total += self.replicas.held_bytes()
         if self.count_offload_bytes and self.offload is not None:
             total += self.offload.held_bytes()
         return total
@@ -152,7 +156,8 @@ class EngineRuntime:
         (`restore_plan_state`)."""
         return {"kept": list(self.kept.entries), "accum": set(self.accum.by_pid),
                 "offload": self.offload.plan_state() if self.offload is not None else None,
-                "count_offload_bytes": self.count_offload_bytes}
+                "count_offload_bytes": self.count_offload_bytes,
+                "refresh": self.replicas.layout() if self.replicas is not None else None}
 
     def restore_plan_state(self, state: dict[str, Any]) -> None:
         """Back to `state` (at an optimizer-step boundary, on every rank: a changed kept set is
@@ -163,6 +168,8 @@ class EngineRuntime:
         if self.offload is not None and state["offload"] is not None:
             self.offload.restore_plan_state(state["offload"])
         self.count_offload_bytes = state["count_offload_bytes"]
+        if self.replicas is not None and self.replicas.layout() != state.get("refresh"):
+            self.replicas.defer(state.get("refresh"))
 
     def after_step_collectives(self) -> list[dict[str, Any]]:
         """The collectives the runtime runs after every optimizer step, outside the graphs:
@@ -171,8 +178,16 @@ class EngineRuntime:
         if self.comm.world == 1:
             return []
         out = []
-        for what, plan in (("replica refresh", getattr(self.replicas, "plan", None)),
-                           ("kept-parameter refresh", self.kept.plan)):
+        if self.replicas is not None and self.replicas.groups is not None:
+            groups = self.replicas.groups   # [Note: deferred refresh] in runtime/replicas.py
+            out.append({"where": "launched in the optimizer step, waited for in the next forward",
+                        "what": "replica refresh", "kind": "all_gather", "count": len(groups),
+                        "bytes": sum(g.nbytes for g in groups)})
+            plans = [("kept-parameter refresh", self.kept.plan)]
+        else:
+            plans = [("replica refresh", getattr(self.replicas, "plan", None)),
+                     ("kept-parameter refresh", self.kept.plan)]
+        for what, plan in plans:
             if plan is not None and len(plan):
                 out.append({"where": "after the optimizer step", "what": what,
                             "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes()})
@@ -194,6 +209,26 @@ class EngineRuntime:
         gradients still held locally are reduced into the shard gradients."""
         self.drop_parked()
         self.accum.flush()
+
+    @property
+    def step_segments(self) -> int:
+        """Calls the optimizer step of the resident chunks is split into (runtime/offload.py's
+        `run_step`): more than one only where the deferred refresh gathers the chunks stepped
+        first while the next ones step."""
+        replicas = self.replicas
+        return replicas.segments if replicas is not None and replicas.deferred else 1
+
+    def stepped(self, chunks) -> None:
+        """The optimizer step updated `chunks` (runtime/flat.py's): ZeRO-1/2's deferred
+        refresh starts their gathers."""
+        if self.replicas is not None:
+            self.replicas.stepped(chunks)
+
+    def settle(self) -> None:
+        """Nothing the runtime launched is left in flight: ZeRO-1/2's deferred refresh is
+        waited for ([Note: deferred refresh] in runtime/replicas.py)."""
+        if self.replicas is not None:
+            self.replicas.wait()
 
     def shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (after the optimizer step, after loading

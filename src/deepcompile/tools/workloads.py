@@ -80,6 +80,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     # batch 1, short sequences: where ZeRO-1's communication is most exposed (the paper's
     # ZeRO-1 setting, scaled down)
     Workload("tiny-llama-b1", "tiny-llama", seq=32, batch=1),
+    Workload("small-llama-b1", "small-llama", seq=128, batch=1),
     _w("llama-1b", seq=1024, batch=4, dtype="bfloat16"),
     # the GPU paths on a tiny model (tests/tools/test_bench.py, marked gpu)
     Workload("tiny-llama-bf16", "tiny-llama", seq=64, batch=4, dtype="bfloat16"),

@@ -108,6 +108,9 @@ How to read this (details in `deepcompile bench --help` and src/deepcompile/tool
   warm-up), MiB; it includes Python, torch and, for compiled systems, the compiler. base: the
   RSS before the model was built.
 - peak GPU (GPU mode): `torch.cuda.max_memory_allocated` over the timed steps, MiB.
+- optimizer state: the bytes of the tensors in one rank's optimizer state (AdamW's two moments
+  and its step counts; ours and DeepSpeed ZeRO-1: of this rank's 1/N of the parameters; DDP: of
+  all of them), each storage once; masters and gradients not included.
 - step alloc: peak of tensor memory allocated within one step and not yet freed (activations,
   gathered parameters, gradient and communication buffers), MiB, from the profiler; counted at
   the size asked for, so a buffer reserved but never written (DeepSpeed ZeRO-1/2's reduce
@@ -141,14 +144,15 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{wd['gas']} micro-step(s) per optimizer step, {wd['dtype']}, AdamW", "",
                 "| system | step ms [min, max] | tokens/s | × bound | collectives/step | "
                 "MiB/step | " + ("peak GPU MiB" if cuda else "steady RSS MiB (base)") +
-                " | step alloc MiB | first step s | one-time s | Δloss |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                " | step alloc MiB | optimizer state MiB/rank | first step s | one-time s | "
+                "Δloss |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in rows:
             if e["status"] != "ok":
                 label = {"unavailable": "not available", "same": "not run",
                          "failed": "FAILED"}[e["status"]]
                 n = note(f"{e['system']}: {e['reason'].splitlines()[0]}")
-                out.append(f"| {e['system']} | {label} [{n}] |" + " |" * 9)
+                out.append(f"| {e['system']} | {label} [{n}] |" + " |" * 10)
                 continue
             s, m = e["step_ms"], e["memory"]
             memory = _mib(m["cuda_max_allocated"]) if cuda else \
@@ -164,6 +168,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{e['tokens_per_s']:,.0f} | {_fmt(e['vs_compute_bound'], '.2f')} | "
                 f"{_collectives(e['collectives'])} | {_mib(e['collectives']['bytes'])} | "
                 f"{memory} | {_mib(m['step_alloc_peak'])} | "
+                f"{_state_mib(m.get('optimizer_state'))} | "
                 f"{_pair(e['first_step_s'])} | {_pair(e['one_time_s'])} | "
                 f"{_fmt(e['loss']['max_abs_diff'], '.1e')} |")
         out.append("")
@@ -172,6 +177,10 @@ def markdown(result: dict[str, Any]) -> str:
     systems = {e["system"]: e["description"] for e in result["results"]}
     out += ["Systems:", ""] + [f"- `{k}`: {v}" for k, v in systems.items()] + ["", _NOTES]
     return "\n".join(out)
+
+
+def _state_mib(b: float | None) -> str:
+    return "—" if b is None else f"{b / MIB:.2f}"
 
 
 def _pair(d: dict[str, float]) -> str:

@@ -19,7 +19,8 @@ from typing import Any
 
 # The order passes run in when several are configured: overlap communication first, then keep
 # parameters gathered with the memory left, then offload what does not fit.
-CANONICAL_PASS_ORDER = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
+CANONICAL_PASS_ORDER = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer",
+                        "overlap_refresh")
 ALL = "all"  # passes=ALL: every registered pass
 AUTO = "auto"  # passes=AUTO: the pipeline chooses (the default)
 
@@ -36,6 +37,7 @@ class System:
     compile: bool = False  # peers: torch.compile (per block for FSDP2, engine.compile() for DS)
     deepcompile: bool = False  # DeepSpeed's own DeepCompile (CUDA only)
     single_process: bool = False  # one process, one rank's batch: the compute bound
+    config: tuple[tuple[str, Any], ...] = ()   # ours: more Config keys
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,6 +59,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     # at stages 1/2)
     System("ours-z1", "ours", "deepcompile ZeRO-1 (optimizer state sharded) + bucket_reduce "
            "(its default)", stage=1, passes=("bucket_reduce",)),
+    System("ours-z1+overlap", "ours", "deepcompile ZeRO-1 + bucket_reduce + overlap_refresh "
+           "(the updated parameters' all-gather under the next forward)", stage=1,
+           passes=("bucket_reduce", "overlap_refresh")),
+    # what the cross-rank checks cost (Config.divergence_check_every, on_nonfinite: one
+    # all-reduce each per optimizer step, which DDP does not make)
+    System("ours-z1+overlap-nochecks", "ours", "ours-z1+overlap without the divergence check "
+           "and the inf/NaN check (one small all-reduce each per step)", stage=1,
+           passes=("bucket_reduce", "overlap_refresh"),
+           config=(("divergence_check_every", 0), ("on_nonfinite", "off"))),
     System("fsdp2", "fsdp2", "PyTorch FSDP2 (fully_shard per decoder layer, then root), eager"),
     System("fsdp2-compile", "fsdp2", "FSDP2 with each decoder layer torch.compile'd before "
            "sharding (the torchtitan recipe)", compile=True),
@@ -92,7 +103,8 @@ CPU_MATRIX: dict[str, tuple[str, ...]] = {
                         "ddp", "ds-z3", "ds-z1", "compile-1proc"),
     "small-llama": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
     "tiny-mixtral": ("ours-z3-all", "ours-z3-auto") + _MAIN_PEERS,
-    "tiny-llama-b1": ("ours-z1", "ours-z1-auto", "ds-z1", "ddp"),
+    "tiny-llama-b1": ("ours-z1", "ours-z1+overlap", "ours-z1-auto", "ds-z1", "ddp",
+                      "ddp-compile"),
 }
 CUDA_MATRIX: dict[str, tuple[str, ...]] = {"llama-1b": CUDA_DEFAULT}
 
@@ -128,7 +140,8 @@ def resolved_passes(system: System) -> tuple[str, ...] | str:
 def ours_config(system: System, *, compiler: str, gas: int, dtype: str) -> dict[str, Any]:
     """The Config (as a dict) of an "ours" system for a workload."""
     cfg: dict[str, Any] = {"zero_stage": system.stage, "passes": resolved_passes(system),
-                           "compiler": compiler, "gradient_accumulation_steps": gas}
+                           "compiler": compiler, "gradient_accumulation_steps": gas,
+                           **dict(system.config)}
     if dtype != "float32":
         cfg["param_dtype"] = dtype
     return cfg

@@ -46,6 +46,23 @@ class Trainer:
         profiler's counts against."""
         return None
 
+    def optimizer(self):
+        """The optimizer whose state this rank holds."""
+        return getattr(self, "_optimizer", None)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the tensors in this rank's optimizer state (AdamW's moments and steps),
+        each storage once (ours' per-parameter state are views of its flat chunks)."""
+        opt = self.optimizer()
+        if opt is None:
+            return 0
+        seen: dict[int, int] = {}
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                    seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        return sum(seen.values())
+
 
 def _autocast(device: torch.device, dtype: str):
     """bf16 compute with fp32 parameters, for the systems without their own mixed precision."""
@@ -60,7 +77,7 @@ class _Plain(Trainer):
     def __init__(self, module, model, w: workloads.Workload, device, sync=None,
                  autocast: bool = True) -> None:
         self.module, self.w, self.device = module, w, device
-        self.optimizer = workloads.make_optimizer(model.parameters())
+        self._optimizer = workloads.make_optimizer(model.parameters())
         self._sync = sync  # callable(last) -> context manager (DDP's no_sync)
         self._autocast = autocast
 
@@ -73,8 +90,8 @@ class _Plain(Trainer):
         return loss.detach()
 
     def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
 
 
 def _fsdp2(system: System, model, w, device, world: int) -> Trainer:
@@ -137,6 +154,9 @@ class _Ours(Trainer):
     def own_comm_stats(self):
         return self.engine.comm_stats()
 
+    def optimizer(self):
+        return self.engine.optimizer
+
     def info(self):
         rep = self.engine.report().to_dict()
         passes = self.config["passes"]
@@ -192,6 +212,9 @@ class _DeepSpeed(Trainer):
 
     def step(self):
         pass
+
+    def optimizer(self):
+        return self.engine.optimizer   # its ZeRO optimizer: the state of this rank's partition
 
     def info(self):
         return {"config": self.config}

@@ -142,7 +142,8 @@ def _train(rank: int, world: int, spec: LaunchSpec) -> dict[str, Any]:
         "memory": {"base_rss": base_rss, "launch_peak_rss": max(warm_rss["hwm"] or 0,
                                                                 steady_rss["hwm"] or 0) or None,
                    "steady_start_rss": steady_start, "steady_peak_rss": steady_rss["hwm"],
-                   "cuda_max_allocated": cuda_peak},
+                   "cuda_max_allocated": cuda_peak,
+                   "optimizer_state": trainer.optimizer_state_bytes()},
         "counted_step": counted,
         "info": {"num_params": trainer.num_params, **trainer.info()},
     }

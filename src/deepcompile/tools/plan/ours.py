@@ -34,6 +34,13 @@ schedule collectives plan nothing (`prefetch`, `bucket_reduce` and `selective_un
 empty decisions there, as the runtime's do). `prefetch` and `bucket_reduce` group with the
 runtime's fusion policy (`Setting.fusion`: "overlap" on a GPU, "cap" on the CPU; [Note: fusion
 policy] in compiler/autoplan.py).
+
+ZeRO-1/2: the replicas are refreshed after the optimizer step, in collectives of at most 256 MiB
+copied out of their buffer; with `overlap_refresh` ([Note: deferred refresh] in
+runtime/replicas.py) the refresh of the step before is in flight when the step starts (the
+steady state: it was launched as the previous step updated each chunk), in the groups the pass
+plans (`overlap_refresh.plan_groups`, chunks of the flat layout's size), written straight into
+the replicas, and each group is waited for before the forward's first read of any member.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ import bisect
 import dataclasses
 from typing import Any
 
-from ...passes import bucket_reduce, offload_optimizer, passes_with, prefetch, selective_unshard
+from ...passes import (bucket_reduce, offload_optimizer, overlap_refresh, passes_with, prefetch,
+                       selective_unshard)
 from ...passes._common import Step
 from ...runtime import kept as _kept
 from ...runtime import regather
@@ -54,7 +62,8 @@ from .schedule import async_launch_s as _launch
 from .schedule import async_s, wait_s
 from .simulate import Event
 
-PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
+PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer",
+          "overlap_refresh")
 AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
 # the passes whose collectives are asynchronous: a host profile measures the framework's time
 # with them apart (`Setting.framework_async_s`; benchmarks/validation/host_profile.py)
@@ -138,6 +147,9 @@ class Plan:
     # tier 3 ([Note: masters on the host] in runtime/offload.py): chunk -> master bytes; the
     # device keeps their copies in the compute dtype, and the step streams them
     masters_saved: int = 0                   # the masters' bytes less their copies'
+    # ZeRO-1/2 with overlap_refresh: per refresh group (bytes, the forward node before which
+    # the first micro-step waits for it, None: after the forward)
+    refresh_waits: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
     # tier 4 ([Note: the host step]): chunk -> (elements, copy bytes) of chunks stepping on the
     # host; their masters are in `masters_saved`, not in `masters_off` (nothing is streamed)
     hosted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -802,8 +814,42 @@ def _offload(plan: Plan) -> dict[str, Any]:
         "host_step": d.get("host_step"), "stepped_on_host": len(plan.hosted)}
 
 
+def _overlap_refresh(plan: Plan) -> dict[str, Any]:
+    """The refresh's groups (the runtime pass's `plan_groups`) and where the first forward
+    waits for each: (bytes, first-read node or None) in `plan.refresh_waits`."""
+    s = plan.s
+    if s.stage == 3:
+        return {"skipped": "ZeRO-3: no replicated parameters"}
+    fw = s.model.fw
+    before, t = [], 0.0
+    for node in fw.nodes:
+        before.append(t)
+        t += node.time_s
+    first = {u.pid: u.first for u in fw.uses}
+    chunk_bytes = flat.chunk_bytes_for(MASTER_BYTES * s.shard_elems())
+    members, size, chunk = [], 0, 0
+    for p in s.model.params:   # the flat layout's chunks: runs of shards in parameter order
+        nb = MASTER_BYTES * s.shard_numel(p)
+        if size and size + nb > chunk_bytes:
+            chunk, size = chunk + 1, 0
+        size += nb
+        at = first.get(p.pid)
+        members.append(overlap_refresh.Member(p.name, p.pid, s.gather_bytes(p), str(s.model.dtype),
+                                              chunk, None if at is None else before[at]))
+    groups = overlap_refresh.plan_groups(members, s.planner_cost, s.fusion, t)
+    by_name = {m.name: m for m in members}
+    plan.refresh_waits = [
+        (g["bytes"], min((first[by_name[n].pid] for n in g["params"] if by_name[n].pid in first),
+                         default=None)) for g in groups]
+    plan.decisions.pop("refresh", None)
+    return {"groups": len(groups), "bytes": sum(g["bytes"] for g in groups),
+            "refresh_s": sum(g["predicted_s"] for g in groups),
+            "exposed_s": overlap_refresh.exposed(groups, t), "forward_s": t}
+
+
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
-        "selective_unshard": _selective_unshard, "offload_optimizer": _offload}
+        "selective_unshard": _selective_unshard, "offload_optimizer": _offload,
+        "overlap_refresh": _overlap_refresh}
 
 
 def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
@@ -821,7 +867,7 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         entries = [_Entry(s.padded(p), s.model.dtype) for p in s.model.params]
         pl.decisions["refresh"] = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
                                    for grp in regather.groups(entries, REPLICA_REFRESH_BYTES)]
-        passes = tuple(p for p in passes if p == "bucket_reduce")
+        passes = tuple(p for p in passes if p in ("bucket_reduce", "overlap_refresh"))
     if s.world == 1:
         # nothing is communicated: the passes that schedule collectives plan nothing (theirs
         # return empty decisions at world size 1); ZeRO-1 does not defer a reduction
@@ -856,7 +902,9 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
     facts = Facts(world_size=s.world, zero_stage=s.stage, memory_budget=s.budget,
                   peak_bytes=peak, gathers=n if s.stage == 3 else 0, reduces=n,
                   casts=n if s.world == 1 and s.stage == 3 and s.csize < MASTER_BYTES else 0,
-                  step_bytes=(MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work)
+                  step_bytes=(MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work,
+                  replica_bytes=sum(s.gather_bytes(p) for p in s.model.params)
+                  if s.stage < 3 and s.world > 1 else 0)
     chosen, out = autoplan.choose(facts)
     left = {c.name: c.reason for c in out}
     left.update({c.name: f"chosen ({c.reason}), but not modelled by this planner"
@@ -895,6 +943,16 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     reload_ids: list[int] = []
     back = 0
     life = pl.grad_life()
+    # overlap_refresh: the refresh the previous step launched is in flight as this one starts,
+    # each group waited for before the first forward's first read of any of its members
+    refresh_at: dict[int, list[int]] = {}
+    for k, (nb, at) in enumerate(pl.refresh_waits):
+        cid[0] += 1
+        events.append(Event("start", f"refresh {k}", s.cost.collective_s("all_gather", nb),
+                            s.cost.launch_s("all_gather"), cid[0], "comm", pl.persistent(),
+                            label="all_gather"))
+        counter.add("all_gather", nb)
+        refresh_at.setdefault(len(s.model.fw.nodes) if at is None else at, []).append(cid[0])
     for m in range(s.gas):
         last = m == s.gas - 1
         ids: dict[Any, int] = {}           # one micro-step: a forward may start a backward group
@@ -904,8 +962,16 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
             reload_at = {r[0]: r for r in pl.reloads} if (last and key == "bw") else {}
             items = pl.items(key, last, m, life)
             grads_at = _tier2_copies(pl, items, key, m, life)
+            waits = refresh_at if m == 0 and key == "fw" else {}
             for j, it in enumerate(items):
+                if waits and it.kind == "compute":
+                    for c in waits.pop(it.ref, ()):
+                        events.append(Event("wait", "refresh.wait", cid=c, live=it.live))
                 _events_of(it, ids, cid, events, counter, back)
+                if waits and j == len(items) - 1:   # groups no node reads: after the forward
+                    for c in [c for cs in waits.values() for c in cs]:
+                        events.append(Event("wait", "refresh.wait", cid=c, live=it.live))
+                    waits.clear()
                 if it.kind == "compute" and it.ref in reload_at:
                     _, nb, c = reload_at[it.ref]
                     back += nb

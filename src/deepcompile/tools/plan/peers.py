@@ -1,4 +1,5 @@
-"""The peers' ZeRO-3 schedules on the same composed graphs: FSDP2 and DeepSpeed ZeRO-3 eager.
+"""The peers' schedules on the same composed graphs: FSDP2 and DeepSpeed ZeRO-3 eager; DDP and
+DeepSpeed ZeRO-1 beside deepcompile's ZeRO-1/2.
 
 [Note: FSDP2's schedule] (`fully_shard` on each decoder layer, then on the root: the bench's
 setup, torch's defaults.) A unit (a layer; the root: embedding, final norm, head) is gathered in
@@ -26,6 +27,24 @@ module is fetched, the modules after it in the recorded order are prefetched whi
 asynchronously, and waited for before its buffer is filled again (two buckets later) or at
 the end of the backward. Every module fetch costs the host `ds_hook_s` (Python hooks,
 coordinator bookkeeping); compute is eager.
+
+[Note: DDP's schedule] (torch's defaults: `bucket_cap_mb` 25, the first bucket 1 MiB; the
+bench's setup: fp32 parameters, bf16 compute under autocast.) Every rank holds the whole model
+and its optimizer state (16 bytes a parameter: fp32 parameter, gradient, Adam's two moments).
+Gradients are copied into their bucket as they complete, in the order the backward completes
+them; a full bucket is all-reduced (fp32) asynchronously and every bucket is waited for at the
+end of the backward. The optimizer step updates every parameter on every rank. Compute: eager
+for "ddp", compiled for "ddp-compile" (`torch.compile(DDP(model))`: Dynamo splits the graph at
+the buckets, so the same overlap).
+
+[Note: DeepSpeed ZeRO-1's schedule] (DeepSpeed's defaults at stage 1: `reduce_bucket_size` and
+`allgather_bucket_size` 5e8 elements, `overlap_comm` off.) Parameters and their gradients are
+replicated in the compute dtype, the fp32 masters and Adam's moments partitioned (1/N each),
+beside one reduce bucket. Gradients are copied
+into a reduce bucket as they complete (a hook per parameter); a full bucket, and the last one
+at the end of the backward, is reduced to its owners (a reduce-scatter's bytes) on the compute
+stream: exposed. After each rank steps its partition, the updated partitions are all-gathered
+into the replicas (5e8 elements per collective) inside the step: exposed too. Compute is eager.
 """
 
 from __future__ import annotations
@@ -43,6 +62,10 @@ from .simulate import Event
 DS_PREFETCH_BUCKET = 50_000_000
 DS_PERSISTENCE = 100_000
 DS_REDUCE_BUCKET = 500_000_000
+DS_ALLGATHER_BUCKET = 500_000_000
+DDP_BUCKET_BYTES = 25 << 20
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_GRAD_BYTES = 4   # fp32 parameters (autocast computes in bf16): fp32 gradients
 
 
 @dataclasses.dataclass
@@ -77,7 +100,8 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
           release: dict[str, int | None], held_at_start: dict[str, int], copy_out: bool,
           hook_s: float, eager: bool, reduces: list[tuple[int, list[int], int]],
           rs_wait: dict[int, int], grads_copied: bool, persistent: int,
-          grads_absent: bool = False) -> list[Item]:
+          grads_absent: bool = False, reduce_kind: str = "reduce_scatter",
+          blocking: bool = False) -> list[Item]:
     """Items of one graph: unit all-gathers issued before node `issue[u]` (waited before the
     unit's first use, released after node `release[u]`, or never), reduce-scatters
     (after node, pids, wire bytes) waited before node `rs_wait[k]` (n: the end).
@@ -85,7 +109,9 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
     persistent bytes; else a reduce-scatter holds its input and output until its wait.
     `grads_absent` (FSDP2's first micro-step): the gradient shards `persistent` counts do not
     exist yet; each reduce-scatter's appear at its wait ([Note: gradient lifetime] in
-    ours.py: zero_grad sets them to None after the step)."""
+    ours.py: zero_grad sets them to None after the step). `reduce_kind`: the gradients'
+    collective ("all_reduce": DDP's buckets); `blocking`: each one runs on the compute stream,
+    waited for at once (DeepSpeed's `overlap_comm` off)."""
     g = s.model.fw if key == "fw" else s.model.bw
     n = len(g.nodes)
     cost = s.cost
@@ -131,7 +157,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
             held.pop(("rs", k), None)
             if grads_absent:
                 absent[0] -= sum(shard_grad[p] for p in reduces[k][1])
-            emit("reduce_scatter_wait", f"rs{k}.wait", 0.0, 0.0, (key, "rs", k), i, label)
+            emit(f"{reduce_kind}_wait", f"rs{k}.wait", 0.0, 0.0, (key, "rs", k), i, label)
         for u in by_issue.get(i, ()):
             held[("unit", u.name)] = u.nbytes
             emit("all_gather_start", f"ag.{u.name}", async_s(cost, "all_gather", u.nbytes),
@@ -167,15 +193,22 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
                 sum(grad_of[p].nbytes for p in pids if p in grad_of))
             if not grads_copied:
                 held[("rs", k)] = wire + wire // s.world
-            emit("reduce_scatter_start", f"rs{k}", async_s(cost, "reduce_scatter", wire) + copy,
-                 _launch(cost, "reduce_scatter", wire) + hook_s, (key, "rs", k), i + 1, lab[i],
+            if blocking:
+                emit(reduce_kind, f"rs{k}", cost.collective_s(reduce_kind, wire) + copy,
+                     cost.launch_s(reduce_kind) + hook_s, None, i + 1, lab[i], nbytes=wire)
+                continue
+            emit(f"{reduce_kind}_start", f"rs{k}", async_s(cost, reduce_kind, wire) + copy,
+                 _launch(cost, reduce_kind, wire) + hook_s, (key, "rs", k), i + 1, lab[i],
                  nbytes=wire)
     before(n)
     return out
 
 
 def _to_schedule(s: Setting, name: str, description: str, items: list[list[Item]],
-                 persistent: int, decisions: dict[str, Any]) -> Schedule:
+                 persistent: int, decisions: dict[str, Any], step_share: float = 1.0,
+                 after_step: list[Item] = ()) -> Schedule:
+    """`step_share`: the optimizer step's elements over one rank's shard (DDP: N, it steps
+    every parameter); `after_step`: what runs after it (DeepSpeed ZeRO-1's all-gathers)."""
     events: list[Event] = []
     counter = Counter()
     cid = [0]
@@ -183,7 +216,9 @@ def _to_schedule(s: Setting, name: str, description: str, items: list[list[Item]
         ids: dict[Any, int] = {}
         for it in graph_items:
             _events_of(it, ids, cid, events, counter, 0)
-    events += optimizer_events(s, persistent)
+    events += optimizer_events(s, persistent, share=step_share)
+    for it in after_step:
+        _events_of(it, {}, cid, events, counter, 0)
     return Schedule(name, description, events, counter.counts, decisions)
 
 
@@ -305,3 +340,71 @@ def deepspeed(s: Setting, costs: PeerCosts, *, name: str, description: str) -> S
     return _to_schedule(s, name, description, items, persistent,
                         {"persistent_params": len(persist), "modules": len(groups),
                          "reduce_buckets": len(reduces)})
+
+
+# ------------------------------------------------------------------------------- DDP
+def ddp(s: Setting, costs: PeerCosts, *, compiled: bool, name: str, description: str) -> Schedule:
+    """[Note: DDP's schedule]"""
+    m: Model = s.model
+    numel = sum(p.numel for p in m.params)
+    state = 16 * numel   # fp32 parameter, gradient (its bucket), Adam's two moments
+    persistent = state + m.base_bytes
+    reduces, bucket, size = [], [], 0
+    cap = DDP_FIRST_BUCKET_BYTES
+    for gr in m.bw.grads:
+        bucket.append(gr.pid)
+        size += m.params[gr.pid].numel * DDP_GRAD_BYTES
+        if size >= cap:
+            reduces.append((gr.at, bucket, size))
+            bucket, size, cap = [], 0, DDP_BUCKET_BYTES
+    if bucket:
+        reduces.append((len(m.bw.nodes) - 1, bucket, size))
+    waits = {k: len(m.bw.nodes) for k in range(len(reduces))}   # all at the backward's end
+    items = []
+    for mstep in range(s.gas):
+        last = mstep == s.gas - 1   # no_sync() before the last micro-step
+        items.append(_walk(s, "fw", [], {}, {}, {}, False, 0.0, not compiled, [], {}, True,
+                           persistent))
+        items.append(_walk(s, "bw", [], {}, {}, {}, False, 0.0, not compiled,
+                           reduces if last else [], waits if last else {}, True, persistent,
+                           reduce_kind="all_reduce"))
+    return _to_schedule(s, name, description, items, persistent,
+                        {"buckets": len(reduces), "state_bytes_per_rank": state},
+                        step_share=numel / max(s.shard_elems(), 1))
+
+
+# ------------------------------------------------------------------------- DeepSpeed ZeRO-1
+def deepspeed_z1(s: Setting, costs: PeerCosts, *, name: str, description: str) -> Schedule:
+    """[Note: DeepSpeed ZeRO-1's schedule]"""
+    m: Model = s.model
+    # stage 1 keeps every gradient whole (compute dtype) until the boundary's reduction
+    persistent = s.persistent_bytes() + m.base_bytes + DS_REDUCE_BUCKET * s.csize + \
+        sum(s.full_bytes(p) for p in m.params)
+    reduces, bucket, size = [], [], 0
+    for gr in m.bw.grads:
+        bucket.append(gr.pid)
+        size += m.params[gr.pid].numel
+        if size >= DS_REDUCE_BUCKET:
+            reduces.append((gr.at, bucket, _rs_bytes(s, bucket)))
+            bucket, size = [], 0
+    if bucket:
+        reduces.append((len(m.bw.nodes) - 1, bucket, _rs_bytes(s, bucket)))
+    items = []
+    for mstep in range(s.gas):
+        last = mstep == s.gas - 1   # reduced at the accumulation boundary only
+        items.append(_walk(s, "fw", [], {}, {}, {}, False, 0.0, True, [], {}, True, persistent))
+        items.append(_walk(s, "bw", [], {}, {}, {}, False, 0.0, True, reduces if last else [],
+                           {}, True, persistent, blocking=True))
+    gathers, size = [], 0
+    numel = sum(p.numel for p in m.params)
+    while size < numel:
+        n = min(DS_ALLGATHER_BUCKET, numel - size)
+        nb = n * s.csize
+        gathers.append(Item("all_gather", f"allgather {len(gathers)}",
+                            s.cost.collective_s("all_gather", nb), s.cost.launch_s("all_gather"),
+                            persistent, persistent, None, "refresh", nb))
+        size += n
+    return _to_schedule(s, name, description, items, persistent,
+                        {"reduce_buckets": len(reduces), "allgathers": len(gathers),
+                         "state_bytes_per_rank": (16 * s.shard_elems())},
+                        after_step=gathers)

@@ -50,6 +50,7 @@ OURS = (("ours-z3", ()),
         ("ours-z3-all", ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")),
         ("ours-z3-auto", ours.AUTO))
 PEERS = ("fsdp2", "fsdp2-compile", "ds-z3")
+PEERS_Z12 = ("ddp", "ddp-compile", "ds-z1")   # beside ZeRO-1/2 (the default at --stage 1, 2)
 
 
 class PlanError(ValueError):
@@ -208,10 +209,13 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
         ("ours-z3-auto", ours.AUTO) if _is_auto(ps) else
         ("ours-z3" + "".join(f"+{p}" for p in ps) if ps else "ours-z3", tuple(ps))
         for ps in args.passes]
-    if args.stage < 3:
+    if args.stage < 3:   # what applies at ZeRO-1/2 of each pass set, and overlap_refresh
+        z12 = ("bucket_reduce", "overlap_refresh")
+        if args.passes is None:
+            ladder = ladder[:-1] + [("", z12)] + ladder[-1:]
         ladder = [(f"ours-z{args.stage}-auto", ours.AUTO) if ps == ours.AUTO else
-                  (f"ours-z{args.stage}" + ("+bucket_reduce" if "bucket_reduce" in ps else ""),
-                   tuple(p for p in ps if p == "bucket_reduce"))
+                  (f"ours-z{args.stage}" + "".join(f"+{p}" for p in ps if p in z12),
+                   tuple(p for p in ps if p in z12))
                   for _, ps in ladder]
         ladder = list(dict(ladder).items())
     for _, ps in ladder:
@@ -306,6 +310,21 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
         if auto is not None:
             sch.decisions = {"auto": auto, **sch.decisions}
         results.append(_run(sch, device_memory, cpu))
+    if args.stage < 3:
+        for peer in PEERS_Z12 if tuple(args.peers) == PEERS else args.peers:
+            if peer in ("ddp", "ddp-compile"):
+                sch = peers.ddp(setting(model_u if peer == "ddp" else model_f, True), costs,
+                                compiled=peer == "ddp-compile", name=peer,
+                                description="PyTorch DDP" + (" under torch.compile"
+                                                             if peer == "ddp-compile" else
+                                                             ", eager") + ", default buckets")
+            elif peer == "ds-z1":
+                sch = peers.deepspeed_z1(setting(model_u, True), costs, name=peer,
+                                         description="DeepSpeed ZeRO-1, eager, default buckets")
+            else:
+                raise PlanError(f"deepcompile plan: peer {peer!r} does not run at ZeRO-"
+                                f"{args.stage}; known there: {', '.join(PEERS_Z12)}")
+            results.append(_run(sch, device_memory, cpu))
     if args.stage == 3:
         for peer in args.peers:
             if peer == "fsdp2":

@@ -23,7 +23,8 @@ def table(plan) -> str:
     a = plan.args
     rows = plan.rows()
     ref = {r["system"]: r["step_s"] for r in rows}
-    base_ds = ref.get("ds-z3")
+    ds = "ds-z3" if a.stage == 3 else "ds-z1"   # the DeepSpeed peer of the stage
+    base_ds = ref.get(ds)
     base_z3 = ref.get(f"ours-z{a.stage}")
     where = "this machine (measured)" if a.gpu == "cpu" else f"{a.gpu}"
     lines = [
@@ -33,7 +34,7 @@ def table(plan) -> str:
         + (", activation checkpointing" if a.ac else ""),
         "",
         "| system | step s | tokens/s | TFLOPs/GPU | exposed comm s | peak GiB | fits | "
-        "collectives/step | vs ds-z3 | vs ours-z3 |",
+        f"collectives/step | vs {ds} | vs ours-z{a.stage} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -90,6 +91,13 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
         return (f"{d['reduces']} reduce-scatters in {d['buckets']} buckets, "
                 f"{d['hidden_s'] * 1e3:.1f} of {d['predicted_s'] * 1e3:.1f} ms hidden, peak "
                 f"{gb(d.get('peak_before'))} -> {gb(d.get('peak_after'))}")
+    if name == "overlap_refresh":
+        return (f"the replicas' refresh, {d['groups']} all-gathers ({gb(d['bytes'])}), launched "
+                f"in the step and waited for in the next forward: "
+                f"{d['exposed_s'] * 1e3:.1f} of {d['refresh_s'] * 1e3:.1f} ms exposed behind a "
+                f"{d['forward_s'] * 1e3:.1f} ms forward")
+    if name == "state_bytes_per_rank":
+        return f"optimizer state and masters {gb(d)} per GPU"
     if name == "selective_unshard":
         ag = d["per_step"]["all_gather"]
         rs = d["per_step"]["reduce_scatter"]
@@ -138,6 +146,7 @@ def _default(x):
 # one hue per legend entry, no two alike (one blue, one purple)
 _COLORS = {"fw": "#4C72B0", "bw": "#55A868", "optimizer": "#8172B2", "wait": "#DDDDDD",
            "all_gather": "#17BECF", "reduce_scatter": "#FF7F0E", "refresh": "#E377C2",
+           "all_reduce": "#D62728",
            "offload": "#8C564B", "host": "#7F7F7F", "other": "#BBBBBB"}
 
 
@@ -166,13 +175,14 @@ def _merged(segments, lane: str, tol: float):
 
 
 def default_systems(plan) -> list[str]:
-    """ZeRO-3 insertion, the fastest of ours, the fastest FSDP2, DeepSpeed (a picture of every
-    system is too tall to read)."""
+    """Ours with insertion only, the fastest of ours, the fastest FSDP2 or DDP, DeepSpeed (a
+    picture of every system is too tall to read)."""
     res = {r.system: r.result.step_s for r in plan.results}
     ours = [n for n in res if n.startswith("ours")]
-    fsdp = [n for n in res if n.startswith("fsdp2")]
+    torch_peers = [n for n in res if n.startswith(("fsdp2", "ddp"))]
     pick = ours[:1] + ([min(ours, key=res.get)] if ours else []) + \
-        ([min(fsdp, key=res.get)] if fsdp else []) + [n for n in res if n.startswith("ds")]
+        ([min(torch_peers, key=res.get)] if torch_peers else []) + \
+        [n for n in res if n.startswith("ds")]
     return list(dict.fromkeys(pick))
 
 
@@ -237,8 +247,8 @@ def picture(plan, path: Path, systems: list[str] | None = None) -> Path | None:
                  fontsize=11)
     handles = [Patch(color=_COLORS[k], label=lab) for k, lab in (
         ("fw", "forward"), ("bw", "backward"), ("all_gather", "all-gather"),
-        ("reduce_scatter", "reduce-scatter"), ("wait", "waiting"), ("optimizer", "optimizer"),
-        ("refresh", "refresh kept"), ("offload", "offload copies"), ("host", "host"))]
+        ("reduce_scatter", "reduce-scatter"), ("all_reduce", "all-reduce"), ("wait", "waiting"),
+        ("optimizer", "optimizer"), ("refresh", "refresh copy-out"), ("offload", "offload copies"), ("host", "host"))]
     fig.legend(handles=handles, loc="lower center", ncol=9, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 0.96))
     fig.savefig(path, dpi=110)
