@@ -12,9 +12,12 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
      "record": ("comm", "memory"),          # optional extra measurements: "comm",
                                             # "memory", "initial_state", "step_every_micro",
                                             # "report" (engine.report().to_dict() at the end),
-                                            # "replicas", "unshard"
-     "profile_seed": 3}                     # optional: profiled times randomized
+                                            # "replicas", "unshard", "comm_groups" (per
+                                            # optimizer step, comm_stats(by_group=True))
+     "profile_seed": 3,                     # optional: profiled times randomized
                                             # (`random_times`)
+     "env": {"LOCAL_WORLD_SIZE": "2"}}      # optional: environment while the engine is made
+                                            # (simulated nodes: runtime/mesh.py)
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -51,7 +54,7 @@ LEGACY_PASSES = {1: ("bucket_reduce",), 2: ("bucket_reduce",), 3: ()}
 def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
              clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
              record: tuple[str, ...] = (), chunk_bytes: int | None = None,
-             profile_seed: int | None = None, **config) -> dict:
+             profile_seed: int | None = None, env: dict | None = None, **config) -> dict:
     """Build a scenario dict (see module docstring). `chunk_bytes`: the flat layout's chunk
     size (runtime/flat.py; tiny models fit one chunk of the default size, and offloading
     moves whole chunks)."""
@@ -66,6 +69,8 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
         out["chunk_bytes"] = chunk_bytes
     if profile_seed is not None:
         out["profile_seed"] = profile_seed
+    if env:
+        out["env"] = dict(env)
     return out
 
 
@@ -77,6 +82,23 @@ def tanh_stack() -> torch.nn.Module:
     for _ in range(6):
         layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+@contextlib.contextmanager
+def environment(env: dict | None):
+    """`env` set in os.environ inside (what the engine reads when it is made)."""
+    import os
+
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -111,7 +133,7 @@ def make_optimizer(spec):
 
 def scenario_key(sc: dict) -> str:
     """What the reference training depends on."""
-    return json.dumps({k: v for k, v in sc.items() if k not in ("record", "profile_seed")},
+    return json.dumps({k: v for k, v in sc.items() if k not in ("record", "profile_seed", "env")},
                       sort_keys=True, default=str)
 
 
@@ -168,6 +190,19 @@ def _comm(engine) -> dict:
 
 def _diff(a: dict, b: dict) -> dict:
     return {k: (a[k][0] - b[k][0], a[k][1] - b[k][1]) for k in COMM_KINDS}
+
+
+def _group_diff(after: dict, before: dict) -> dict:
+    """{group: {kind: (count, bytes)}} of what ran between two `comm_stats(by_group=True)`
+    (kinds that ran only)."""
+    zero = {"count": 0, "bytes": 0}
+    out = {}
+    for g, kinds in after.items():
+        for k, v in kinds.items():
+            b = before.get(g, {}).get(k, zero)
+            if v["count"] != b["count"]:
+                out.setdefault(g, {})[k] = (v["count"] - b["count"], v["bytes"] - b["bytes"])
+    return out
 
 
 def _memory_snapshot(engine) -> dict:
@@ -233,7 +268,7 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
             cfg[k] = getattr(torch, cfg[k])
     model = _models.build_model(name)
     model_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    with chunk_bytes(sc.get("chunk_bytes")):
+    with chunk_bytes(sc.get("chunk_bytes")), environment(sc.get("env")):
         engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
                                         config=deepcompile.Config(**cfg))
     if sc.get("profile_seed") is not None:
@@ -255,6 +290,7 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
 
     micro = 0
     for _step in range(sc["steps"]):
+        g0 = engine.comm_stats(by_group=True) if "comm_groups" in record else None
         for _m in range(gas):
             t_micro = time.perf_counter()
             batch = _models.local_batch(name, micro, rank, world)
@@ -282,6 +318,9 @@ def _one_scenario(rank: int, world: int, sc: dict) -> dict:
         engine.step()
         if "comm" in record:
             res["comm_step"].append(_diff(_comm(engine), c0))
+        if "comm_groups" in record:
+            res.setdefault("comm_groups_step", []).append(
+                _group_diff(engine.comm_stats(by_group=True), g0))
         if "unshard" in record:   # ... and refreshed by the step (not stale)
             res.setdefault("unshard_after_step", []).append(_unshard_check(engine))
         if "memory" in record:

@@ -91,6 +91,12 @@ def funcol_ops():
             c.wait_tensor.default)
 
 
+def funcol_all_reduce():
+    """The functional all-reduce overload (`(input, reduce_op, group_name)`, same schema from
+    2.11 on)."""
+    return torch.ops._c10d_functional.all_reduce.default
+
+
 def below_autograd():
     """Run below the autograd dispatch key: the functional collectives have Python autograd
     kernels, which cost host time even under no_grad; the compiled graphs run without grad."""

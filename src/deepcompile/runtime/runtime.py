@@ -9,6 +9,8 @@
   `selective_unshard`'s alike (runtime/accumulators.py);
 * `parked`: gathers a graph started for the next graph, until that graph takes them;
 * `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
+* `layout`: the data-parallel layout and its groups (runtime/mesh.py), and under "hpz"
+  `secondary`, the secondary shards the forward keeps for the backward (runtime/secondary.py);
 * `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on.
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
@@ -30,6 +32,7 @@ from .comm import Comm
 from .kept import KeptParams
 from .registry import ParamEntry, ParamRegistry
 from .replicas import Replicas
+from .secondary import SecondaryShards
 from .state import StepState
 
 log = logging.getLogger("deepcompile")
@@ -98,6 +101,9 @@ class EngineRuntime:
         self.accum = GradAccumulators(registry.entries, step, self.entry_by_ptr)
         self.parked = ParkedGathers()
         self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
+        self.layout = registry.layout
+        self.secondary = SecondaryShards(self.entry_by_ptr) \
+            if self.layout.secondary is not None else None
         self.offload: Any = None          # runtime/offload.py, set by the engine
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
@@ -127,6 +133,8 @@ class EngineRuntime:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
         allocator counts them)."""
         total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes()
+        if self.secondary is not None:
+            total += self.secondary.held_bytes()
         if self.count_offload_bytes and self.offload is not None:
             total += self.offload.held_bytes()
         return total
@@ -153,15 +161,14 @@ class EngineRuntime:
     def after_step_collectives(self) -> list[dict[str, Any]]:
         """The collectives the runtime runs after every optimizer step, outside the graphs:
         ZeRO-1/2's replica refresh and the kept parameters' refresh (one all-gather per fused
-        group, nothing at world size 1)."""
-        if self.comm.world == 1:
-            return []
+        group, nothing where the shards span one rank)."""
         out = []
         for what, plan in (("replica refresh", getattr(self.replicas, "plan", None)),
                            ("kept-parameter refresh", self.kept.plan)):
-            if plan is not None and len(plan):
+            if plan is not None and len(plan) and plan.communicates:
                 out.append({"where": "after the optimizer step", "what": what,
-                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes()})
+                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes(),
+                            "group": self.layout.shard.label})
         return out
 
     # -- around the optimizer step -------------------------------------------------------------
