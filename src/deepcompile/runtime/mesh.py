@@ -114,11 +114,10 @@ def _facts(config, mesh) -> dict[str, Any]:
 
 def _mesh_facts(mesh) -> dict[str, Any]:
     """What this rank sees of `mesh`: its shape, device type, and the global ranks of its groups
-    along each dim, in group-rank order."""
+    along each dim, in group-rank order (none where this rank is not in it)."""
     groups = []
-    for d in range(mesh.ndim):
-        g = mesh.get_group(d)
-        groups.append(dist.get_process_group_ranks(g))
+    if mesh.get_coordinate() is not None:
+        groups = [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
     return {"shape": list(mesh.mesh.shape), "device_type": mesh.device_type,
             "ranks": sorted(int(r) for r in mesh.mesh.flatten().tolist()), "groups": groups}
 
@@ -253,11 +252,19 @@ def _why(config, what: str | None) -> str:
     return f"{what}: {config.layout!r} is the same as 'shard'" if what else "Config.layout"
 
 
+_MESHES: dict[tuple, Any] = {}   # made once per process, shape and device type
+
+
 def _make_mesh(device: torch.device, world: Comm, group_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     if world.user_group is not dist.group.WORLD and dist.get_world_size() != world.world:
         raise LayoutError("deepcompile.initialize: a hierarchical layout over a process group "
                           "other than the default one needs its DeviceMesh: pass mesh=")
-    return init_device_mesh(device.type, (world.world // group_size, group_size),
-                            mesh_dim_names=("replicate", "shard"))
+    key = (device.type, world.world // group_size, group_size)
+    pg, mesh = _MESHES.get(key, (None, None))
+    if pg is not world.user_group:   # (a process group made again: its meshes are new)
+        mesh = init_device_mesh(device.type, (world.world // group_size, group_size),
+                                mesh_dim_names=("replicate", "shard"))
+        _MESHES[key] = (world.user_group, mesh)
+    return mesh

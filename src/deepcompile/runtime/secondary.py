@@ -19,9 +19,13 @@ for other parameters writes and reads the buffers of the parameters it is called
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .registry import ParamEntry
+# entries are registry.ParamEntry (not imported: the registry's back-pointer to the runtime
+# would close a circle through it)
+ParamEntry = Any
 
 
 def secondary_numel(entry: ParamEntry) -> int:
