@@ -29,8 +29,10 @@
 #   profile     12     4         torch.profiler over 3 steady steps, ours and plain compile
 #   attention   12,15  3         llama-1b's SDPA eager and compiled: mask, is_causal, the kernel
 #                                (compiled Llama gets an explicit mask before torch 2.14)
+#   layouts     42     4         2 GPUs (not part of `all`): hsdp and hpz over NCCL sub-groups
+#                                made at initialize, parity with eager, collectives per group
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|layouts|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -114,6 +116,13 @@ one() {
       fi ;;
     attention)
       run 240 "$log" $py benchmarks/attention_path.py --workload llama-1b --out "$out" ;;
+    layouts)
+      # needs 2 GPUs: two "nodes" of one (Config.shard_group_size=1)
+      if [[ $dry != 1 ]] && (( $(nvidia-smi -L | wc -l) < 2 )); then
+        echo "layouts: needs 2 GPUs" >&2; return 2
+      fi
+      run 300 "$log" $py -m torch.distributed.run --standalone --nproc-per-node 2 \
+        benchmarks/layouts_gpu.py --out "$out" ;;
     *) echo "unknown part $p" >&2; return 2 ;;
   esac
 }
