@@ -20,6 +20,13 @@ planned one describes; nothing in it calls back into Python.
 | `reload_state` (offload) | unchanged: the one Python op left, once per reload group | |
 | `grad_to_host` (offload, tier 2) | unchanged (a Python op per gradient sent to the host); the gradient's output becomes None | |
 
+Under a hierarchical layout ([Note: layouts] in runtime/mesh.py) "W" is the group a collective
+runs in: `hsdp` gathers and reduce-scatters within the group and all-reduces each reduced slice
+across the groups ([Note: hierarchical reduction]); `hpz` gathers over every rank in a forward
+graph, copying each rank's secondary block out of the gathered buffer into a runtime buffer
+(an extra input, written in place), and in a backward graph all-gathers those blocks within the
+group ([Note: secondary shards] in runtime/secondary.py).
+
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
 gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of
 the lowered graph; gathers started for the next graph become extra trailing outputs. The slot
