@@ -338,3 +338,17 @@ def test_layouts_that_cannot_work_are_refused_on_every_rank():
     assert "needs the group size" in got["no_size"]
     assert "holds ranks [0, 1] but the process group holds [0, 1, 2, 3]" in got["mesh_ranks"]
     assert "spreads over nodes" in got["mesh_nodes"]
+
+
+def test_deepspeed_hpz_and_mics_sizes():
+    import deepcompile
+
+    hpz = deepcompile.Config.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
+    assert (hpz.layout, hpz.shard_group_size) == ("hpz", 8)
+    mics = deepcompile.Config.from_deepspeed(
+        {"zero_optimization": {"stage": 2, "mics_shard_size": 4}})
+    assert (mics.layout, mics.shard_group_size, mics.zero_stage) == ("hsdp", 4, 2)
+    off = deepcompile.Config.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "mics_shard_size": -1, "zero_hpz_partition_size": 1}})
+    assert (off.layout, off.shard_group_size) == ("auto", None)
