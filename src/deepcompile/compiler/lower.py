@@ -161,7 +161,8 @@ class _Lowering:
         self.by_sec: list[tuple[fx.Node, int]] = []
         self.sec_inputs: dict[int, fx.Node] = {}     # pid -> its secondary shard's extra input
         self.reducing: list[dict] = []               # started buckets, all-reduce not launched
-        # (placeholder, key, shard positions, expected shards, entries, dtype)
+        # (placeholder, key, shard positions, expected shards, entries, dtype, from the
+        # secondary shards)
         self.parked: list[tuple] = []
         self.acc_fixed: list[fx.Node] = []           # fixed inputs that are accumulators
         self.outputs_extra: list[fx.Node] = []
@@ -227,11 +228,11 @@ class _Lowering:
         ph = self.sec_inputs.get(e.pid)
         if ph is None:
             ph = self.sec_inputs[e.pid] = self.extra_input(f"sec_{e.pid}")
-            self.rt.secondary.of(e)
+            buf = self.rt.secondary.of(e)   # made now: the graph's own parameter's
             if shard is not None and shard in self.arg_index:
                 self.by_sec.append((ph, self.arg_index[shard]))
             else:
-                self.fixed.append((ph, self.rt.secondary.of(e)))
+                self.fixed.append((ph, buf))
         return ph
 
     def write_secondary(self, buffer: fx.Node, entries: list[ParamEntry],

@@ -227,7 +227,7 @@ def build(config, world: Comm, device: torch.device, mesh=None, choose=None) -> 
     if group_size == world.world:
         return Layout("shard", group_size, world, world, mesh=mesh,
                       reason=_why(config, "one group of every rank"))
-    if mesh is None or mesh.ndim == 1:
+    if mesh is None:   # (a 1-D mesh is one group: "shard" above)
         mesh = _make_mesh(device, world, group_size)
     intra = world.sub(mesh.get_group(1), "intra")
     inter = world.sub(mesh.get_group(0), "inter")
