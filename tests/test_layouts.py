@@ -130,8 +130,10 @@ def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
     hsdp = _groups("fx4", "4x1-hsdp-z3-llama-adamw-gas2-clip")
     assert hsdp == {"inter": {"all_reduce": (2 * params, 2 * 4 * numel)}}
     hpz = _groups("fx4", "4x1-hpz-z3-llama-sgd-gas2-clip")
-    assert "intra" not in hpz and hpz["world"]["reduce_scatter"][0] == 2 * params
-    assert hpz["world"]["all_gather"][0] == 2 * params   # the forward's only
+    padded = 2 * 4 * _padded(4, "llama")   # 2 micro-steps, fp32
+    assert set(hpz) == {"world"}, hpz
+    assert hpz["world"]["reduce_scatter"][1] == padded
+    assert hpz["world"]["all_gather"][1] == padded   # the forward's only
 
 
 def test_hsdp_and_hpz_with_passes_count_per_group():

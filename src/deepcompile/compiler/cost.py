@@ -110,7 +110,7 @@ def calibrate(comm, device: torch.device, repeats: int = 5, layout=None) -> Line
 # [Note: a figure per group] A hierarchical layout (runtime/mesh.py) runs its collectives in
 # groups of different reach: within a node, across nodes, over every rank. The cost model keeps
 # one fitted figure per group and kind ("intra:all_gather", "inter:all_reduce", ...; a group
-# of one rank costs nothing) and composes from them the figures the passes plan with, as the
+# of one rank: its local copy) and composes from them the figures the passes plan with, as the
 # lowering runs each collective: "all_gather" (a forward gather), "all_gather_bw" (a backward
 # re-gather: hpz's runs within the group from the secondary shard) and "reduce_scatter" (a
 # gradient's reduction: hsdp's is the reduce-scatter in the group plus the all-reduce across
@@ -142,16 +142,14 @@ def compose(coeffs: dict[str, tuple[float, float]], layout) -> dict[str, tuple[f
 
 def measure_groups(groups, device: torch.device, repeats: int = 5) -> dict[str, list[float]]:
     """{"label:kind": the fastest of `repeats` runs at each of SWEEP_BYTES (the full tensor's
-    bytes)} for each (comm, kinds) of `groups`; zeros for a group of one rank. Every rank runs
+    bytes)} for each (comm, kinds) of `groups` (a group of one rank: the local copy that stands
+    for its collective, as a gather's cast or view does in the lowered graphs). Every rank runs
     the same sweeps in the same order (each in its own group of a level)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {}
     for comm, kinds in groups:
         for kind in kinds:
             key = f"{comm.label}:{kind}"
-            if comm.world == 1:
-                times[key] = [0.0] * len(SWEEP_BYTES)
-                continue
             times[key] = []
             for nbytes in SWEEP_BYTES:
                 numel = max(comm.world, nbytes // 4) // comm.world * comm.world

@@ -117,7 +117,7 @@ def choose(params: list[ParamFacts], world: int, group: int, stage: int, gas: in
 
 def collective_time(models: dict[str, Any]) -> Callable[[str, str, int], float]:
     """`collective_s(label, kind, bytes)` over cost models per group label (compiler/cost.py);
-    a label without a model (a group of one rank) costs nothing."""
+    a label without a model costs nothing."""
     def collective_s(label: str, kind: str, nbytes: int) -> float:
         model = models.get(label)
         return 0.0 if model is None else model.collective_s(kind, nbytes)
