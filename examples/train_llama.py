@@ -19,11 +19,14 @@ Data: byte-level tokens (vocabulary 256 of the model's) of `--data FILE` (defaul
 cut into windows of `--seq-len`, shuffled by a DistributedSampler; the position in the data,
 the LR schedule (linear warm-up, cosine decay) and the step are saved with each checkpoint
 (`client_state`) and restored by `--resume`. Logged every `--log-every` steps (rank 0): loss
-(mean over ranks), learning rate, tokens/s (all ranks), peak memory; a progress bar with tqdm.
+(mean over ranks), learning rate, the gradient norm before clipping (`engine.metrics()`),
+tokens/s (all ranks), peak memory; a progress bar with tqdm; a line as each phase of
+deepcompile's setup begins, and when its plan is final (from then on the steps run the final
+code: time from there; docs/guide/setup.md).
 `engine.metrics()` every step to TensorBoard (`--tensorboard DIR`) and/or W&B (`--wandb
 PROJECT`): step time, tokens/s, FLOP/s and MFU (GPUs whose peak is known), exposed
-communication, peak memory, collectives per step. `--plot-dir DIR` traces one steady step and
-writes the report and its pictures.
+communication, peak memory, collectives per step, gradient norm. `--plot-dir DIR` traces one
+steady step (forward, backward and optimizer step) and writes the report and its pictures.
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ class MetricsSink:
     """engine.metrics() to TensorBoard and/or W&B, on rank 0 (what a training script logs)."""
 
     KEYS = ("step_s", "tokens_per_s", "flops_per_s", "mfu", "exposed_comm_s",
-            "exposed_comm_s_measured", "peak_memory_bytes", "collectives_per_step")
+            "exposed_comm_s_measured", "peak_memory_bytes", "collectives_per_step", "grad_norm")
 
     def __init__(self, args, rank: int) -> None:
         self.tb = self.run = None
@@ -257,8 +260,25 @@ def main(argv=None) -> int:
     pending = None
     tokens_since, t_since = 0, time.perf_counter()
     launched = 0
+    shown = None   # the setup phase last shown
+
+    def show_setup():   # where deepcompile's setup is, as each phase begins (docs/guide/setup.md)
+        nonlocal shown
+        if rank != 0 or engine.phase == shown:
+            return
+        shown = engine.phase
+        line = (f"setup: step {step + 1}: {shown}" if engine.setup_steps is None else
+                f"setup done ({engine.setup_steps} steps): steady state from step {step + 1}")
+        if bar is not None and not bar.disable:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    show_setup()
     while step < args.steps:
         losses = []
+        if args.plot_dir and not traced and engine.phase == "steady":
+            traced = engine.trace_next_step()   # this whole step, for --plot-dir's timeline
         for _ in range(args.grad_accum):
             epoch, index, ids = next(data)
             position = index + 1
@@ -267,12 +287,11 @@ def main(argv=None) -> int:
             engine.backward(loss)
             losses.append(loss.detach())
             tokens_since += ids.numel() * world
-        if args.plot_dir and not traced and engine.phase == "steady":
-            traced = engine.trace_next_step()   # this step, for the timeline of --plot-dir
         engine.step()
         scheduler.step()
         step += 1
         launched += 1
+        show_setup()
         metrics = engine.metrics()   # cheap: every step
         mean = None
         if step % args.log_every == 0 or step == args.steps:
@@ -282,6 +301,7 @@ def main(argv=None) -> int:
             elapsed = time.perf_counter() - t_since
             if rank == 0:
                 line = (f"step {step}/{args.steps} loss {mean:.8f} lr {scheduler.get_last_lr()[0]:.3e} "
+                        f"grad norm {metrics['grad_norm']:.4f} "
                         f"tokens/s {tokens_since / elapsed:,.0f} peak memory {peak_memory(device)}")
                 if bar is not None and not bar.disable:
                     bar.set_postfix_str(f"loss {mean:.4f}")

@@ -12,6 +12,7 @@ Models:
   llama8       the same with 8 decoder layers (host work against depth).
   llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
   llama_ckpt   the same with activation checkpointing (gradient_checkpointing_enable()).
+  llama_dropout the same with dropout on the attention weights (attention_dropout=0.1).
   mixtral      tiny HF MixtralForCausalLM (4 experts, top-2, hidden 32, 2 layers), with
                transformers' default experts implementation ("grouped_mm": one graph, a custom
                op with its own autograd); `mixtral_eager` uses experts_implementation="eager"
@@ -27,6 +28,22 @@ Models:
   disabled_forward  a submodule that reads its own parameter directly, whose forward the
                user wrapped with torch.compiler.disable (the way to run a submodule eagerly):
                Dynamo graph-breaks at its call, and it runs eagerly between compiled graphs.
+  loop_count   code after a graph break that reads data: a loop run `int(k.max())` times
+               (`COUNTS`, the same on every rank, changing from micro-step to micro-step), which
+               Dynamo unrolls: one graph per count, over the same parameters.
+  branch_count the same code with a branch instead of the loop: one of two paths over the same
+               parameters by the parity of the count.
+  odd_head     an MLP whose head `aux` is used only on some optimizer steps (the batch's
+               `use_aux`), with a parameter `never` that is never used.
+  nograd_read  `fc2.weight` first read under no_grad (a statistic), then by `fc2` with
+               gradients; `inference_read` under inference_mode, `detach_read` through .detach().
+  mean_teacher a teacher forward under no_grad before the student's; they share `stem`
+               (`mean_teacher_apart`: they share no parameter).
+  vq           a VQ codebook: distances under no_grad, then the lookup of the nearest codes.
+  moe_skip     an experts loop over an nn.ModuleList that skips an expert with no token; the
+               data routes the two halves of the batch to different experts on some micro-steps
+               (then two ranks run different experts; `moe_skip_early`: from the first one);
+               `moe_skip_disabled`: each expert's forward wrapped with torch.compiler.disable.
 """
 
 from __future__ import annotations
@@ -171,13 +188,159 @@ class DisabledForwardModel(nn.Module):
         return F.mse_loss(out, y)
 
 
-def _llama(tie: bool, layers: int = 2, checkpointed: bool = False) -> nn.Module:
+class DataDependentModel(nn.Module):
+    """`loop_count` / `branch_count` (see the module docstring)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(MLP_IN, 16)
+        self.cell = nn.Linear(32, 16)
+        self.out = nn.Linear(16, MLP_OUT)
+
+    def forward(self, x, y, k):
+        h = torch.tanh(self.inp(x))
+        s = h
+        n = int(k.max())   # a graph break: what follows is compiled once per value
+        if self.kind == "loop":
+            for _ in range(n):
+                s = torch.tanh(self.cell(torch.cat([h, s], -1)))
+        elif n % 2:
+            s = torch.tanh(self.cell(torch.cat([h, s], -1)))
+        else:
+            s = torch.sigmoid(self.cell(torch.cat([s * h, h], -1))) + s
+        return F.mse_loss(self.out(s), y)
+
+
+class OddHead(nn.Module):
+    """`aux` is used only where the batch says `use_aux` (some optimizer steps have no gradient
+    for it); `never` is never used. AdamW's weight decay moves a parameter that a step steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(MLP_IN, 21)
+        self.never = nn.Parameter(torch.randn(5))
+        self.fc2 = nn.Linear(21, MLP_OUT)
+        self.aux = nn.Linear(21, MLP_OUT)
+
+    def forward(self, x, y, use_aux: bool = False):
+        h = torch.tanh(self.fc1(x))
+        out = self.fc2(h)
+        if use_aux:
+            out = out + self.aux(h)
+        return F.mse_loss(out, y)
+
+
+class NoGradRead(nn.Module):
+    """`fc2.weight` is first read without a gradient (under `no_grad`, `inference_mode`, or
+    through `.detach()`), then by `fc2` itself: it trains through the second use."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.fc1 = nn.Linear(MLP_IN, 19)
+        self.fc2 = nn.Linear(19, 19)
+        self.fc3 = nn.Linear(19, MLP_OUT)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc1(x))
+        if self.mode == "no_grad":
+            with torch.no_grad():
+                s = self.fc2.weight.std()
+        elif self.mode == "inference_mode":
+            with torch.inference_mode():
+                s = self.fc2.weight.std()
+        else:
+            s = self.fc2.weight.detach().std()
+        h = torch.tanh(self.fc2(h) / (s * 4.0))
+        return F.mse_loss(self.fc3(h), y)
+
+
+class MeanTeacher(nn.Module):
+    """A teacher forward under `no_grad` before the student's: `stem` is shared by both (first
+    read by the teacher; `shared=False`: the teacher has a stem of its own), the teacher's own
+    layers never get a gradient."""
+
+    def __init__(self, shared: bool = True):
+        super().__init__()
+        self.stem = nn.Linear(MLP_IN, 17)
+        self.teacher_stem = self.stem if shared else nn.Linear(MLP_IN, 17)
+        self.student = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
+        self.teacher = nn.Sequential(nn.Tanh(), nn.Linear(17, MLP_OUT))
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            t = self.teacher(self.teacher_stem(x))
+        s = self.student(self.stem(x))
+        return F.mse_loss(s, y) + 0.5 * F.mse_loss(s, t)
+
+
+class VQ(nn.Module):
+    """Vector quantization: distances to the codebook under `no_grad`, then the lookup of the
+    nearest codes (their gradient trains the codebook), straight-through to the decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(MLP_IN, 6)
+        self.codebook = nn.Embedding(11, 6)
+        self.dec = nn.Linear(6, MLP_OUT)
+
+    def forward(self, x, y):
+        z = self.enc(x)
+        with torch.no_grad():
+            idx = torch.cdist(z, self.codebook.weight).argmin(-1)
+        q = self.codebook(idx)
+        out = self.dec(z + (q - z).detach())
+        return F.mse_loss(out, y) + F.mse_loss(q, z.detach()) + 0.25 * F.mse_loss(z, q.detach())
+
+
+class _Expert(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return torch.tanh(self.fc(h))
+
+
+class MoESkip(nn.Module):
+    """The classic loop over an `nn.ModuleList` of experts that skips an expert no token is
+    routed to. The route is the sign of the first feature (the data gives the two halves of a
+    batch opposite signs on some micro-steps: then two ranks run different experts); the gate
+    weights train the router. `disabled`: each expert's forward wrapped with
+    `torch.compiler.disable` (it runs eagerly)."""
+
+    def __init__(self, disabled: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(MLP_IN, 12)
+        self.router = nn.Linear(12, 2)
+        self.experts = nn.ModuleList(_Expert(12) for _ in range(2))
+        if disabled:
+            for e in self.experts:
+                e.forward = torch.compiler.disable(e.forward)
+        self.out = nn.Linear(12, MLP_OUT)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        gate = torch.softmax(self.router(h), -1)
+        choice = (x[:, 0] > 0).long()
+        mixed = h
+        for i, expert in enumerate(self.experts):
+            idx = (choice == i).nonzero().squeeze(-1)
+            if idx.numel() == 0:
+                continue
+            mixed = mixed.index_add(0, idx, expert(h[idx]) * gate[idx, i:i + 1])
+        return F.mse_loss(self.out(mixed), y)
+
+
+def _llama(tie: bool, layers: int = 2, checkpointed: bool = False,
+           dropout: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-        tie_word_embeddings=tie, attn_implementation="eager",
+        tie_word_embeddings=tie, attn_implementation="eager", attention_dropout=dropout,
     )
     model = LlamaForCausalLM(cfg)
     if checkpointed:   # every decoder layer's activations recomputed in the backward
@@ -211,6 +374,7 @@ _BUILDERS = {
     "llama8": lambda: _llama(tie=False, layers=8),
     "llama_tied": lambda: _llama(tie=True),
     "llama_ckpt": lambda: _llama(tie=False, checkpointed=True),
+    "llama_dropout": lambda: _llama(tie=False, dropout=0.1),
     "mixtral": lambda: _mixtral("grouped_mm"),       # transformers' default; one graph
     "mixtral_eager": lambda: _mixtral("eager"),      # loop over hit experts: graph breaks
     "graph_break": GraphBreakModel,
@@ -218,10 +382,27 @@ _BUILDERS = {
     "loop_break": LoopBreakModel,
     "nested_break": NestedBreakModel,
     "disabled_forward": DisabledForwardModel,
+    "loop_count": lambda: DataDependentModel("loop"),
+    "branch_count": lambda: DataDependentModel("branch"),
+    "odd_head": OddHead,
+    "nograd_read": lambda: NoGradRead("no_grad"),
+    "inference_read": lambda: NoGradRead("inference_mode"),
+    "detach_read": lambda: NoGradRead("detach"),
+    "mean_teacher": MeanTeacher,
+    "mean_teacher_apart": lambda: MeanTeacher(shared=False),
+    "vq": VQ,
+    "moe_skip": MoESkip,
+    "moe_skip_disabled": lambda: MoESkip(disabled=True),
+    "moe_skip_early": MoESkip,
 }
 
+# the count `loop_count` and `branch_count` read at each micro-step (cycled): 4 and 5 first come
+# late, after the passes planned (the steady state, with the tests' schedules)
+COUNTS = (1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 4, 3, 2, 1, 4, 2, 1, 3, 2, 5, 1, 5, 2, 3)
+
 MODEL_NAMES = tuple(_BUILDERS)
-LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "mixtral", "mixtral_eager")
+LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "llama_dropout", "mixtral",
+             "mixtral_eager")
 
 
 def build_model(name: str, seed: int = SEED) -> nn.Module:
@@ -245,6 +426,21 @@ def global_batch(name: str, micro_step: int, seed: int = SEED) -> dict[str, torc
         return {"input_ids": ids, "labels": ids.clone()}
     x = torch.randn(GLOBAL_BATCH, MLP_IN, generator=g)
     y = torch.randn(GLOBAL_BATCH, MLP_OUT, generator=g)
+    if name in ("loop_count", "branch_count"):   # every row (so every rank) reads one count
+        return {"x": x, "y": y,
+                "k": torch.full((GLOBAL_BATCH,), COUNTS[micro_step % len(COUNTS)])}
+    if name.startswith("moe_skip"):
+        # every rank's rows go to both experts, but in micro-steps 2, 6, 10, ... (`early`: also
+        # 0, 4, 8, ...) the first half of the batch goes to expert 1 only and the second half to
+        # expert 0 only
+        sign = torch.ones(GLOBAL_BATCH)
+        if micro_step % 4 == 2 or (name == "moe_skip_early" and micro_step % 4 == 0):
+            sign[GLOBAL_BATCH // 2:] = -1
+        else:
+            sign[1::2] = -1
+        x[:, 0] = sign * (x[:, 0].abs() + 0.1)
+    if name == "odd_head":   # `aux` used in micro-steps 2, 3, 6, 7, ...
+        return {"x": x, "y": y, "use_aux": (micro_step // 2) % 2 == 1}
     return {"x": x, "y": y}
 
 
@@ -253,7 +449,7 @@ def local_batch(name: str, micro_step: int, rank: int, world: int,
     """Rank `rank`'s slice (GLOBAL_BATCH / world rows) of the global batch."""
     assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
     per = GLOBAL_BATCH // world
-    return {k: v[rank * per:(rank + 1) * per].contiguous()
+    return {k: v[rank * per:(rank + 1) * per].contiguous() if isinstance(v, torch.Tensor) else v
             for k, v in global_batch(name, micro_step, seed).items()}
 
 

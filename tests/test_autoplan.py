@@ -6,6 +6,8 @@
 * on 2 gloo ranks (tiny Llama, fx): a pass forced to make the step slower, and one forced over
   the memory budget, are both reverted — graphs, profiles and the runtime state they configured
   — and reported as such; training goes on with the graphs from before;
+* the trial of a pass times the engine's work only: an evaluation between its steps (on an
+  injected clock) changes no decision; a pass that is certainly kept stops its trial early;
 * `passes="auto"` chooses and keeps the same plan with and without ±20% noise on the profiles
   and the cost model; the report counts every collective of a steady step where it runs (the
   kept parameters' refresh after the step included), equal to what `comm_stats()` counted;
@@ -165,6 +167,30 @@ def test_fusion_groups_do_not_follow_20_percent_noise(policy):
     assert len(groups) == (24 if policy == "overlap" else 1)
 
 
+def test_a_trial_stopped_early_decides_as_the_whole_trial():
+    """[Note: keeping a pass]: the trial stops at the first step after which no later step can
+    revert the pass (`time_settled`); on any steps (interleaved: after, before, after, ...) its
+    decision is the one the 3 + 3 steps would have given."""
+    from deepcompile.compiler.autoplan import time_settled, verdict
+
+    inf = float("inf")
+    rng = random.Random(0)
+    stopped_early = 0
+    for _ in range(2000):
+        base = rng.uniform(0.01, 0.02)
+        steps = [base * rng.uniform(0.7, 1.4) * (1.1 if i % 2 == 0 else 1.0) for i in range(6)]
+        after, before = steps[0::2], steps[1::2]
+        whole = verdict(_summary(measured=before), _summary(measured=after), budget=inf)[0]
+        a, b = [], []
+        for i, t in enumerate(steps):
+            (a if i % 2 == 0 else b).append(t)
+            if time_settled(b, a) or len(b) >= 3:
+                break
+        stopped_early += len(a) + len(b) < 6
+        assert verdict(_summary(measured=b), _summary(measured=a), budget=inf)[0] == whole
+    assert stopped_early > 1000
+
+
 # ---------------------------------------------------------- 2 ranks: reverting what is worse
 def _sleep_after(x) -> None:
     time.sleep(0.25)   # far above the step time and its noise on a loaded 2-core VM
@@ -277,6 +303,101 @@ def test_after_reverting_training_runs_the_graphs_from_before(reverted):
         assert r["counts"][0] == r["counts"][1]
         assert r["counts"][0]["reduce_scatter"] == r["params"]
         assert r["counts"][0]["all_gather"] > r["params"]
+
+
+# ----------------------------------- 2 ranks: the trial times the engine's work, not the user's
+_NOW = [0.0]   # the engines' injected clock ([Note: the engine's step time] in engine.py)
+
+
+def _tick(x) -> None:
+    _NOW[0] += 1.0   # one second of "work" per run of the graph, on the injected clock
+
+
+def _one_graph(ctx) -> dict:
+    return {"graph": next(k for k in sorted(ctx.slots) if ctx.slots[k].kind == "fw")}
+
+
+def _tick_apply(ctx, d) -> list[str]:
+    """The forward takes a second longer (on the injected clock): a pass to revert."""
+    g = ctx.slots[d["graph"]].gm.graph
+    first = next(n for n in g.nodes if n.op == "placeholder")
+    with g.inserting_after(next(n for n in g.nodes if n.op != "placeholder")):
+        g.call_function(_tick, (first,))
+    return [d["graph"]]
+
+
+def _mark_apply(ctx, d) -> list[str]:
+    """A graph changed at no cost: a pass to keep."""
+    g = ctx.slots[d["graph"]].gm.graph
+    first = next(n for n in g.nodes if n.op == "placeholder")
+    with g.inserting_after(next(n for n in g.nodes if n.op != "placeholder")):
+        g.call_function(_touch, (first,))
+    return [d["graph"]]
+
+
+def _trial_job(rank, world, cases):
+    """Each case: a pass timed against the graphs before it on the injected clock, with an
+    evaluation (an eval forward, which compiles inference graphs, and 100 s on the clock)
+    after every step that precedes a step of `eval_before`'s side."""
+    import deepcompile
+    from deepcompile.compiler.pipeline import Phase
+    from deepcompile.passes import known_passes
+
+    if "test_tick" not in known_passes():
+        deepcompile.register_pass("test_tick", _one_graph, _tick_apply)
+        deepcompile.register_pass("test_mark", _one_graph, _mark_apply)
+    out = []
+    for name, eval_before in cases:
+        engine = deepcompile.initialize(
+            _models.build_model("llama"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+            config={"compiler": "fx", "warmup_steps": 1, "passes": (name,)})
+        engine._clock = lambda: _NOW[0]
+        pipe, step, evals = engine._pipeline, 0, 0
+        while pipe.phase is not Phase.STEADY and step < 30:
+            _steps(engine, "llama", rank, world, 1, step)
+            step += 1
+            if pipe.phase is Phase.MEASURE and pipe._ab["side"] == eval_before:
+                with torch.no_grad():
+                    engine(**_models.local_batch("llama", 0, rank, world))
+                _NOW[0] += 100.0
+                evals += 1
+        entry = engine.report().to_dict()["passes"][0]
+        out.append({"kept": entry["kept"], "verdict": entry["verdict"], "evals": evals,
+                    "after": entry["after"]["measured_s"], "before": entry["before"]["measured_s"],
+                    "steps": [s for _, s in pipe.step_log], "setup_steps": engine.setup_steps,
+                    "inference": any(s.kind == "inference" for s in pipe.slots.values())})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trials():
+    cases = [("test_tick", None), ("test_tick", "before"), ("test_mark", None),
+             ("test_mark", "after")]
+    runs = run_distributed(_trial_job, WORLD, cases, timeout=600)
+    return [dict(zip(("pass", "eval_before"), c)) | {"ranks": [r[i] for r in runs]}
+            for i, c in enumerate(cases)]
+
+
+def test_an_evaluation_between_steps_changes_no_trial(trials):
+    """[Note: the engine's step time]: an evaluation between two steps of a pass's trial (here
+    100 s on the injected clock, each time before the side it would make look slower) is not in
+    the steps' times: the slower pass is reverted and the free one kept, with and without it."""
+    for case in trials:
+        r = case["ranks"][0]
+        assert case["ranks"][1] == r   # the same decision on every rank
+        if case["eval_before"] is not None:
+            assert r["evals"] > 0 and r["inference"]
+        assert max(r["steps"]) < 100   # nor in the step log (metrics, steps.png)
+    tick = [c["ranks"][0] for c in trials if c["pass"] == "test_tick"]
+    mark = [c["ranks"][0] for c in trials if c["pass"] == "test_mark"]
+    for r in tick:   # every timed step: one second after the pass, none before it
+        assert not r["kept"] and "slower" in r["verdict"]
+        assert (r["after"], r["before"]) == ([1.0] * 3, [0.0] * 3)
+    for r in mark:   # decided after one step of each side: it cannot be reverted any more
+        assert r["kept"] and (r["after"], r["before"]) == ([0.0], [0.0])
+    # warm-up 1, profile 1, re-profile 1, the trial: 6 steps to revert, 2 to keep
+    assert [r["setup_steps"] for r in tick] == [9, 9]
+    assert [r["setup_steps"] for r in mark] == [5, 5]
 
 
 # ------------------------------------------------------------------ 2 ranks: auto, stability
@@ -416,6 +537,32 @@ def test_pictures(auto_runs, tmp_path):
     assert cli.main(["report", f"{out}/report.json", "--plot", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.png", "passes.png",
                                                           "steps.png", "timeline.png"]
+
+
+def test_memory_picture_names_short_graphs_apart():
+    """Graphs of a fraction of a millisecond side by side (graph breaks): every name is drawn,
+    none over another."""
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    from deepcompile.report import figures
+
+    spans, t = [], 0.0
+    for i, dur in enumerate([4e-3, 2e-4, 2e-4, 3e-4, 6e-3, 2e-4, 2e-4, 9e-3]):
+        spans.append([f"g{i}.fw", t, dur])
+        t += dur
+    rank = {"rank": 0, "memory": {"points": [[0.0, 1 << 20], [t, 2 << 20]], "graphs": spans,
+                                  "profile": "after prefetch"}}
+    report = SimpleNamespace(ranks=[rank], memory_budget_bytes=None, world_size=1, passes=[],
+                             config={"zero_stage": 3, "compiler": "fx", "passes": "auto"})
+    plt = figures._plt()
+    fig = figures._memory(plt, report)
+    renderer = fig.canvas.get_renderer()
+    boxes = [x.get_window_extent(renderer) for x in fig.axes[0].texts
+             if x.get_text().startswith("g")]
+    plt.close(fig)
+    assert len(boxes) == len(spans)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 class _Ev:

@@ -53,7 +53,8 @@ def test_zero3_passes_change_nothing_at_stages_1_and_2(sid):
         # no collective in the forward, never an all-reduce of gradients
         assert all(f["all_gather"] == (0, 0) and f["reduce_scatter"] == (0, 0)
                    for f in r["comm_fwd"])
-        assert all(s["all_reduce"] == (1, 4) for s in r["comm_step"])   # the clipping norm
+        # the clipping norm rides in the inf/NaN check's reduction (bookkeeping, uncounted)
+        assert all(s["all_reduce"] == (0, 0) for s in r["comm_step"])
 
 
 def test_zero3_all_passes_unbounded_keeps_everything():

@@ -66,6 +66,22 @@ def test_no_cuda_warning_without_cuda(group, monkeypatch):
 
 
 # ------------------------------------------------------------------------------- the model
+def test_a_bf16_model_without_param_dtype_warns_of_bf16_masters(group):
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"parameters are bfloat16 and Config.param_dtype is "
+                      r"None: the optimizer's master weights will be bfloat16.*"
+                      r"Config\(param_dtype=torch.bfloat16\)"):
+        deepcompile.initialize(_model().to(torch.bfloat16), optimizer=SGD,
+                               config={"compiler": "fx"})
+    with warnings.catch_warnings():   # named: fp32 masters (the model's weights upcast)
+        warnings.simplefilter("error", UserWarning)
+        engine = deepcompile.initialize(_model().to(torch.bfloat16), optimizer=SGD,
+                                        config={"compiler": "fx", "param_dtype": "bf16"})
+    assert {p.dtype for g in engine.optimizer.param_groups for p in g["params"]} == \
+        {torch.float32}
+
+
 def test_meta_device_model(group):
     with torch.device("meta"):
         model = _model()
@@ -126,7 +142,8 @@ def test_zero_stage_other_than_1_2_3(group, stage):
     ("param_dtype", torch.int32),
     ("reduce_dtype", "int8"),
     ("passes", ("no-such-pass",)),
-    ("passes", "prefetch"),
+    ("passes", "prefetch,no-such-pass"),
+    ("passes", "prefetch,prefetch"),
 ])
 def test_invalid_config_value_names_the_key(group, key, value):
     with pytest.raises(ValueError, match=key):
@@ -166,6 +183,10 @@ def test_config_dict_and_dataclass_equivalent():
                          max_grad_norm=1.0, param_dtype=torch.bfloat16, passes=())
     assert Config.from_dict(cfg.to_dict()) == cfg
     assert Config() == Config.from_dict({}) == Config.from_dict({"passes": "auto"})
+    # the command line's form of a pass list
+    assert Config(passes="prefetch, bucket_reduce").passes == ("prefetch", "bucket_reduce")
+    assert Config(passes="").passes == () and Config(passes="selective_unshard").passes == \
+        ("selective_unshard",)
     assert Config.from_dict(Config().to_dict()) == Config()
 
 

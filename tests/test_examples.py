@@ -77,11 +77,14 @@ def test_train_llama_logs_metrics_and_draws(tmp_path):
                     "--seq-len", "32", "--tensorboard", str(tmp_path / "tb"),
                     "--plot-dir", str(tmp_path / "plots"))
     assert "done at step 26" in out and "passes chosen (auto)" in out
+    # where deepcompile's setup is, and when it is done (docs/guide/setup.md)
+    assert "setup: step 1: warmup" in out and "setup: step 3: profile" in out, out
+    assert re.search(r"^setup done \(\d+ steps\): steady state from step \d+$", out, re.M), out
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("step_s", "tokens_per_s", "flops_per_s", "exposed_comm_s", "peak_memory_bytes",
-                "collectives_per_step"):
+                "collectives_per_step", "grad_norm"):
         assert f"deepcompile/{key}" in tags, tags
     assert len(acc.Scalars("deepcompile/step_s")) == 26
     assert "deepcompile/exposed_comm_s_measured" in tags   # the traced steady step

@@ -13,6 +13,7 @@ from the start of the faulty step.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import time
@@ -200,6 +201,7 @@ def nan_skip(rank, group, out):
         if step == 3:
             before = engine.full_state_dict()
         out.setdefault("stepped", []).append(_step(engine, step, rank, nan=step == 3 and rank == 1))
+        out.setdefault("norms", []).append(engine.metrics()["grad_norm"])
         if step == 3:
             after = engine.full_state_dict()
             out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
@@ -221,6 +223,7 @@ def nan_raise(rank, group, out):
                 _step(engine, step, rank, nan=rank == 1)
             except NonFiniteError as e:
                 out["error"] = str(e)
+            out["norm"] = float(engine.grad_norm())
             out["unchanged"] = all(torch.equal(before[k], v)
                                    for k, v in engine.full_state_dict().items())
         elif step == 4:   # the loop's misuses, on every rank: refused, and the engine goes on
@@ -391,12 +394,17 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(alive):
         assert "type" not in r, r
         assert r["stepped"] == [True] * 6 and r["skipped"] == 1
         assert r["unchanged"] and r["moved_after"] and r["phase"] == "steady"
+        # the step's gradient norm: NaN where a gradient was, on every rank; finite elsewhere
+        norms = r["norms"]
+        assert math.isnan(norms[3]) and all(math.isfinite(n) and n > 0 for n in norms[:3] + norms[4:])
+    assert alive["nan_skip"][0]["norms"][:3] == alive["nan_skip"][1]["norms"][:3]
 
 
 def test_nonfinite_raise_raises_on_every_rank(alive):
     for r in alive["nan_raise"]:
         assert "type" not in r, r
         assert "inf/NaN at optimizer step 3 (loss on rank(s) [1], gradients on rank(s)" in r["error"]
+        assert math.isnan(r["norm"])
         assert r["unchanged"] and r["steps"] == 6
         assert len(r["usage"]) == 2 and r["stepped_after_misuse"]
         assert "engine.step() without engine.backward()" in r["usage"][0]

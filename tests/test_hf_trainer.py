@@ -73,7 +73,8 @@ def _reference(out: str) -> dict:
                                   train_dataset=_Samples(), eval_dataset=_Samples(100))
     trainer.train()
     return {"losses": trainer.recorded, "eval_loss": trainer.evaluate()["eval_loss"],
-            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
 
 
 def _train_job(rank, world, out, resume):
@@ -126,7 +127,12 @@ def test_trainer_matches_the_plain_trainer_in_one_process(runs):
     assert all(r["global_step"] == STEPS for r in ours)
     assert all(torch.equal(r["final"][k], ours[0]["final"][k]) for r in ours for k in r["final"])
     assert abs(ours[0]["eval_loss"] - ref["eval_loss"]) <= 1e-5
-    assert len(ours[0]["grad_norms"]) == STEPS and all(g > 0 for g in ours[0]["grad_norms"])
+    # the logged norm (before clipping; engine.grad_norm()) is the plain Trainer's, on every rank
+    norms = ours[0]["grad_norms"]
+    assert len(norms) == STEPS and all(r["grad_norms"] == norms for r in ours)
+    assert max(abs(a - b) / b for a, b in zip(norms, ref["grad_norms"])) <= 1e-4, \
+        (norms, ref["grad_norms"])
+    assert min(ref["grad_norms"]) > 0.5   # max_grad_norm: the clip clipped
 
 
 def test_trainer_checkpoints_resume_and_save_model(runs):

@@ -414,10 +414,11 @@ def test_the_pass_refuses_a_plan_the_host_cannot_hold(group, monkeypatch, caplog
     assert all(s.host_grad is None and s.host_master is None for s in engine._offload.slots)
 
 
-def test_a_shard_without_a_gradient_steps_on_a_zero_gradient_on_the_host(group):
-    """A parameter the forward never uses has no gradient in the window: the host step steps
-    it on zeros, as the device's fold does (its slice of the host buffer was never written:
-    without the zeroing it holds whatever the buffer held). Bitwise against the device."""
+def test_a_shard_without_a_gradient_is_not_stepped_on_the_host(group):
+    """A parameter the forward never uses has no gradient in the window: the host step leaves
+    it and its state alone, as the device's step does and torch's optimizer would ([Note: steps
+    without a gradient] in runtime/flat.py), whatever its slice of the host gradient buffer
+    holds (never written). Bitwise against the device."""
     import deepcompile
 
     class WithUnused(torch.nn.Module):
@@ -446,3 +447,6 @@ def test_a_shard_without_a_gradient_steps_on_a_zero_gradient_on_the_host(group):
     engine, got = run(4)
     assert got == want and engine._offload.last_step["stepped_on_host"] > 0
     assert not _same(_weights(engine), _weights(plain))
+    assert torch.equal(_weights(engine)["unused"], torch.ones(24))
+    unused = next(e for e in engine._registry if e.name == "unused")
+    assert not engine.optimizer.state.get(unused.shard)   # never stepped: no state, as torch's

@@ -51,5 +51,15 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
             "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) and move the model to "
             "f'cuda:{LOCAL_RANK}' before initialize (README: Launching).", UserWarning,
             stacklevel=2)
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                  if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)})
+    if low and cfg.param_dtype is None:
+        warnings.warn(
+            f"deepcompile.initialize: the model's trainable parameters are {' and '.join(low)} "
+            "and Config.param_dtype is None: the optimizer's master weights will be "
+            f"{' and '.join(low)} too (updates smaller than their precision are lost). For "
+            f"{low[0]} compute with float32 masters, leave the model in float32 (no "
+            f"model.to(torch.{low[0]})) and set deepcompile.Config(param_dtype=torch.{low[0]}).",
+            UserWarning, stacklevel=2)
     _ensure_process_group(device)
     return Engine(model, optimizer, cfg, mesh=mesh)

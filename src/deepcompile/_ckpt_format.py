@@ -19,7 +19,13 @@ CLIENT = "client_state.pt"
 COMMIT = "commit.json"
 HF_CONFIG = "hf_config.json"
 HF_GENERATION = "hf_generation_config.json"
+PLAN = "plan.json"
 TMP_PREFIX = ".tmp-"
+
+
+def rng_file(rank: int) -> str:
+    """Rank `rank`'s random number generators ([Note: random state in a checkpoint])."""
+    return f"rng-{rank:05d}.pt"
 
 
 class CheckpointError(ValueError):

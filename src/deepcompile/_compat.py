@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -162,6 +164,52 @@ def graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
+def recompile_limit_name(limit_type: str = "recompile_limit") -> str:
+    """Where the user raises Dynamo's limit `limit_type` ("recompile_limit", or
+    "accumulated_recompile_limit"; named `cache_size_limit` and `accumulated_cache_size_limit`
+    before torch 2.6, the old names kept as aliases since)."""
+    config = torch._dynamo.config
+    if not hasattr(config, limit_type):
+        limit_type = limit_type.replace("recompile_limit", "cache_size_limit")
+    return f"torch._dynamo.config.{limit_type} (now {getattr(config, limit_type, '?')})"
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Reads Dynamo's warning that a frame hit its recompile limit (passes every record on)."""
+
+    def __init__(self, callback: Callable[[str, str], None]) -> None:
+        super().__init__()
+        self.callback = callback
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = record.msg, record.args
+        if isinstance(msg, str) and msg.startswith("torch._dynamo hit config.") \
+                and isinstance(args, tuple) and len(args) >= 3:
+            self.callback(str(args[0]), str(args[2]))
+        return True
+
+
+def on_recompile_limit(callback: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call `callback(limit_type, function)` when Dynamo stops compiling a frame because it hit
+    a recompile limit (from then on, calls no graph of the frame's serves run eagerly). Dynamo
+    says so only in a warning on its `convert_frame` logger (2.11-2.15: "torch._dynamo hit
+    config.%s (%s)\n   function: %s ...", the function as "'name' (file:line)"): a filter on
+    that logger reads it and passes it on. Returns what removes the filter."""
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    filt = _RecompileLimitFilter(callback)
+    logger.addFilter(filt)
+    return functools.partial(logger.removeFilter, filt)
+
+
+def describe_frame(function: str) -> str:
+    """Dynamo's "'name' (file:line)" of a frame, in words: the code after a graph break is a
+    function Dynamo names `torch_dynamo_resume_in_<function>_at_<line>`."""
+    m = re.match(r"'torch_dynamo_resume_in_(\w+)_at_(\d+)' \((.*):\d+\)$", function)
+    if m is None:
+        return function
+    return f"the code of {m[1]}() after its graph break at line {m[2]} of {m[3]}"
+
+
 def never_a_dynamo_frame(code) -> None:
     """Dynamo never compiles `code` as a frame of its own (it still inlines it into a frame it
     traces). Eager code inside a compiled model — a frame Dynamo gave up on, e.g. torch 2.11's
@@ -226,12 +274,29 @@ def extend_graph_inputs(gm: torch.fx.GraphModule, names: Sequence[str],
 
 
 def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, inference_compiler,
-                          partition_fn, decompositions=None):
+                          partition_fn, decompositions=None, eager_backward: bool = False):
+    """AOTAutograd; `eager_backward`: the backward graph is handed to `bw_compiler` with the
+    forward's, at compile time, instead of at the first backward."""
+    import torch._functorch.config as fconfig
     from torch._functorch.aot_autograd import aot_module_simplified as _aot
 
-    return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                inference_compiler=inference_compiler, partition_fn=partition_fn,
-                decompositions=decompositions)
+    # (where a torch lacks the setting, the backward comes at its first call, as by default)
+    eager = {"force_non_lazy_backward_lowering": True} if eager_backward and hasattr(
+        fconfig, "force_non_lazy_backward_lowering") else {}
+    with fconfig.patch(**eager):
+        return _aot(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                    inference_compiler=inference_compiler, partition_fn=partition_fn,
+                    decompositions=decompositions)
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes():
+    """The Python dispatch modes in force set aside (AOTAutograd's first call of a compiled
+    forward runs under one: [Note: first call] in compiler/pipeline.py)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def inductor_decompositions():

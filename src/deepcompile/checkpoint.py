@@ -12,6 +12,10 @@ complete checkpoint version and a pointer to it:
                                        names and shapes, optimizer hyperparameters (JSON)
         client_state.pt                rank 0's `client_state` (torch.save; read back with
                                        torch.load(weights_only=True)), when given
+        plan.json                      the plan in force, once final ([Note: the plan in a
+                                       checkpoint] in compiler/pipeline.py)
+        rng-00000.pt, rng-00001.pt     each rank's random number generators ([Note: random
+                                       state in a checkpoint])
         hf_config.json, ...            a Hugging Face model's config (for `consolidate`)
         commit.json                    every file above with its size, written last
 
@@ -37,6 +41,13 @@ size, and the ranks agree on the first error found, so a damaged checkpoint fail
 with the same message, before anything in the engine is changed (the data is read into new
 tensors and copied into the shards and the optimizer only when every rank has read it).
 
+[Note: random state in a checkpoint] Every rank writes the state of its random number
+generators (torch's CPU generator, the CUDA generator of its device, Python's `random`, numpy's
+global one where numpy is installed) to a file of its own, so that dropout and any other random
+op of a resumed run draw what the unbroken run drew. They are restored only at the world size
+they were saved at: rank r's stream belongs to rank r, and on another number of ranks there is
+no rank to give each one to (a warning says they were not restored).
+
 Checkpoint collectives run on a gloo process group of their own (created at the first save or
 load), so that an asynchronous save's background thread never interleaves with training's
 collectives.
@@ -48,6 +59,7 @@ import io
 import json
 import logging
 import os
+import random
 import shutil
 import uuid
 import weakref
@@ -59,11 +71,12 @@ import torch
 import torch.distributed as dist
 
 from . import _dcp
-from ._ckpt_format import (CLIENT, COMMIT, FORMAT, HF_CONFIG, HF_GENERATION, POINTER, STATE,
-                           TMP_PREFIX, CheckpointError, hf_config_dicts, persistent_buffers,
-                           resolve, validate)
+from ._ckpt_format import (CLIENT, COMMIT, FORMAT, HF_CONFIG, HF_GENERATION, PLAN, POINTER,
+                           STATE, TMP_PREFIX, CheckpointError, hf_config_dicts, persistent_buffers,
+                           resolve, rng_file, validate)
 
 log = logging.getLogger("deepcompile")
+
 
 def _dcp_errors() -> tuple[type[BaseException], ...]:
     """What a failed DCP call raises (its CheckpointException is a BaseException)."""
@@ -187,6 +200,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _rng_state(device: torch.device) -> dict:
+    """This process's random number generators ([Note: random state in a checkpoint]), as
+    what torch.load(weights_only=True) reads back."""
+    version, words, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": [version, torch.tensor(words, dtype=torch.int64), gauss]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words.tolist()), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
 # ---- save ----------------------------------------------------------------------------------------
 def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
     """(the DCP state dict of this rank, the JSON description of the optimizer)."""
@@ -257,9 +305,12 @@ def _client_bytes(client_state: Any) -> bytes:
     return data
 
 
-def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module) -> None:
+def _write_rank0_files(tmp: Path, state: dict, client: bytes | None, module,
+                       plan: dict | None) -> None:
     tmp.mkdir(parents=True, exist_ok=False)
     _dcp.write_json_atomic(tmp / STATE, state)
+    if plan is not None:
+        _dcp.write_json_atomic(tmp / PLAN, plan)
     if client is not None:
         with open(tmp / CLIENT, "wb") as f:
             f.write(client)
@@ -316,6 +367,7 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
                                     if comm.rank == 0 else None)
     tmp = root / f"{TMP_PREFIX}{version}"
     error, sd, optim = None, None, None
+    rng = _rng_state(engine.device)   # [Note: random state in a checkpoint]
     try:
         with engine._offload.masters_home():   # [Note: masters on the host]: read them
             sd, optim = _collect(engine, st.mesh)
@@ -323,6 +375,9 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
             root.mkdir(parents=True, exist_ok=True)
             if root.exists() and not root.is_dir():
                 raise CheckpointError(f"save_checkpoint: {root} exists and is not a directory")
+            # [Note: the plan in a checkpoint] in compiler/pipeline.py (JSON as the cache's)
+            plan = engine._pipeline.checkpoint_plan()
+            plan = None if plan is None else json.loads(json.dumps(plan, default=str))
             state = {"format": FORMAT, "world_size": comm.world,
                      "layout": engine._layout.name, "group_size": engine._layout.group_size,
                      "zero_stage": engine.config.zero_stage,
@@ -332,10 +387,18 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
                      "buffers": sorted(persistent_buffers(engine.module)),
                      "optimizer": optim, "client_state": client is not None,
                      "loss_scaler": engine._scaler.state_dict() if engine._scaler else None,
-                     "config": engine.config.to_dict()}
-            _write_rank0_files(tmp, state, client, engine.module)
+                     "config": engine.config.to_dict(), "plan": plan is not None, "rng": True}
+            _write_rank0_files(tmp, state, client, engine.module, plan)
     except (CheckpointError, OSError) as e:
         error = str(e) if isinstance(e, CheckpointError) else f"save_checkpoint: {root}: {e}"
+    _agree(comm, error)
+    try:   # every rank's own file, in the directory rank 0 made
+        with open(tmp / rng_file(comm.rank), "wb") as f:
+            torch.save(rng, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        error = f"save_checkpoint: {root}: {e}"
     _agree(comm, error)
     writer = _dcp.JsonWriter(tmp, on_finish=lambda: _publish(root, version))
     if not async_save:
@@ -480,14 +543,35 @@ def load(engine, path: str | os.PathLike) -> Any:
     except CheckpointError as e:
         error = str(e)
     _agree(comm, error)
+    same_world = state["world_size"] == comm.world
+    rng, plan = None, None
     try:
         dcp.load(targets, storage_reader=_dcp.JsonReader(version), process_group=st.group)
         if state.get("client_state"):
             client = torch.load(version / CLIENT, map_location="cpu", weights_only=True)
+        if state.get("rng") and same_world:   # [Note: random state in a checkpoint]
+            rng = torch.load(version / rng_file(comm.rank), map_location="cpu",
+                             weights_only=True)
+        if state.get("plan") and same_world:   # another world plans afresh in any case
+            plan = json.loads((version / PLAN).read_text())
     except _dcp_errors() as e:  # reported the same on every rank below
         error = f"load_checkpoint: {version} is damaged: reading it failed ({_describe(e)})"
     _agree(comm, error)
     with engine._offload.masters_home():   # written, then their device copies made anew
         _apply(engine, state, targets)   # nothing was changed before every rank had read everything
+    if rng is not None:
+        _set_rng_state(rng, engine.device)
+    elif state.get("rng") and comm.rank == 0:
+        log.warning("deepcompile: load_checkpoint: the random number generators' states were "
+                    "saved by %d ranks and are not restored on %d (each rank's stream is its "
+                    "own); random ops (dropout) go on from this process's states",
+                    state["world_size"], comm.world)
+    # [Note: the plan in a checkpoint] in compiler/pipeline.py
+    if state.get("plan") and not same_world and comm.rank == 0:
+        log.info("deepcompile: load_checkpoint: the plan in the checkpoint was made on %d ranks; "
+                 "on %d the engine plans afresh", state["world_size"], comm.world)
+    if plan is not None and not engine._pipeline.adopt_plan(plan) and comm.rank == 0:
+        log.info("deepcompile: load_checkpoint: this engine has trained already: it keeps its "
+                 "own plan, not the checkpoint's")
     comm.all_gather_object(None)
     return client

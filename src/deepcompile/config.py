@@ -72,16 +72,18 @@ class Config:
     reduce_dtype: dtype of gradient reduction; None = param_dtype (or the master dtype).
     passes: "auto" (the default; None means the same): the pipeline chooses the passes and
         their order from the first profile and the memory budget, and says why in the report
-        (compiler/autoplan.py); or optimization passes by name, applied in the order given;
-        () = insertion only. Either way, a pass whose measured steps are slower than before
+        (compiler/autoplan.py); or optimization passes by name, applied in the order given (a
+        sequence, or one comma-separated string: "prefetch,bucket_reduce"); () or "" =
+        insertion only. Either way, a pass whose measured steps are slower than before
         (or whose re-profiled peak exceeds the budget) is reverted.
     warmup_steps: optimizer steps run before profiling (the first one compiles).
     profile_steps: optimizer steps profiled before the passes plan, and after each pass that
         changed a graph (0: no profiling; then no passes can run).
-    measure_steps: after each pass that changed a graph, optimizer steps timed with the new
-        graphs and as many with the graphs from before it, interleaved (after one step of each
-        that settles freshly made code); a pass whose steps are all slower than before is
-        reverted (compiler/autoplan.py). 0: passes are judged on memory only.
+    measure_steps: after each pass that changed a graph, at most this many optimizer steps
+        timed with the new graphs and as many with the graphs from before it, interleaved; the
+        trial stops as soon as the pass is certain to be kept (one step of each side for a
+        pass that clearly helps). A pass whose steps are all slower than before is reverted
+        (compiler/autoplan.py). 0: passes are judged on memory only.
     memory_budget: bytes (int), or a fraction of device memory (float in (0, 1], CUDA only:
         of the memory PyTorch can use when the engine is made, its reserved plus the free
         memory, so not the CUDA context or NCCL's buffers); None: 0.9 on CUDA, unbounded on
@@ -106,7 +108,9 @@ class Config:
     divergence_check_every: every this many optimizer steps (0: never), the ranks compare a
         fingerprint of the collectives each ran (which graphs, which parameters, in which order,
         how many micro-steps) and all stop with the first difference if they disagree.
-        Default 1 (measured cost in runtime/guardrails.py).
+        Default 1 (measured cost in runtime/guardrails.py). The steps between checks still
+        compare the step number and agree whether any rank holds gradients of eager code, in
+        one reduction of a few integers (runtime/eager.py).
     on_nonfinite: what an optimizer step does when a loss or a gradient is inf/NaN on any
         rank: "raise" (every rank raises NonFiniteError; the step is not taken), "skip" (every
         rank skips the step, with a warning), or "off" (no check). With dynamic loss scaling
@@ -172,10 +176,11 @@ class Config:
         set_(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         set_(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
         passes = "auto" if self.passes is None else self.passes
+        if isinstance(passes, str) and passes.strip() != "auto":
+            # "prefetch,bucket_reduce", as the command line takes them ("": insertion only)
+            passes = tuple(p.strip() for p in passes.split(",") if p.strip())
         if isinstance(passes, str):
-            if passes != "auto":
-                raise ValueError(f"Config.passes: {passes!r} is not allowed; allowed: 'auto', "
-                                 "None (the same) or a sequence of pass names")
+            passes = "auto"
         elif not all(isinstance(p, str) for p in passes):
             raise ValueError(f"Config.passes: {passes!r} is not allowed; "
                              "allowed: 'auto' or a sequence of pass names")

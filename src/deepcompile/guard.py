@@ -30,12 +30,20 @@ would read freed memory (a segfault, or garbage), and `model.state_dict()`,
 * `model(...)` called directly (evaluation, generation) runs eagerly: at ZeRO-1/2 on the
   replicas, at ZeRO-3 through the eager fallback's hooks, which gather each module's parameters
   for its forward (collective: every rank must make the same calls).
+* The module's parameters never hold gradients (the engine's shards do), so the habits of a
+  plain loop would silently do nothing: `torch.nn.utils.clip_grad_norm_(model.parameters(), 1)`
+  returned 0 and clipped nothing. At every stage each parameter object is a `GuardedParameter`
+  between compiled calls (ZeRO-3: `ShardedParameter`, its subclass), whose `.grad` warns when
+  read (`clip_grad_norm_` reads nothing else), naming Config.max_grad_norm and
+  `engine.grad_norm()`; `model.zero_grad()` does nothing (`engine.step()` zeroes the
+  gradients).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import deque
 from itertools import repeat
 import weakref
@@ -84,11 +92,48 @@ def _op_name(func: Callable) -> str:
     return name
 
 
-class ShardedParameter(nn.Parameter):
-    """A ZeRO-3 module parameter between uses (see [Note: the guarded model]). Never
-    constructed: existing `nn.Parameter` objects are switched to this class in place."""
+_TENSOR_GRAD = torch.Tensor.grad   # the tensor's own `.grad` (a C descriptor)
+GRAD_READ = ("deepcompile: {name}.grad was read after deepcompile.initialize, but the model's "
+             "parameters hold no gradients (the engine's shards do): "
+             "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing and returns "
+             "0. Clip with deepcompile.Config(max_grad_norm=...); the step's gradient norm is "
+             "engine.grad_norm() (or engine.metrics()['grad_norm']).")
+
+
+class GuardedParameter(nn.Parameter):
+    """A module parameter after `initialize`, between compiled calls (see [Note: the guarded
+    model]): reading its `.grad`, which is always None, warns. Never constructed: existing
+    `nn.Parameter` objects are switched to this class in place."""
 
     _deepcompile_info: tuple[str, int]   # (name, world size)
+
+    @property
+    def grad(self):
+        grad = _TENSOR_GRAD.__get__(self)
+        if grad is None:
+            warnings.warn(GRAD_READ.format(name=self._deepcompile_info[0]), UserWarning,
+                          stacklevel=2)
+        return grad
+
+    @grad.setter
+    def grad(self, value):
+        _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        _TENSOR_GRAD.__delete__(self)
+
+    def __deepcopy__(self, memo):
+        """A copy is the user's own parameter: a plain one (ZeRO-3: reading the data raises)."""
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                          self.requires_grad)
+        return memo[id(self)]
+
+
+class ShardedParameter(GuardedParameter):
+    """A ZeRO-3 module parameter between uses (see [Note: the guarded model]). Never
+    constructed: existing `nn.Parameter` objects are switched to this class in place."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -138,18 +183,18 @@ class ModelGuard:
         self.world = registry.comm.world
         self._depth = 0
         self.params: list[nn.Parameter] = []
-        if zero_stage == 3:
-            for entry in registry:
-                p = entry.param
-                if type(p) is nn.Parameter:   # a foreign Parameter subclass keeps its class
-                    p._deepcompile_info = (" = ".join(entry.names), self.world)  # tied: all
-                    self.params.append(p)
+        for entry in registry:
+            p = entry.param
+            if type(p) is nn.Parameter:   # a foreign Parameter subclass keeps its class
+                p._deepcompile_info = (" = ".join(entry.names), self.world)  # tied: all
+                self.params.append(p)
+        self._guarded = ShardedParameter if zero_stage == 3 else GuardedParameter
         module.__class__ = _guarded_class(type(module))
         module._deepcompile_guard = weakref.ref(self)
         self._guard()
 
     def _guard(self) -> None:
-        _set_class(self.params, ShardedParameter)
+        _set_class(self.params, self._guarded)
 
     def _unguard(self) -> None:
         _set_class(self.params, nn.Parameter)
@@ -217,6 +262,9 @@ class _GuardedModule:
                 "values (nothing was written). Call engine.save_pretrained(dir) on every rank "
                 "instead (rank 0 writes the directory).")
         return super().save_pretrained(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to zero: the parameters hold no gradients (engine.step() zeroes the shards')."""
 
     def load_state_dict(self, *args: Any, **kwargs: Any):
         raise RuntimeError(

@@ -5,8 +5,9 @@ Per optimizer step the engine does a fixed amount of work here, whatever the mod
 (`end_step`: a copy of a few counters per collective kind); per forward, one dictionary lookup
 and one `numel` (`count_tokens`). Everything else is computed when `metrics()` is called:
 
-* `step_s`: wall time of the last optimizer step, as the phase schedule measured it (between
-  two `engine.step()` calls that stepped), and its phase (steady once planning is over);
+* `step_s`: time of the last optimizer step, the engine's own work in it (its training
+  forwards, backwards and the step: [Note: the engine's step time] in engine.py; not what the
+  loop does between them), and its phase (steady once planning is over);
 * `tokens_per_s`: tokens of this rank's forwards in that step (the `input_ids` keyword, or the
   first integer tensor argument) times the world size, over `step_s`;
 * `flops_per_step`: this rank's model FLOPs per optimizer step, counted from the partitioned
@@ -146,8 +147,10 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats(eng.device)
         else:
             peak_mem = _rss_hwm()
+        norm = eng._grad_norm   # [Note: the step's gradient norm] in engine.py
         return {
             "step": pipe.steps, "phase": last.get("phase"), "step_s": step_s,
+            "grad_norm": None if norm is None else float(norm),
             "tokens_per_step": self._step_tokens * world or None,
             "tokens_per_s": self._step_tokens * world / step_s if step_s and self._step_tokens
             else None,

@@ -35,16 +35,21 @@ Benchmarks section describes, fusing to the cap was faster than the overlap rule
 "Clearly longer" is `SPLIT_MARGIN` times: a ±20% error on both sides of the comparison cannot
 turn a fuse into a split (1.2 / 0.8 = 1.5 < 2).
 
-[Note: keeping a pass] A pass that changed graphs is re-profiled and then, unless
-`Config.measure_steps` is 0, timed against the graphs from before it, in interleaved steps
-([Note: interleaved measurement] in compiler/pipeline.py). It is reverted — graphs and the
-runtime state it configured — when its re-profiled peak exceeds the budget (and grew), or when
-it is slower with confidence: every measured step after it slower than every step before it
-(with 3 steps each, a chance of 1 in 20 when nothing changed), and the median slower by more
-than `TIME_MARGIN`. A pass within the noise is kept: plans do not flip with the load of the
-machine. A pass that lowers a peak that is over the budget (`offload_optimizer`: within it,
-or toward it where nothing brings it within) is kept however slow: reverting it would raise a
-peak that already runs out of memory.
+[Note: keeping a pass] A pass that changed graphs is re-profiled. It is reverted — graphs and
+the runtime state it configured — when its re-profiled peak exceeds the budget (and grew); a
+pass that lowers a peak that is over the budget (`offload_optimizer`: within it, or toward it
+where nothing brings it within) is kept however slow: reverting it would raise a peak that
+already runs out of memory (`by_memory`). Otherwise, unless `Config.measure_steps` is 0, it is
+timed against the graphs from before it, in interleaved steps ([Note: interleaved measurement]
+in compiler/pipeline.py), and reverted when it is slower with confidence: every measured step
+after it slower than every step before it (with 3 steps each, a chance of 1 in 20 when nothing
+changed), and the median slower by more than `TIME_MARGIN`. A pass within the noise is kept:
+plans do not flip with the load of the machine. So once one step after it is no slower than
+one step before it, no later step can revert it (`time_settled`), and the trial stops there: a
+pass that clearly helps is decided after one step of each side, and the decision is the one
+the whole trial would have given on the same steps. Every figure read is agreed over the ranks
+(peaks in the agreed profiles, each step's time the slowest rank's), so every rank stops the
+trial at the same step and decides alike.
 """
 
 from __future__ import annotations
@@ -188,9 +193,10 @@ def choose(ctx, *, zero_stage: int, warmup_steps: int) -> tuple[list[Choice], li
     return chosen, out
 
 
-def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tuple[bool, str]:
-    """Whether a pass is kept, and why ([Note: keeping a pass]). `before`/`after`: step
-    summaries (`peak_bytes`, and `measured_s`: agreed step times, when measured)."""
+def by_memory(before: dict[str, Any], after: dict[str, Any],
+              budget: float) -> tuple[bool, str] | None:
+    """The verdict where the re-profiled peaks decide it whatever the steps' times, else None
+    ([Note: keeping a pass]: such a pass is not timed)."""
     pb, pa = before["peak_bytes"], after["peak_bytes"]
     if pa > budget and pa > pb:
         return False, f"re-profiled peak {_mib(pa)} exceeds the budget {_mib(budget)}"
@@ -199,12 +205,27 @@ def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tup
     if pb > budget and pa < pb:   # over the budget either way: memory comes before time
         return True, (f"kept: lowers the peak {_mib(pb)} -> {_mib(pa)}, still over the budget "
                       f"{_mib(budget)} (reverting it would raise the peak)")
+    return None
+
+
+def time_settled(before: list[float], after: list[float]) -> bool:
+    """Whether more timed steps can no longer revert the pass: some step after it was no
+    slower than some step before it ([Note: keeping a pass])."""
+    return bool(before and after) and min(after) <= max(before)
+
+
+def verdict(before: dict[str, Any], after: dict[str, Any], budget: float) -> tuple[bool, str]:
+    """Whether a pass is kept, and why ([Note: keeping a pass]). `before`/`after`: step
+    summaries (`peak_bytes`, and `measured_s`: agreed step times, when measured)."""
+    decided = by_memory(before, after, budget)
+    if decided is not None:
+        return decided
     b, a = before.get("measured_s") or [], after.get("measured_s") or []
     if not a or not b:
         return True, "kept (judged on memory only: steps not measured)"
     mb, ma = statistics.median(b), statistics.median(a)
     change = f"measured step {mb * 1e3:.2f} -> {ma * 1e3:.2f} ms (median of {len(a)})"
-    if min(a) > max(b) and ma > mb * (1 + TIME_MARGIN):
+    if not time_settled(b, a) and ma > mb * (1 + TIME_MARGIN):
         return False, f"slower: {change}, every step after slower than every step before"
     if ma < mb:
         return True, f"faster: {change}"

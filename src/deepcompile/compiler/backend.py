@@ -42,6 +42,7 @@ from torch import fx
 from .. import _compat
 from ..runtime import ops
 from ..runtime.registry import ParamEntry, ParamRegistry, lookup
+from . import families
 from . import graph as G
 from . import replicated
 from .pipeline import Pipeline
@@ -113,8 +114,11 @@ class Backend:
                 params.append((i, entry))
 
         # [Note: shape families] in compiler/families.py: a recompilation of a frame with the
-        # same parameters (a new input shape) joins its family and runs the family's plan
-        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm), tuple(e.pid for _, e in params))
+        # same parameters and structure (a new input shape) joins its family and runs the
+        # family's plan; another structure ([Note: graph structure]) is a family of its own
+        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm),
+                                         tuple(e.pid for _, e in params),
+                                         families.structure_digest(gm))
         record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
                              params=[e.name for _, e in params], family=family)
         self.records.append(record)
@@ -152,7 +156,10 @@ class Backend:
             compiled = _compat.aot_module_simplified(
                 gm, inputs, fw_compiler=make_slot("fw"), bw_compiler=make_slot("bw"),
                 inference_compiler=make_slot("inference"), partition_fn=partition_fn,
-                decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None)
+                decompositions=_compat.inductor_decompositions() if self.compiler == "inductor" else None,
+                # a plan from a checkpoint applies once it has every graph ([Note: the plan
+                # in a checkpoint] in compiler/pipeline.py)
+                eager_backward=self.pipeline.adopting)
         log.info("deepcompile: graph %d: %d parameters %s (%s)", record.index, len(params),
                  "gathered" if self.registry.zero_stage == 3 else "replicated", self.compiler)
         if self.registry.zero_stage == 3:
@@ -161,13 +168,20 @@ class Backend:
 
 
 def _insert_gathers(gm: fx.GraphModule, params, fake_mode) -> None:
-    """Insertion pass (ZeRO-3): `shard -> allgather_param -> uses`, just in time."""
+    """Insertion pass (ZeRO-3): `shard -> allgather_param -> uses`, just in time.
+
+    [Note: gathers with gradients] Every use of a parameter reads the one gather, so the gather
+    runs with gradients enabled, or no use sends a gradient to the shard: a parameter first read
+    under `no_grad` or `inference_mode` (a weight statistic, a codebook's distances, a teacher's
+    forward) and then used with gradients would never train. Where the first use is in a
+    region with gradients disabled, the gather goes before the node that disabled them."""
     graph = gm.graph
+    disabled = G.grad_disabled_regions(graph)
     for node, entry, shard_value in params:
         user = G.first_user(node)
         if user is None:
             continue  # unused parameter: nothing to gather
-        with graph.inserting_before(user):
+        with graph.inserting_before(disabled.get(user, user)):
             gathered = graph.call_function(
                 ops.ALLGATHER, (node, entry.pid, list(entry.shape), entry.compute_dtype))
         node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)

@@ -1,4 +1,4 @@
-"""Shape families: one plan for every shape of a graph, on every rank.
+"""Graph families: one plan for every shape of a graph, on every rank; one family per structure.
 
 [Note: shape families] Dynamo compiles a frame again when an input's shape changes (the second
 time as a graph with dynamic sizes). With ragged data that happens on some ranks and not others,
@@ -8,14 +8,16 @@ is one rank running a *planned* graph (fused, prefetched, bucketed, kept...) whi
 the insertion-only graph of the new shape. So:
 
 * a *family* is every graph Dynamo compiles from one frame (code object) with one parameter
-  tuple; its first graph of each kind (forward, backward, inference) is the family's
-  *representative*: the one profiled, planned, agreed across ranks and keyed `g<i>.<kind>` (the
-  family index `i` counts families in order of appearance, the same on every rank);
+  tuple and one structure ([Note: graph structure]); its first graph of each kind (forward,
+  backward, inference) is the family's *representative*: the one profiled, planned, agreed
+  across ranks and keyed `g<i>.<kind>` (the family index `i` counts families in order of
+  appearance, the same on every rank);
 * every later graph of the kind (a *member*: another shape, or a recompilation for any other
-  reason with the same parameters) runs the representative's plan, transplanted onto its own
-  nodes (`transplant`): the markers the passes placed in the representative are placed at the
-  corresponding nodes of the member, and the member's collective sequence is checked equal to
-  the representative's (kind, parameters, order), or the transplant fails loudly;
+  reason with the same parameters and structure) runs the representative's plan, transplanted
+  onto its own nodes (`transplant`): the markers the passes placed in the representative are
+  placed at the corresponding nodes of the member, and the member's collective sequence is
+  checked equal to the representative's (kind, parameters, order), or the transplant fails
+  loudly;
 * a member's profile runs count as runs of its representative (`fold_to_rep`), so profiles,
   plans and the order of graphs in a step stay the same on every rank however the shapes vary.
 
@@ -31,11 +33,28 @@ extra size nodes and keeps a few slices a static graph folds away), communicatio
 exactly, in order. Marker nodes go before the member's node that corresponds to the next
 compute node after them in the planned representative, so the overlap and memory the plan chose
 carry over; the order is then made topologically valid, and the collective sequence is compared.
+
+[Note: graph structure] A recompilation may also change what the graph computes, not only its
+sizes: code after a graph break that reads data (`for _ in range(int(k.sum()))`, `if
+int(k[0]) % 2:`) is compiled once per value, the loop unrolled, the branch taken: a graph over
+the same parameters with other inputs (the unrolled backward saves more activations) and other
+nodes. No plan carries over between two such graphs, so each structure is a family of its own,
+inserted, profiled, planned and agreed like any new graph. The structure (`structure_digest`)
+is what Dynamo's graph computes with the sizes left out: its tensor inputs, and each node's op
+and the tensor nodes it reads, in order; the nodes a graph with dynamic sizes adds (symbolic
+sizes, their arithmetic) and every constant argument are not part of it. So a recompilation for
+a new shape, static or dynamic, keeps its family's structure (tests/test_ragged.py: Llama with
+ragged lengths), and an unrolled loop or another branch does not. One frame over one parameter
+tuple with several structures (`Structures`) may take a different one on each rank in the same
+step (the data differ): from its second structure on, the ranks agree on the structure at every
+call of its forward graphs, before the graph issues any collective ([Note: structures are
+agreed at each call] in runtime/guardrails.py).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import heapq
 from typing import Callable
@@ -108,6 +127,42 @@ def describe(gm: fx.GraphModule, limit: int = 6) -> str:
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` whose graph the passes will not touch (same node names; metadata shared)."""
     return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+# -- structure --------------------------------------------------------------------------------------
+_SIZES = (*_SYMBOLIC, int, float, bool, torch.Size)
+
+
+def _is_size(value) -> bool:
+    """A size or a tuple of sizes: what a graph with dynamic sizes computes besides tensors."""
+    if isinstance(value, _SIZES):
+        return True
+    return isinstance(value, (tuple, list)) and bool(value) and all(map(_is_size, value))
+
+
+def structure_digest(gm: fx.GraphModule) -> int:
+    """The digest of what Dynamo's graph `gm` computes, sizes and constants left out ([Note:
+    graph structure]): stable across processes, the same for every shape of one structure."""
+    index: dict[fx.Node, int] = {}
+    rows: list[tuple] = []
+    for node in gm.graph.nodes:
+        if node.op != "output" and _is_size(node.meta.get("example_value", node.meta.get("val"))):
+            continue
+        reads: list[int] = []
+        fx.node.map_arg((node.args, node.kwargs),
+                        lambda a: reads.append(index[a]) if a in index else None)
+        rows.append((node.op, "" if node.op == "placeholder" else _target(node), tuple(reads)))
+        index[node] = len(index)
+    return digest(repr(rows))
+
+
+@dataclasses.dataclass(eq=False)
+class Structures:
+    """The families of one frame over one parameter tuple, one per structure ([Note: graph
+    structure]), in order of appearance; `checked`: the ranks agree on the structure at calls
+    of their graphs (from the second structure on)."""
+    families: list[int] = dataclasses.field(default_factory=list)
+    checked: bool = False
 
 
 # -- transplant -------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ stands for, so that a profile of the lowered graph folds back onto the planned g
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 from typing import Any, Callable
@@ -54,6 +55,8 @@ from .. import _compat
 from ..runtime import offload, ops
 from ..runtime.registry import ParamEntry, lookup
 from ..runtime.secondary import secondary_numel
+from . import coverage
+from .coverage import param_name
 from .profiler import GraphProfile, NodeProfile
 
 aten = torch.ops.aten
@@ -131,8 +134,10 @@ def needs_variants(gm: fx.GraphModule, runtime) -> bool:
 
 
 class _Lowering:
-    def __init__(self, gm: fx.GraphModule, runtime, last: bool, kind: str) -> None:
+    def __init__(self, gm: fx.GraphModule, runtime, last: bool, kind: str = "fw",
+                 key: str = "") -> None:
         self.src = gm
+        self.key = key or "?"
         self.rt = runtime
         lay = runtime.layout
         # [Note: layouts] in runtime/mesh.py. Gathers: over the ranks the primary shards span,
@@ -172,6 +177,9 @@ class _Lowering:
         self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
         self.to_host: set[fx.Node] = set()           # gradients sent to the host: None outputs
         self.copies: dict[int, fx.Node] = {}         # pid -> its tier-3 copy's extra input
+        # the parameters whose gathers and reductions became collectives (or local ops)
+        self.gathered: list[int] = []
+        self.reduced: list[int] = []
 
     # -- building blocks ------------------------------------------------------------------------
     def op(self, target, *args, **kwargs) -> fx.Node:
@@ -292,6 +300,7 @@ class _Lowering:
     def gather_sync(self, node: fx.Node) -> fx.Node:
         shard, pid, _shape, dtype = node.args
         e = lookup(int(pid))
+        self.gathered.append(e.pid)
         s = self.source(shard, e)
         if self.world == 1:
             return self.shard_full(s, e, dtype)
@@ -313,6 +322,7 @@ class _Lowering:
     def gather_wait(self, node: fx.Node) -> list[fx.Node]:
         started = self.pending.pop(node.args[0])
         entries = started["entries"]
+        self.gathered += [e.pid for e in entries]
         if "local" in started:
             return [self.shard_full(s, e, started["dtype"])
                     for s, e in zip(started["local"], entries)]
@@ -354,6 +364,7 @@ class _Lowering:
     def gather_from_prev(self, node: fx.Node) -> list[fx.Node]:
         shards, pids, dtype = node.args
         entries = [lookup(int(p)) for p in pids]
+        self.gathered += [e.pid for e in entries]
         vals = [self.source(s, e) for s, e in zip(shards, entries)]
         if self.world == 1:
             return [self.shard_full(s, e, dtype) for s, e in zip(vals, entries)]
@@ -369,6 +380,7 @@ class _Lowering:
     def kept(self, node: fx.Node) -> fx.Node:
         shard, pid, _shape, _dtype = node.args
         e = lookup(int(pid))
+        self.gathered.append(e.pid)
         if e.lowp is not None:   # its refresh would read a released master
             raise RuntimeError(f"deepcompile lower: {e.name} is kept gathered and its master is "
                                "on the host (offload tier 3): the plans disagree")
@@ -491,6 +503,7 @@ class _Lowering:
     def reduce_sync(self, node: fx.Node, accumulated: bool) -> fx.Node:
         grad, pid = node.args[0], int(node.args[1])
         e = lookup(pid)
+        self.reduced.append(e.pid)
         g = self.env[grad]
         g.meta.setdefault("val", grad.meta.get("val"))
         shard = ops.reduce_grad_shard(node) if node.target is ops.REDUCE_GRAD else None
@@ -512,6 +525,7 @@ class _Lowering:
         grads, pids = node.args[0], node.args[1]
         shards = node.args[2] if len(node.args) > 2 and node.args[2] else [None] * len(pids)
         entries = [lookup(int(p)) for p in pids]
+        self.reduced += [e.pid for e in entries]
         vals = []
         for g, e, sh in zip(grads, entries, shards):
             v = self.env[g]
@@ -600,8 +614,35 @@ class _Lowering:
         if self.pending:
             raise RuntimeError("deepcompile lower: a start without its wait in "
                                f"{sorted(n.name for n in self.pending)}")
+        self._check_coverage()
         self._order_placeholders()
         return self.g
+
+    def _check_coverage(self) -> None:
+        """[Note: gradient coverage] in compiler/coverage.py: every gather and every reduction
+        of the planned graph became collectives (or local ops) of the same parameters, and no
+        insertion op or marker is left to run."""
+        gathers: list[int] = []
+        for n in self.src.graph.nodes:
+            if n.op == "call_function" and n.target in (ops.ALLGATHER, ops.KEPT_PARAM):
+                gathers.append(int(n.args[1]))
+            elif n.op == "call_function" and n.target in (ops.ALLGATHER_WAIT,
+                                                          ops.ALLGATHER_FROM_PREV):
+                gathers += [int(p) for p in n.args[1]]
+        reduces = [pid for pid, _grad in coverage.reductions(self.src)]
+        left = [n.name for n in self.g.nodes if n.op == "call_function" and (
+            n.target in (ops.ALLGATHER, ops.REDUCE_GRAD) or n.target in ops.MARKERS)]
+        for what, want, got in (("gathers", gathers, self.gathered),
+                                ("reductions", reduces, self.reduced)):
+            lost = collections.Counter(want) - collections.Counter(got)
+            extra = collections.Counter(got) - collections.Counter(want)
+            if lost or extra or left:
+                pid = min(lost or extra) if lost or extra else None
+                raise coverage.CoverageError(
+                    f"deepcompile: the lowering broke graph {self.key}: its {what} "
+                    + (f"of {param_name(pid)} ({'lost' if lost else 'added'})" if pid is not None
+                       else f"left {', '.join(left)} unlowered")
+                    + ". This is a bug in deepcompile's lowering; please report it.")
 
     def _order_placeholders(self) -> None:
         """Extra inputs after the planned graph's, in the order `extra_inputs` builds them."""
@@ -619,11 +660,13 @@ class _Lowering:
             last = ph
 
 
-def lower(gm: fx.GraphModule, runtime, *, last: bool = True, kind: str = "fw") -> Lowered:
-    """The lowered graph of the planned graph `gm`, for the window's last micro-step (`last`)
-    or an earlier one (graphs that accumulate gradients locally differ; others do not).
-    `kind`: the graph's slot kind ("fw", "bw", "inference"; hpz gathers differ in each)."""
-    lw = _Lowering(gm, runtime, last, kind)
+def lower(gm: fx.GraphModule, runtime, *, last: bool = True, kind: str = "fw",
+          key: str = "") -> Lowered:
+    """The lowered graph of the planned graph `gm` (graph `key`), for the window's last
+    micro-step (`last`) or an earlier one (graphs that accumulate gradients locally differ;
+    others do not). `kind`: the graph's slot kind ("fw", "bw", "inference"; hpz gathers
+    differ in each)."""
+    lw = _Lowering(gm, runtime, last, kind, key)
     graph = lw.run()
     graph.lint()
     lowered_gm = fx.GraphModule(gm, graph)

@@ -10,15 +10,19 @@ Phases advance at optimizer-step boundaries (`end_step`), on every rank at once:
            (compiler/planner.py); a pass that changed a graph is followed by PROFILE and
            MEASURE, and then kept or reverted ([Note: keeping a pass] in compiler/autoplan.py);
            a pass that changed nothing is not.
-  MEASURE  [Note: interleaved measurement] 2 + 2 x `measure_steps` steps that alternate between
-           the graphs after the pass and the graphs from before it (both lowered and compiled
-           side by side, `GraphSlot.swap`): one step each to settle freshly made code, then
-           `measure_steps` timed steps of each side, interleaved, so that a change in the
-           machine's load between two windows of time falls on both sides alike (on a shared
-           machine, consecutive windows of steps differ by 30% and more). Each step's time is
-           the slowest rank's (agreed with MAX). Steps of the side before a pass that kept
-           parameters gathered skip their refresh (`KeptParams.suspend`), and the refresh is
-           redone, outside the timed steps, before the other side runs again.
+  MEASURE  [Note: interleaved measurement] at most 2 x `measure_steps` steps that alternate
+           between the graphs after the pass and the graphs from before it (`GraphSlot.swap`),
+           so that a change in the machine's load between two windows of time falls on both
+           sides alike (on a shared machine, consecutive windows of steps differ by 30% and
+           more). Both sides are lowered and compiled when the trial starts (`_prepare_sides`),
+           outside the timed steps: every timed step runs code made before it. Each step's time
+           is the engine's own work in it ([Note: the engine's step time] in engine.py), the
+           slowest rank's (agreed with MAX at each step). The trial stops as soon as its
+           decision is certain (`autoplan.time_settled`: some step after the pass is no slower
+           than some step before it), which a pass that clearly helps reaches after one step of
+           each side. Steps of the side before a pass that kept parameters gathered skip their
+           refresh (`KeptParams.suspend`), and the refresh is redone, outside the timed steps,
+           before the other side runs again.
   STEADY   the final graphs run, compiled by the configured compiler (Inductor compiles once,
            here: warm-up and profiling run the FX graphs). When the step drifts from what was
            planned (a graph compiled after planning, larger symbolic sizes: compiler/drift.py)
@@ -32,8 +36,11 @@ stored under a key made of everything that determines them; a later run with the
 applies the stored decisions after warm-up and goes straight to STEADY. Rank 0 reads and writes
 the cache and broadcasts what it found, so every rank takes the same path.
 
-Per step the pipeline keeps O(1) figures (`step_log`: phase and wall time of the first steps;
+Per step the pipeline keeps O(1) figures (`step_log`: phase and time of the first steps;
 `last_step`: the latest step's time and collectives) for `engine.metrics()` and the plots.
+[Note: setup steps] The steps before the first STEADY one are the setup; rank 0 logs one line
+as each phase begins (where the setup is, and an estimate of its length), and one when the plan
+is final; `setup_steps` counts them once it is.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from . import cache as _cache
 from . import families as _families
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .coverage import Coverage
 from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
 from .planner import Planner, copy_graph
@@ -116,6 +124,15 @@ def summarize(profiles: dict[str, GraphProfile], order: list[str], budget: float
     }
 
 
+class _ReusedCall:
+    """A reused graph's call as the divergence check records it (runtime/guardrails.py)."""
+    graph_key = "reuse"
+
+    def __init__(self, describe: str) -> None:
+        self.describe = describe
+        self.digest = digest(describe)
+
+
 class Pipeline:
     def __init__(self, *, runtime, config, device: torch.device, engine_fingerprint: dict,
                  guard: Guardrails | None = None):
@@ -126,12 +143,18 @@ class Pipeline:
         self.device = device
         self.fingerprint = engine_fingerprint
         self.slots: dict[str, GraphSlot] = {}    # every graph: representatives and members
-        # [Note: shape families] in compiler/families.py
-        self._families: dict[tuple, int] = {}           # (frame, parameter ids) -> family index
+        # [Note: shape families], [Note: graph structure] in compiler/families.py
+        self._families: dict[tuple, int] = {}   # (frame, parameter ids, structure) -> family
+        # (frame, parameter ids) -> the structures of that code; family -> (its structure, the
+        # structures of its code)
+        self._structures: dict[tuple, _families.Structures] = {}
+        self._family_structure: dict[int, tuple[int, _families.Structures]] = {}
         self.reps: dict[tuple[int, str], GraphSlot] = {}  # (family, kind) -> representative
         # failures and cross-rank checks (runtime/guardrails.py); `trace` fingerprints the calls
         self.guard = guard if guard is not None else Guardrails(runtime.comm, config)
         self.trace = self.guard.trace
+        self.registry.reuse_call_listeners.append(self._reused_call)
+        self._reused: dict[tuple[int, int], _ReusedCall] = {}
         self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.PROFILE
         self._steps_in_phase = 0
         self._profile_label = "initial"
@@ -186,25 +209,35 @@ class Pipeline:
         self._replan_agreed = False              # ... and every rank knows of a request
         self._replanning: str | None = None      # the reason of the re-plan under way
         self.replans = 0
-        self._step_started = time.perf_counter()
+        self.setup_steps: int | None = None   # [Note: setup steps]; None until the plan is final
+        self._adopted: dict | None = None   # [Note: the plan in a checkpoint]: waiting for graphs
         self._calibrate_if_needed()
+        if self.comm.rank == 0 and self.phase is Phase.WARMUP:
+            log.info("deepcompile: setup, step %d: warm-up (%d steps, the first compiles)",
+                     runtime.step.optimizer_steps + 1, config.warmup_steps)
 
     @property
     def pass_log(self) -> list[dict]:
         return self.planner.entries
 
     # -- slots ------------------------------------------------------------------------------
-    def family_of(self, frame_id: int | None, pids: tuple[int, ...]) -> int:
+    def family_of(self, frame_id: int | None, pids: tuple[int, ...], structure: int) -> int:
         """The family index of a Dynamo graph traced from frame `frame_id` over the parameters
-        `pids` (in its input order): a recompilation with the same parameters (a new input
-        shape, or another guard) joins the family of the first graph."""
-        key = (frame_id, pids)
-        if key not in self._families:
-            self._families[key] = len(self._families)
-        return self._families[key]
+        `pids` (in its input order) with the structure `structure` ([Note: graph structure] in
+        compiler/families.py): a recompilation with the same parameters and structure (a new
+        input shape, or another guard) joins the family of the first graph."""
+        key = (frame_id, pids, structure)
+        family = self._families.get(key)
+        if family is None:
+            family = self._families[key] = len(self._families)
+            structures = self._structures.setdefault((frame_id, pids), _families.Structures())
+            structures.families.append(family)
+            self._family_structure[family] = (structure, structures)
+        return family
 
     def add_slot(self, family: int, kind: str, gm: fx.GraphModule,
                  params: list[str] | tuple[str, ...] = ()) -> GraphSlot:
+        structure, structures = self._family_structure[family]
         rep = self.reps.get((family, kind))
         if rep is not None:
             # another shape of a graph the family has: it runs the family's plan
@@ -212,6 +245,8 @@ class Pipeline:
             slot = GraphSlot(key, family, kind, gm, self.run)
             slot.rep, slot.training = rep, rep.training
             slot.original = _families.snapshot(gm)
+            self._structured(slot, structure, structures)
+            slot.coverage = Coverage.of(gm)
             rep.members.append(slot)
             self.slots[key] = slot
             self._follow(slot)
@@ -224,21 +259,52 @@ class Pipeline:
         slot = GraphSlot(key, family, kind, gm, self.run)
         slot.training = kind != "inference"   # eval / no_grad graphs are never planned for
         slot.original = _families.snapshot(gm)
+        slot.coverage = Coverage.of(gm)
         self.reps[(family, kind)] = slot
         self.slots[key] = slot
         names = list(params)
-        self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
-            f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
-            f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x})",
-            {"phase": "compile", "step": self.runtime.step.optimizer_steps,
-             "micro": self.runtime.step.micro_step, "graph": key})
+        if not structures.checked:
+            self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
+                f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x}; "
+                f"structure {structure:x})",
+                {"phase": "compile", "step": self.runtime.step.optimizer_steps,
+                 "micro": self.runtime.step.micro_step, "graph": key})
+            if len(structures.families) > 1:   # every rank compiled a second structure
+                self._check_structures(structures)
+        self._structured(slot, structure, structures)
+        if len(structures.families) > 1:
+            log.info("deepcompile: graph %s compiled: structure %x of the code of %s", key,
+                     structure, ", ".join(f"g{f}" for f in structures.families))
         kept = [e["pass"] for e in self.planner.current() if e.get("kept", True)]
         if self.phase is Phase.STEADY and kept and slot.training:
-            log.warning("deepcompile: graph %s was compiled after planning (new code, or new "
-                        "parameters); it runs with insertion only, without the passes %s", key,
-                        ", ".join(kept))
+            log.warning("deepcompile: graph %s was compiled after planning (new code, new "
+                        "parameters, or another structure of a graph's code); it runs with "
+                        "insertion only, without the passes %s", key, ", ".join(kept))
             self._unplanned.add(key)   # its first run tells the drift listeners
         return slot
+
+    def _structured(self, slot: GraphSlot, structure: int,
+                    structures: _families.Structures) -> None:
+        slot.structure, slot.structures = structure, structures
+        slot.checked = structures.checked and self._checks(slot)
+
+    def _checks(self, slot: GraphSlot) -> bool:
+        """Whether a call of `slot`, of code with several structures, is agreed across ranks: a
+        forward graph's (the backward graph that runs is the forward's), an inference graph's
+        where it gathers (ZeRO-3; at ZeRO-1/2 it issues no collective, and the ranks may
+        evaluate data that take different paths)."""
+        return slot.kind == "fw" or (slot.kind == "inference" and self.registry.zero_stage == 3)
+
+    def _check_structures(self, structures: _families.Structures) -> None:
+        """[Note: structures are agreed at each call] in runtime/guardrails.py: from now on
+        (every rank is here: it agreed on the second structure), the calls of this code's
+        graphs that `_checks` names check that every rank runs the same structure."""
+        structures.checked = True
+        self.guard.open_structure_checks()
+        for slot in self.slots.values():
+            if slot.structures is structures:
+                slot.checked = self._checks(slot)
 
     def _follow(self, member: GraphSlot) -> None:
         """The member runs its representative's current plan ([Note: shape families]): checked
@@ -256,6 +322,8 @@ class Pipeline:
                     f"{rep.key} would issue other collectives. Report this with the model; as a "
                     "workaround, give every rank inputs of one shape (pad), or leave out the "
                     "passes.") from e
+            if member.coverage is not None:   # [Note: gradient coverage]
+                member.coverage.check(gm, f"the plan of {rep.key} transplanted", member.key)
             face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
         member.swap(face[0], face[2])
         member.to_rep, member.following = face[1], rep.version
@@ -269,6 +337,11 @@ class Pipeline:
 
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
+        if slot.checked:   # [Note: structures are agreed at each call] in runtime/guardrails.py
+            self.guard.agree_structure(slot.key, slot.structure, rt.step.optimizer_steps,
+                                       rt.step.micro_step)
+        if self._adopted is not None and slot.training:
+            self._try_adopt(final=False)   # [Note: the plan in a checkpoint]
         if slot.rep is not None and slot.following != slot.rep.version:
             self._follow(slot)   # its representative's plan changed
         if self._unplanned and slot.key in self._unplanned:   # (compiled under a fake mode)
@@ -285,10 +358,7 @@ class Pipeline:
                 watch.record(args)
                 for listener in self.on_drift:
                     listener(f"graph {slot.key} called with sizes beyond its profiles")
-        if slot.epoch != rt.epoch:   # [Note: masters on the host] in runtime/offload.py
-            slot.lowered.clear()
-            slot.compiled.clear()
-            slot.epoch = rt.epoch
+        self._check_epoch(slot)
         if slot.variants is None:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
@@ -297,6 +367,8 @@ class Pipeline:
         tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
         tr.calls.append(low)
         full, accs = low.prepare(args)
+        if rt.parked.parked:   # started for a graph that did not come next ([Note: cross-graph
+            rt.drop_parked()   # prefetch] in runtime/runtime.py)
         args.clear()   # boxed calling convention: the list is ours; inputs die at last use
         if self.phase is Phase.PROFILE and slot.training:
             target = slot.rep or slot   # a member's runs are its representative's
@@ -324,11 +396,14 @@ class Pipeline:
                 self.perturb(prof)
             target.pending.append(prof)
             return low.finish(out, accs)
-        # [Note: first call] A graph's first call runs inside the first invocation of the graph
-        # Dynamo just compiled, where a nested Inductor compile (its AOTAutograd trace) fails; a
-        # graph that first appears in steady state (a recompilation for a new shape) runs its
-        # FX code once and is compiled on its second call.
-        final = self.phase is Phase.STEADY and slot.calls > 1
+        # [Note: first call] A forward graph's first call runs inside AOTAutograd's first
+        # invocation of the graph Dynamo just compiled, under a dispatch mode that inspects
+        # custom ops' inputs and outputs; a nested Inductor compile (its AOTAutograd trace)
+        # fails under it. So Inductor compiles with the dispatch modes set aside
+        # (`_compat.outside_dispatch_modes`), and a graph that first runs in the steady state
+        # (a recompilation for a new shape; every graph of a run resumed with its plan) runs
+        # its final code from its first call.
+        final = self.phase is Phase.STEADY
         tag = (last, slot.version, final)
         fn = slot.compiled.get(tag)
         if fn is None:
@@ -351,6 +426,28 @@ class Pipeline:
         slot.run_s.append(time.perf_counter() - t0)
         return low.finish(out, accs)
 
+    def _reused_call(self, compiled_for, actual) -> None:
+        """A graph runs for `actual` where it was compiled for `compiled_for` ([Note: graph
+        reuse] in compiler/backend.py): its digest names the compile-time parameter, so the
+        fingerprint takes the actual one too ([Note: divergence check]: ranks that run one
+        graph for different parameters, an experts loop skipping an expert on some ranks,
+        reduce one's gradient with the other's)."""
+        call = self._reused.get((compiled_for.pid, actual.pid))
+        if call is None:
+            call = self._reused[(compiled_for.pid, actual.pid)] = _ReusedCall(
+                f"a graph compiled for {compiled_for.name} ran for {actual.name}")
+        tr = self.trace
+        tr.fp = (tr.fp * FP_MUL + call.digest) & FP_MASK
+        tr.calls.append(call)
+
+    def _check_epoch(self, slot: GraphSlot) -> None:
+        """Code lowered in an earlier epoch of the runtime is made anew ([Note: masters on the
+        host] in runtime/offload.py)."""
+        if slot.epoch != self.runtime.epoch:
+            slot.lowered.clear()
+            slot.compiled.clear()
+            slot.epoch = self.runtime.epoch
+
     def _profile_lead(self, slot: GraphSlot) -> float:
         """[Note: profiling ahead of the device] in compiler/profiler.py: how long to keep the
         device busy before a profiled run of `slot` — half as long again as the profiler last
@@ -370,7 +467,8 @@ class Pipeline:
         key = (last, slot.version)
         low = slot.lowered.get(key)
         if low is None:
-            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, kind=slot.kind)
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, kind=slot.kind,
+                                            key=slot.key)
             # what one run issues, for the cross-rank fingerprint and its messages
             low.digest = _families.comm_digest(slot.gm, last)
             low.graph_key = slot.key
@@ -388,7 +486,8 @@ class Pipeline:
             return _compat.boxed_fx(gm)
         if self.config.compiler == "inductor" and final:
             log.info("deepcompile: Inductor compiles %s (version %d)", slot.key, slot.version)
-            return _compat.inductor_compile_graph(gm, list(args))
+            with _compat.outside_dispatch_modes():   # [Note: first call]
+                return _compat.inductor_compile_graph(gm, list(args))
         return _compat.boxed_fx(gm)
 
     def _runtime_bytes(self) -> int:
@@ -396,47 +495,53 @@ class Pipeline:
         return sum(source() for source in self.runtime_bytes_sources)
 
     # -- schedule ---------------------------------------------------------------------------
-    def end_step(self, outside_s: float = 0.0) -> None:
-        """Called by the engine after every optimizer step, on every rank; `outside_s`: how
-        long the step's own work took ([Note: outside the graphs])."""
-        phase = self.phase
-        if phase is not Phase.STEADY:
-            # [Note: timed steps on a GPU] the passes' verdicts compare these times: on a GPU
-            # they must be the device's, not how long the host took to launch the step (nothing
-            # else need wait for the device: with on_nonfinite="off" no step does). Steady
-            # steps are left alone: a sync would cost the overlap of a step's tail with the next.
+    def wait_device(self) -> None:
+        """[Note: timed steps on a GPU] The passes' verdicts compare step times: before the
+        steady state they must be the device's, not how long the host took to launch the work.
+        The engine calls this as each of its calls of a training step returns (forward,
+        backward, step), so that the device's work is done inside the call that launched it,
+        not in the user's code after it (nothing else need wait for the device: with
+        on_nonfinite="off" no step does). Steady steps are left alone: a sync would cost the
+        overlap of a step's tail with the next."""
+        if self.phase is not Phase.STEADY:
             synchronize(self.device)
-        now = time.perf_counter()
-        elapsed, self._step_started = now - self._step_started, now
+
+    def end_step(self, seconds: float, outside_s: float = 0.0) -> None:
+        """Called by the engine after every optimizer step, on every rank; `seconds`: the
+        engine's own work in the step ([Note: the engine's step time] in engine.py);
+        `outside_s`: how long its optimizer step took ([Note: outside the graphs])."""
+        phase = self.phase
         self.steps += 1
-        self.last_step = {"phase": phase.value, "seconds": elapsed}
+        self.last_step = {"phase": phase.value, "seconds": seconds}
         if len(self.step_log) < STEP_LOG:
-            self.step_log.append((phase.value, elapsed))
+            self.step_log.append((phase.value, seconds))
+        if self._adopted is not None and self._try_adopt(final=True):
+            return   # [Note: the plan in a checkpoint]: it applies from the next step
         if phase is Phase.WARMUP:
-            self.timings["warmup_steps_s"].append(elapsed)
+            self.timings["warmup_steps_s"].append(seconds)
             self._steps_in_phase += 1
             if self._steps_in_phase >= self.config.warmup_steps:
                 self._after_warmup()
         elif phase is Phase.PROFILE:
-            self.timings["profiled_steps_s"].append(elapsed)
+            self.timings["profiled_steps_s"].append(seconds)
             self._steps_in_phase += 1
             self._step_order, self._order_now = self._order_now, []
             self._outside_now.append(outside_s)
             if self._steps_in_phase >= self.config.profile_steps:
                 self._finish_profile()
         elif phase is Phase.MEASURE:
-            self.timings["measured_steps_s"].append(elapsed)
+            self.timings["measured_steps_s"].append(seconds)
             self._steps_in_phase += 1
-            ab, n = self._ab, self._steps_in_phase
-            if n > 2:   # the first step of each side settles freshly made code
-                ab["samples"][ab["side"]].append(elapsed)
-            if n >= 2 + 2 * self.config.measure_steps:
+            ab = self._ab
+            ab["samples"][ab["side"]].append(agree_max(self.comm, [seconds], self.device)[0])
+            after, before = ab["samples"]["after"], ab["samples"]["before"]
+            if autoplan.time_settled(before, after) or len(before) >= self.config.measure_steps:
                 self._finish_measure()
             else:
-                self._set_side("before" if n % 2 else "after")
+                self._set_side("before" if ab["side"] == "after" else "after")
         else:
             if len(self.timings["steady_steps_s"]) < 64:
-                self.timings["steady_steps_s"].append(elapsed)
+                self.timings["steady_steps_s"].append(seconds)
             self._outside_steady.append(outside_s)
             if self._replan is not None and self._replan_agreed:
                 passes, reason = self._replan
@@ -446,7 +551,6 @@ class Pipeline:
                 self.planner.queue = self.planner.restart(passes)
                 self._replanning = reason
                 self._enter(Phase.PROFILE, f"replan: {reason}")
-        self._step_started = time.perf_counter()
 
     def request_replan(self, passes: list[str], reason: str) -> None:
         """Run `passes` again (with the kept passes: `Planner.restart`), on new profiles, from
@@ -489,10 +593,51 @@ class Pipeline:
             self._outside_steady.clear()
             for slot in self.slots.values():
                 slot.pending.clear()
+        if self.comm.rank == 0:
+            log.info("%s", self._announce(phase, label))
         if phase is Phase.STEADY:
             for slot in self.slots.values():
                 slot.prune()
-        log.info("deepcompile: phase %s%s", phase.value, f" ({label})" if label else "")
+            if self.setup_steps is None:
+                self.setup_steps = self.steps
+
+    def _announce(self, phase: Phase, label: str) -> str:
+        """[Note: setup steps] The line that says where the setup is as `phase` begins."""
+        done = self.runtime.step.optimizer_steps   # the training's steps (a resumed one's too)
+        step = done + 1   # the phase's first step
+        what = "setup" if self.setup_steps is None else "re-plan"
+        if phase is Phase.STEADY:
+            entries = self.planner.current()
+            kept = [e["pass"] for e in entries if e.get("kept", True) and e["changed"]]
+            reverted = [e["pass"] for e in entries if not e.get("kept", True)]
+            idle = [e["pass"] for e in entries if e.get("kept", True) and not e["changed"]]
+            return (f"deepcompile: {'plan' if what == 'setup' else 're-plan'} final at step "
+                    f"{done}{f' ({label})' if label else ''}: passes kept: "
+                    f"{', '.join(kept) or 'none'}"
+                    + (f"; reverted: {', '.join(reverted)}" if reverted else "")
+                    + (f"; changed nothing: {', '.join(idle)}" if idle else "")
+                    + f"; steady state from step {step}")
+        left = self._steps_left(phase)
+        where = f"deepcompile: {what}, step {step}" + (f" of about {done + left}"
+                                                       if left is not None else "")
+        if phase is Phase.MEASURE:
+            return (f"{where}: timing {self._ab['entry']['pass']} against the graphs before it "
+                    f"(2 to {2 * self.config.measure_steps} steps)")
+        return f"{where}: {phase.value}" + (f" ({label})" if label else "")
+
+    def _steps_left(self, phase: Phase) -> int | None:
+        """About how many steps the setup has left as `phase` begins: each pass left
+        re-profiled and timed for the least a trial takes (one step of each side); None before
+        `passes="auto"` chose them."""
+        if self.config.auto_passes and self.planner.chosen is None:
+            return None
+        trial = 2 if self.config.measure_steps else 0
+        left = len(self.planner.queue) * (self.config.profile_steps + trial)
+        if phase is Phase.PROFILE:
+            left += self.config.profile_steps + (trial if self._awaiting is not None else 0)
+        elif phase is Phase.MEASURE:
+            left += trial
+        return left
 
     def _after_warmup(self) -> None:
         if self.config.cache_dir is not None:
@@ -523,8 +668,10 @@ class Pipeline:
         entry = self._awaiting
         if entry is not None:          # a pass's re-profile
             entry["after"] = self._summary(self.latest_profiles())
-            # a re-plan is not timed against the plan before it: that plan no longer fits
-            if self.config.measure_steps > 0 and not entry.get("replan"):
+            # a re-plan is not timed against the plan before it: that plan no longer fits; nor
+            # is a pass whose memory decides it ([Note: keeping a pass] in compiler/autoplan.py)
+            if self.config.measure_steps > 0 and not entry.get("replan") and autoplan.by_memory(
+                    entry["before"], entry["after"], self.memory_budget) is None:
                 self._start_measure(entry)
                 return
             self._judge(entry)
@@ -546,7 +693,35 @@ class Pipeline:
                     "samples": {"after": [], "before": []},
                     # the pass started keeping parameters: the side before it skips the refresh
                     "suspend": bool(kept_now) and not snap.runtime["kept"]}
+        self._prepare_sides()
+        # the ranks start the timed steps together: the time one rank took longer to prepare
+        # would be in the others' first timed step, spent waiting at its first collective
+        agree_max(self.comm, [0.0], self.device)
         self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
+
+    def _prepare_sides(self) -> None:
+        """Both sides' code lowered and compiled now, outside the timed steps ([Note:
+        interleaved measurement]), for the graphs the pass changed and the members that run
+        their plans; the graphs are left on the side after the pass."""
+        for side in ("before", "after"):
+            for key, face in self._ab["faces"].items():
+                slot = self.slots[key]
+                slot.swap(*face[side])
+                self._ready(slot)
+                for member in slot.members:
+                    self._follow(member)
+                    self._ready(member)
+
+    def _ready(self, slot: GraphSlot) -> None:
+        """`slot`'s current version lowered and compiled as run() would on its next call
+        (every variant it runs)."""
+        self._check_epoch(slot)
+        if slot.variants is None:
+            slot.variants = needs_variants(slot.gm, self.runtime)
+        for last in (True, False) if slot.variants else (True,):
+            tag = (last, slot.version, False)
+            if tag not in slot.compiled:
+                slot.compiled[tag] = self._compile(slot, self._lowered(slot, last), [], False)
 
     def _set_side(self, side: str) -> None:
         ab = self._ab
@@ -563,11 +738,9 @@ class Pipeline:
         ab = self._ab
         self._set_side("after")
         self._ab = None
-        m = self.config.measure_steps
-        agreed = agree_max(self.comm, ab["samples"]["after"] + ab["samples"]["before"],
-                           self.device)
         entry = ab["entry"]
-        entry["after"]["measured_s"], entry["before"]["measured_s"] = agreed[:m], agreed[m:]
+        entry["after"]["measured_s"] = ab["samples"]["after"]    # agreed at each step
+        entry["before"]["measured_s"] = ab["samples"]["before"]
         self._judge(entry)
         self._next_pass()
 
@@ -636,7 +809,12 @@ class Pipeline:
         return summary
 
     def _context(self) -> PassContext:
-        return PassContext(slots=self._planning(), profiles=self.latest_profiles(), order=self.order,
+        # the profiles of the graphs as they are: a graph a pass rewrote whose structure did not
+        # run in the re-profile that followed ([Note: graph structure] in compiler/families.py)
+        # has none, and the later passes leave it as it is
+        current = {k: p for k, p in self.latest_profiles().items()
+                   if p.version == self.slots[k].version}
+        return PassContext(slots=self._planning(), profiles=current, order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
                            decisions=self.planner.decisions(), fusion=self.fusion,
@@ -666,21 +844,36 @@ class Pipeline:
                 "profiles and the PassContext only, never from this rank's own timings or state. "
                 "The engine stops on every rank.")
 
-    # -- plan cache -------------------------------------------------------------------------
+    # -- plan cache, and the plan in a checkpoint --------------------------------------------
     def _cache_key(self) -> tuple[str, dict]:
+        """The digest of everything that determines a plan: the fingerprint and the training
+        graphs as compiled (before any pass rewrote them)."""
         parts = {
             **self.fingerprint,
-            "graphs": {k: _cache.graph_signature(s.gm, _param_name)
+            "graphs": {k: _cache.graph_signature(
+                s.original if s.original is not None else s.gm, _param_name)
                        for k, s in sorted(self._planning().items())},
         }
         return _cache.digest(parts), parts
 
-    def _load_cached_plan(self) -> bool:
-        key, _ = self._key
-        plan = _cache.load(self.config.cache_dir, key) if self.comm.rank == 0 else None
-        plan = self.comm.broadcast_object(plan)
-        if plan is None:
-            return False
+    def _record(self) -> dict:
+        """What re-applies the plan in force and what the report shows of how it was made:
+        the cost model, the step's graph order, the agreed profiles, the passes' entries (the
+        reverted ones marked) and `passes="auto"`'s choice."""
+        return {
+            "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
+            "order": self.order,
+            "outside_graphs_s": self.outside_s,
+            "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
+                         for k, s in self.slots.items() if s.history},
+            "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",
+                                              "verdict")} for e in self.planner.current()],
+            "chosen": self.planner.chosen, "left_out": self.planner.left_out,
+        }
+
+    def _apply_record(self, plan: dict) -> None:
+        """Re-apply a plan `_record` wrote (kept passes with their decisions) to the graphs as
+        compiled."""
         self.cost = LinearCostModel.from_dict(plan["cost"]) if plan.get("cost") else self.cost
         self.order = plan["order"]
         self.outside_s = plan.get("outside_graphs_s", 0.0)
@@ -689,6 +882,14 @@ class Pipeline:
                 self.slots[key_].history = [(label, _cache.profile_from_dict(p)) for label, p in hist]
         self.planner.chosen, self.planner.left_out = plan.get("chosen"), plan.get("left_out")
         self.planner.replay(plan["passes"])
+
+    def _load_cached_plan(self) -> bool:
+        key, _ = self._key
+        plan = _cache.load(self.config.cache_dir, key) if self.comm.rank == 0 else None
+        plan = self.comm.broadcast_object(plan)
+        if plan is None:
+            return False
+        self._apply_record(plan)
         self.cache_info.update(hit=True, saved_s=plan.get("profiling_overhead_s", 0.0),
                                path=str(_cache.path_for(self.config.cache_dir, key)))
         log.info("deepcompile: plan loaded from cache (%s); profiling skipped, saving about %.1f s",
@@ -705,21 +906,66 @@ class Pipeline:
         key, parts = self._key
         if self.comm.rank != 0:
             return
-        plan = {
-            "key_parts": parts,
-            "cost": self.cost.to_dict() if isinstance(self.cost, LinearCostModel) else None,
-            "order": self.order,
-            "outside_graphs_s": self.outside_s,
-            "profiles": {k: [(label, p.to_dict()) for label, p in s.history]
-                         for k, s in self.slots.items() if s.history},
-            "passes": [{k: e.get(k) for k in ("pass", "decisions", "before", "after", "kept",
-                                              "verdict")} for e in self.pass_log],
-            "chosen": self.planner.chosen, "left_out": self.planner.left_out,
-            "profiling_overhead_s": self.profiling_overhead_s(),
-        }
+        plan = {"key_parts": parts, **self._record(),
+                "profiling_overhead_s": self.profiling_overhead_s()}
         path = _cache.save(self.config.cache_dir, key, plan)
         self.cache_info["path"] = str(path)
         log.info("deepcompile: plan saved to %s", path)
+
+    # [Note: the plan in a checkpoint] A checkpoint saved once the plan is final carries it
+    # (`checkpoint_plan`: what the plan cache stores, with its key and the graphs it is for),
+    # so that a run resumed from it runs the same code as the run that saved it, from its
+    # first step: its losses are those of the unbroken run, bit for bit. A plan made afresh
+    # would differ (the passes' trials read times), and so would the resumed run's first
+    # steps, which would run the graphs as compiled (warm-up and profiling) where the unbroken
+    # run ran the planned ones, compiled by Inductor: a pass can change the numerics (a
+    # gradient accumulated in full before its reduce-scatter, not after) and Inductor's code
+    # is not FX's. So an engine that has not run a step adopts the plan (`adopt_plan`), the
+    # backend hands it every graph of a Dynamo frame at once (AOTAutograd's backward compiled
+    # with the forward, not at the first backward), and as soon as the step's training graphs
+    # are all there — at the first graph call — the plan is re-applied and the engine is in
+    # its steady state (Inductor compiles at the first call: [Note: first call]). Where the
+    # graphs are made in more than one call (graph breaks), the plan applies after the first
+    # step instead, which runs the graphs as compiled. The plan applies only where its key
+    # matches: the same world size, config, parameters, versions and graphs; any other run
+    # plans afresh (with a line that says why).
+    def checkpoint_plan(self) -> dict | None:
+        """The plan in force, for a checkpoint ([Note: the plan in a checkpoint]); None while
+        the setup or a re-plan runs."""
+        if self.phase is not Phase.STEADY or self.setup_steps is None:
+            return None
+        return {"key": self._cache_key()[0], "graphs": sorted(self._planning()), **self._record()}
+
+    def adopt_plan(self, plan: dict) -> bool:
+        """Apply `plan` (`checkpoint_plan`'s) as soon as this engine's graphs are compiled;
+        False where this engine has run steps (its own plan stays)."""
+        if self.steps or self._planning():
+            return False
+        self._adopted = plan
+        return True
+
+    @property
+    def adopting(self) -> bool:
+        """Whether a plan waits for the graphs ([Note: the plan in a checkpoint])."""
+        return self._adopted is not None
+
+    def _try_adopt(self, final: bool) -> bool:
+        """Apply the adopted plan if the training graphs it is for are all compiled (`final`:
+        the step is over, no other graph comes); returns whether it applied."""
+        plan = self._adopted
+        have = sorted(self._planning())
+        if not have or (not final and set(have) < set(plan["graphs"])):
+            return False
+        self._adopted = None
+        if have != plan["graphs"] or self._cache_key()[0] != plan["key"]:
+            if self.comm.rank == 0:
+                log.info("deepcompile: the checkpoint's plan is for other graphs or settings "
+                         "(world size, config, model or versions): planning afresh")
+            return False
+        with _compat.outside_dispatch_modes():   # inside a first call: [Note: first call]
+            self._apply_record(plan)
+        self._enter(Phase.STEADY, "from the checkpoint")
+        return True
 
 
 def _structure(x: Any) -> Any:

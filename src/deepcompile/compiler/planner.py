@@ -117,7 +117,10 @@ class Planner:
             decisions = p.plan(ctx)
         changed = list(p.apply(ctx, decisions) or [])
         for key in changed:
-            self.slots[key].changed()
+            slot = self.slots[key]
+            slot.changed()
+            if slot.coverage is not None:   # [Note: gradient coverage] in compiler/coverage.py
+                slot.coverage.check(slot.gm, f"the pass {name!r}", key)
         entry = {"pass": name, "decisions": decisions, "changed": changed, "before": before,
                  "after": None, "kept": True, "verdict": None}
         if changed:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import fx
 
 if TYPE_CHECKING:
+    from .families import Structures
+    from .coverage import Coverage
     from .lower import Lowered
     from .profiler import GraphProfile
 
@@ -38,9 +40,17 @@ class GraphSlot:
         self.rep: "GraphSlot | None" = None       # a member's representative; None: one itself
         self.members: list["GraphSlot"] = []      # a representative's members
         self.original: fx.GraphModule | None = None   # the graph as compiled, before any pass
+        # what every rewrite of it must keep ([Note: gradient coverage] in compiler/coverage.py)
+        self.coverage: "Coverage | None" = None
         self.to_rep: dict[str, str] = {}          # a member's node -> its representative's node
         self.faces: dict[int, tuple] = {}         # a member's plan per representative version
         self.following: int | None = None         # the representative version it runs
+        # [Note: graph structure] in compiler/families.py: the digest of its structure, the
+        # structures of its code (one family each), and whether the ranks agree on the
+        # structure at each of its calls (`Pipeline._checks`)
+        self.structure = 0
+        self.structures: "Structures | None" = None
+        self.checked = False
         self.history: list[tuple[str, "GraphProfile"]] = []   # (label, agreed profile)
         self.local: "GraphProfile | None" = None              # this rank's latest measured profile
         self.pending: list["GraphProfile"] = []               # runs of the current profile step
@@ -54,6 +64,12 @@ class GraphSlot:
         self.calls = 0
         # wall time of recent unprofiled runs (compiles excluded), to check profiles against
         self.run_s: collections.deque[float] = collections.deque(maxlen=64)
+
+    @property
+    def varies(self) -> bool:
+        """Its code has several structures: which of them runs (and so which graphs run before
+        and after it) depends on the data."""
+        return self.structures is not None and len(self.structures.families) > 1
 
     @property
     def profile(self) -> "GraphProfile | None":

@@ -15,8 +15,9 @@ pieces are deepcompile's:
   decay/no-decay split, betas, eps) over the engine's shards; the training forward runs the
   compiled engine (`_wrap_model` returns a thin module calling it, so Accelerate wraps nothing
   in DDP), the backward is `engine.backward`, and the Trainer's `optimizer.step()` is
-  `engine.step()` (clipping to `max_grad_norm` inside; the logged grad_norm is the global norm
-  of the shards' gradients);
+  `engine.step()` (clipping to `max_grad_norm` inside; the logged grad_norm is the step's
+  global gradient norm before clipping, `engine.grad_norm()`: the Trainer asks for it before
+  its optimizer step, and gets a tensor that the engine's step fills);
 * `TrainingArguments.bf16` / `fp16` select `Config.param_dtype` (bf16 compute with fp32 masters;
   fp16 with deepcompile's dynamic loss scaling); Accelerate's autocast and GradScaler are not
   used;
@@ -75,6 +76,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine) -> None:   # no super().__init__: a view of engine.optimizer
         self.engine = engine
+        self.grad_norm: torch.Tensor | None = None   # filled by the next step (_grad_norm)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -101,6 +103,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "DeepCompileTrainer: the engine did not step at the Trainer's optimizer step "
                 f"({self.engine._micro_steps} micro-steps since the last one)")
+        if self.grad_norm is not None:
+            self.grad_norm.copy_(self.engine.grad_norm())
+            self.grad_norm = None
         accelerated = getattr(self, "accelerated", None)
         if accelerated is not None:   # a loss-scaling skip: the Trainer keeps the LR schedule
             accelerated._is_overflow = scaler is not None and scaler.skipped_steps > skipped
@@ -183,7 +188,7 @@ class DeepCompileTrainer(transformers.Trainer):
 
             self.engine = deepcompile.initialize(self.model, optimizer=build,
                                                  config=self.deepcompile_config)
-        self.optimizer = _EngineOptimizer(self.engine)
+        self.optimizer = self._engine_optimizer = _EngineOptimizer(self.engine)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -229,18 +234,15 @@ class DeepCompileTrainer(transformers.Trainer):
         self.engine.backward(loss)   # the engine's gradient_accumulation_steps is 1: no rescale
         return loss.detach()
 
-    @torch.no_grad()
     def _grad_norm(self) -> torch.Tensor:
-        engine = self.engine
-        total = torch.zeros((), dtype=torch.float32, device=engine.device)
-        for s in engine._registry.trainable_shards():
-            if s.grad is not None:
-                total += s.grad.float().pow(2).sum()
-        engine._comm.all_reduce(total, count=False)
-        norm = total.sqrt()
-        if engine._scaler is not None:
-            norm = norm / engine._scaler.scale
-        return norm
+        """The norm the Trainer logs for this optimizer step, asked for before the step: a
+        tensor that the engine's step fills with `engine.grad_norm()` (the Trainer reads it
+        when it logs, after the step)."""
+        pending = self._engine_optimizer.grad_norm
+        if pending is None:
+            pending = torch.full((), float("nan"), device=self.engine.device)
+            self._engine_optimizer.grad_norm = pending
+        return pending
 
     def _clip_grad_norm(self, model):
         if self.engine is None:

@@ -16,7 +16,8 @@ Every synchronous `allgather_param` of a partitioned graph becomes `allgather_st
 * a budget below the graph's insertion-only peak is unattainable: the plan says so with the
   figures and changes nothing;
 * across graphs: when graph B always runs right after graph A in the recorded execution order
-  (and only after A), and B's first group could not be hidden inside B (its start is at B's
+  (and only after A; neither is a graph whose code has several structures, of which another
+  may run in another step), and B's first group could not be hidden inside B (its start is at B's
   top), that group is started at A's tail instead, moved up just far enough to cover what B
   could not hide, within the budget on A's planned memory curve (`plan_across`). B then takes
   the gathered parameters with `allgather_from_prev` ([Note: cross-graph prefetch]).
@@ -162,10 +163,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     # runtime/secondary.py): no start across that boundary
     split = ctx.layout is not None and ctx.layout.secondary is not None
     for a, b in successions(ctx.order):
-        if split and getattr(ctx.slots.get(a), "kind", None) != \
-                getattr(ctx.slots.get(b), "kind", None):
+        if split and ctx.slots[a].kind != ctx.slots[b].kind:
             continue
-        if a in steps and b in decisions:
+        # (a graph whose code has several structures may be followed, or preceded, by another
+        # graph in another step: [Note: graph structure] in compiler/families.py)
+        if a in steps and b in decisions and not (ctx.slots[a].varies or ctx.slots[b].varies):
             plan_across(a, b, steps[a], steps[b], decisions, ctx.memory_budget)
     return decisions
 

@@ -116,10 +116,9 @@ def _memory(plt, report: Report):
         ys = [p[1] / 2**20 for p in pts]
         top = max(top, max(ys))
         ax.step(xs, ys, where="post", label=f"rank {r['rank']} (peak {max(ys):.2f} MiB)", lw=1.2)
-    for i, (key, t, dur) in enumerate(ranks[0]["memory"]["graphs"]):
+    spans = ranks[0]["memory"]["graphs"]
+    for i, (key, t, dur) in enumerate(spans):
         ax.axvspan(t * 1e3, (t + dur) * 1e3, color="0.92" if i % 2 else "0.97", zorder=0)
-        ax.text((t + dur / 2) * 1e3, 0.02, key, transform=ax.get_xaxis_transform(),
-                ha="center", fontsize=8, color="0.3")
     budget = report.memory_budget_bytes
     if budget is not None:
         ax.axhline(budget / 2**20, color="tab:red", ls="--", lw=1.2,
@@ -135,7 +134,31 @@ def _memory(plt, report: Report):
                  + _title(report), fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
+    _span_labels(fig, ax, spans)
     return fig
+
+
+def _span_labels(fig, ax, spans: list) -> None:
+    """Each graph's name under its span, in the lowest of a few rows where it overlaps no
+    other name (short graphs side by side would print over each other); a name with no room
+    in any row is left out (its span is still shaded)."""
+    renderer = fig.canvas.get_renderer()
+    to_data = ax.transData.inverted()
+    rows: list[float] = []   # the right end of the last name in each row, ms
+    for key, t, dur in spans:
+        mid = (t + dur / 2) * 1e3
+        text = ax.text(mid, 0.02, key, transform=ax.get_xaxis_transform(), ha="center",
+                       fontsize=8, color="0.3")
+        box = text.get_window_extent(renderer)
+        (x0, _), (x1, _) = to_data.transform([(box.x0, box.y0), (box.x1, box.y1)])
+        row = next((i for i, end in enumerate(rows) if x0 > end), len(rows))
+        if row >= 4:
+            text.remove()
+            continue
+        if row == len(rows):
+            rows.append(x1)
+        rows[row] = x1
+        text.set_y(0.02 + 0.055 * row)
 
 
 def _timeline(plt, report: Report):
@@ -174,9 +197,14 @@ def _timeline(plt, report: Report):
         ax.set_yticks(range(len(lanes)), [LANE_NAMES[lane] for lane in lanes], fontsize=8)
         ax.set_ylim(-0.6, len(lanes) + 0.2)
         ax.invert_yaxis()
-        ax.set_title(f"rank {r['rank']}: {tr['phase']} step, {tr['step_s'] * 1e3:.2f} ms; exposed "
-                     f"communication {tr['exposed_s'] * 1e3:.2f} ms "
-                     f"({100 * tr['exposed_s'] / max(tr['step_s'], 1e-12):.0f}% of the step)",
+        # the title's figures are those of the axis: the traced span (the step's time also
+        # counts what ran between the previous step and the trace's start)
+        span = max((e["ts_s"] + e["dur_s"] for e in tr["events"]), default=0.0) - \
+            min((e["ts_s"] for e in tr["events"]), default=0.0)
+        ax.set_title(f"rank {r['rank']}: {tr['phase']} step, {span * 1e3:.2f} ms traced (step "
+                     f"time {tr['step_s'] * 1e3:.2f} ms); exposed communication "
+                     f"{tr['exposed_s'] * 1e3:.2f} ms "
+                     f"({100 * tr['exposed_s'] / max(span, 1e-12):.0f}% of the traced span)",
                      fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time from the start of the traced step, ms (torch.profiler"

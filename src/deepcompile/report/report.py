@@ -3,10 +3,11 @@
 [Note: where collectives run] Every collective of an optimizer step is counted where it runs:
 in each graph (its lowered code's collectives times the graph's runs per step: with gradient
 accumulation a graph runs once per micro-step), and after the optimizer step, outside the
-graphs (ZeRO-1/2's replica refresh, the kept parameters' refresh of `selective_unshard`, the
-gradient-norm all-reduce of clipping, the loss-scale overflow check). The same step is also
-counted by `engine.comm_stats()` (the `measured` column: the last optimizer step's counters),
-so the two can be compared.
+graphs (ZeRO-1/2's replica refresh, the kept parameters' refresh of `selective_unshard`). The
+same step is also counted by `engine.comm_stats()` (the `measured` column: the last optimizer
+step's counters), so the two can be compared. The step's scalar reductions (the gradient norm
+with the inf/NaN flags: [Note: the step's gradient norm] in engine.py) are bookkeeping, in
+neither.
 
 [Note: asynchronous time] A graph's profile splits its wall time into compute, time blocked on
 communication (synchronous collectives and waits: the exposed part) and the host time of
@@ -115,12 +116,6 @@ def step_collectives(engine, profiles: dict, order: list[str]) -> list[dict[str,
                 rows.append({"where": key, "what": "in the graph" + (f", x{runs} runs" if runs > 1 else ""),
                              "kind": kind, "count": n, "bytes": nbytes})
     rows += engine._runtime.after_step_collectives()
-    if engine.config.max_grad_norm is not None:
-        rows.append({"where": "after the backward", "what": "gradient-norm clipping",
-                     "kind": "all_reduce", "count": 1, "bytes": 4})
-    if engine._scaler is not None and engine.config.loss_scaling == "dynamic":
-        rows.append({"where": "after the backward", "what": "loss-scale overflow check",
-                     "kind": "all_reduce", "count": 1, "bytes": 4})
     return rows
 
 

@@ -90,22 +90,8 @@ class GradAccumulators:
         """A graph run added to (`last` False) or reduced (`last` True) these accumulators."""
         (self.consumed if last else self.dirty).update(accs)
 
-    # -- the same accumulation outside compiled graphs (the eager fallback's gradient hook) --
     def accumulates(self, entry: ParamEntry) -> bool:
         return entry.pid in self.by_pid
-
-    def add(self, entry: ParamEntry, grad: torch.Tensor) -> None:
-        acc = self.by_pid[entry.pid]
-        acc.add_(grad.detach().reshape(-1))
-        self.dirty.add(acc)
-
-    def take(self, entry: ParamEntry, grad: torch.Tensor) -> torch.Tensor:
-        """`accumulator + grad` (new memory); the accumulator is zeroed."""
-        acc = self.by_pid[entry.pid]
-        total = acc + grad.detach().reshape(-1)
-        acc.zero_()
-        self.consumed.add(acc)
-        return total
 
     @property
     def last_micro_step(self) -> bool:

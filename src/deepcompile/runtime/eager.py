@@ -6,17 +6,38 @@ freed.  Forward hooks on every module that owns parameters gather them into the 
 parameter storage before its forward and free them after.  Tensors autograd saves that alias a
 gathered parameter are packed as a reference and re-gathered when the backward unpacks the
 first of them (once per module call and parameter, whatever the number of saved views:
-`_Regather`), so nothing full-size outlives the forward.  Gradients that eager autograd accumulates into a
-module parameter are reduce-scattered into the shard's gradient at once.
+`_Regather`), so nothing full-size outlives the forward.  Gradients that eager autograd
+accumulates into a module parameter are held until the optimizer step ([Note: eager gradients
+are agreed]).
 
 The hooks do nothing while Dynamo traces (the compiled graphs gather for themselves). Run
 eagerly, they run with Dynamo off ([Note: eager hooks run eagerly]).
 
 ZeRO-1/2 (`gather=False`): the module's parameters are materialized replicas, so eager code
 reads them directly and no forward hooks are installed; only the gradient hook is, so that a
-gradient eager autograd accumulates into a replica is reduced into its shard at once (ZeRO-1:
-kept local until the last micro-step, in the same accumulator the compiled graphs use:
-[Note: local gradient accumulation]) and no replicated `.grad` stays behind.
+gradient eager autograd accumulates into a replica is held for its shard and no replicated
+`.grad` stays behind.
+
+[Note: eager gradients are agreed] Eager code can run differently on each rank: the classic
+experts loop skips an expert no token of this rank is routed to. A gradient reduced the moment
+eager autograd makes it would pair its reduce-scatter with whatever the other ranks reduce at
+that moment (another expert's gradient of the same size: a silently wrong sum). So each one is
+held (full size, master dtype; later micro-steps add to it) until the optimizer step, where the
+ranks first agree whether any of them holds one (one integer in the divergence check's
+reduction: `Guardrails.end_step`), and if so which (a mask over the parameters, `flush`); then
+every rank reduces each of those, in registry order, contributing zeros where it holds none, as
+DDP does for a parameter unused on some ranks. Such a module trains exactly as it would
+unsharded. At ZeRO-3 its forward needs its parameters gathered, which every rank must take part
+in: each gather of the eager fallback is first agreed ([Note: eager gathers are agreed]).
+
+[Note: eager gathers are agreed] At ZeRO-3 the fallback's gathers (a module's forward, a
+re-gather in its backward) are collectives started by eager code, which may run on some ranks
+only: two ranks that gather different modules of the same size would each compute with a
+parameter assembled from both. Before each such gather the ranks exchange what they are about
+to gather (on a gloo group of their own that carries nothing else: `Guardrails.agree_eager`),
+and on any difference every rank raises the same DivergenceError naming the modules. A rank
+that gathers where another gathers nothing waits for it there until the collective timeout,
+and both then stop with reports naming where each was.
 """
 
 from __future__ import annotations
@@ -38,13 +59,15 @@ class _Regather:
     each rank still makes the same collectives on every rank, as long as it saves at least one
     on each (a rank that saves none gathers nothing; an experts loop over one stacked weight
     saves one wherever a token is routed)."""
-    __slots__ = ("entry", "full")
+    __slots__ = ("entry", "full", "agree")
 
-    def __init__(self, entry: ParamEntry) -> None:
-        self.entry, self.full = entry, None
+    def __init__(self, entry: ParamEntry, agree) -> None:
+        self.entry, self.full, self.agree = entry, None, agree
 
     def get(self) -> torch.Tensor:
         if self.full is None:
+            if self.agree is not None:   # [Note: eager gathers are agreed]
+                self.agree("re-gathers for its backward", self.entry.name, [self.entry])
             self.full = self.entry.gather()
         return self.full
 
@@ -58,9 +81,16 @@ class _SavedParamRef:
 
 
 class EagerFallback:
-    def __init__(self, module: nn.Module, runtime, gather: bool = True) -> None:
+    """`agree(what, where, entries)`: the ranks agree on a gather before it starts ([Note:
+    eager gathers are agreed]; ZeRO-3 over several ranks, else None); `agree_mask(mask)`: the
+    element-wise maximum of an integer tensor over the ranks (the identity on one rank)."""
+
+    def __init__(self, module: nn.Module, runtime, gather: bool = True, agree=None,
+                 agree_mask=None) -> None:
         self._runtime = runtime
         registry = runtime.registry
+        self._agree = agree
+        self._agree_mask = agree_mask
         self._depth: dict[int, int] = {}          # pid -> nesting count of live uses
         self._by_ptr: dict[int, _Regather] = {}   # data_ptr of materialized storage -> its regather
         self._handles = []
@@ -68,12 +98,14 @@ class EagerFallback:
         # garbage collector does not look): they hold this object weakly and name their entries
         # by index, so that they keep nothing of a released engine alive
         self._groups: list[list[ParamEntry]] = []
-        for mod in module.modules() if gather else ():
+        self._names: list[str] = []               # per group: its module's name
+        for name, mod in module.named_modules() if gather else ():
             entries = [registry.entry_for(p) for p in mod._parameters.values() if p is not None]
             entries = [e for e in entries if e is not None]
             if not entries:
                 continue
             self._groups.append(entries)
+            self._names.append(name or type(mod).__name__)
             k = len(self._groups) - 1
             self._handles.append(mod.register_forward_pre_hook(_weak_hook(self._pre_hook, k)))
             self._handles.append(mod.register_forward_hook(_weak_hook(self._post_hook, k),
@@ -83,17 +115,27 @@ class EagerFallback:
             self._handles.append(entry.param.register_post_accumulate_grad_hook(
                 _weak_hook(self._grad_hook, k)))
         self.materializations = 0  # how often eager code needed a gathered parameter
+        # gradients eager autograd made, held for the optimizer step ([Note: eager gradients
+        # are agreed]): pid -> flat full-size gradient in the master dtype (the runtime's: the
+        # memory model counts them)
+        self.held: dict[int, torch.Tensor] = runtime.eager_grads
         # a released engine's hooks leave the module with it (the finalizer holds the handles,
         # not this object)
         weakref.finalize(self, _remove_all, self._handles)
 
     def _pre_hook(self, k: int, mod, args) -> None:
-        for entry in self._groups[k]:
+        group = self._groups[k]
+        if self._agree is not None:   # [Note: eager gathers are agreed]
+            todo = [e for e in group if not self._depth.get(e.pid, 0)]
+            if todo:
+                self._agree("gathers for its forward", self._names[k], todo)
+        for entry in group:
             depth = self._depth.get(entry.pid, 0)
             if depth == 0:
                 entry.materialize()
                 self.materializations += 1
-                self._by_ptr[entry.param.untyped_storage().data_ptr()] = _Regather(entry)
+                self._by_ptr[entry.param.untyped_storage().data_ptr()] = _Regather(entry,
+                                                                                    self._agree)
             self._depth[entry.pid] = depth + 1
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_eagerly, self._unpack_eagerly)
         ctx.__enter__()
@@ -133,21 +175,45 @@ class EagerFallback:
 
     def _grad_hook(self, k: int, param: torch.Tensor) -> None:
         entry = self._grad_entries[k]
-        grad, param.grad = param.grad, None
+        # (the tensor's own .grad: the guarded parameter's warns when it is None, guard.py)
+        grad, param.grad = torch.Tensor.grad.__get__(param), None
         if grad is None:   # a compiled graph gave this replica no gradient (ZeRO-1/2)
             return
-        rt = self._runtime
-        if rt.defers_reduce:
-            rt.accum.enable([entry])
-            if not rt.step.last_micro_step:
-                rt.accum.add(entry, grad)
-                return
-            grad = rt.accum.take(entry, grad)
-        shard_grad = entry.reduce_grad(grad)
-        if entry.shard.grad is None:
-            entry.shard.grad = shard_grad
+        # held for the step ([Note: eager gradients are agreed]); the accumulated `.grad` is
+        # autograd's no more, so the first is held as it is (in the master dtype)
+        flat = grad.detach().reshape(-1)
+        held = self.held.get(entry.pid)
+        if held is None:
+            self.held[entry.pid] = flat.to(entry.shard.dtype)
         else:
-            entry.shard.grad.add_(shard_grad)
+            held.add_(flat)
+
+    @torch.no_grad()
+    def flush(self, anywhere: bool) -> int:
+        """At the optimizer step, on every rank: `anywhere`, whether some rank holds eager
+        gradients (agreed); if so the ranks agree which parameters' and reduce each of them
+        into its shard's gradient, in registry order, zeros where a rank holds none ([Note:
+        eager gradients are agreed]). Returns how many were reduced."""
+        if not anywhere:
+            return 0
+        entries = self._grad_entries
+        mask = torch.tensor([e.pid in self.held for e in entries], dtype=torch.uint8)
+        if self._agree_mask is not None:
+            mask = self._agree_mask(mask)
+        n = 0
+        for e, on in zip(entries, mask.tolist()):
+            if not on:
+                continue
+            grad = self.held.pop(e.pid, None)
+            if grad is None:   # none on this rank: it contributes zeros, as DDP's
+                grad = torch.zeros(e.numel, dtype=e.shard.dtype, device=e.shard.device)
+            shard_grad = e.reduce_grad(grad)
+            if e.shard.grad is None:
+                e.shard.grad = shard_grad
+            else:
+                e.shard.grad.add_(shard_grad)
+            n += 1
+        return n
 
 
 class EagerCalls:

@@ -34,6 +34,23 @@ kernel rounds differently from an eager run there). An implementation the user c
     stream the others in (runtime/offload.py).
 Python runs per chunk and per group, never per parameter.
 
+[Note: steps without a gradient] torch's optimizers skip a parameter whose `.grad` is None:
+no weight decay, no moment decay, no step count. A shard has no gradient in an optimizer step
+exactly when no graph and no eager gradient gave it one on any rank (every gradient reaches a
+shard through a reduction every rank runs: the graphs are the same on every rank, and the
+eager fallback's gradients are reduced by agreement at the step, runtime/eager.py), so every
+rank sees the same shards without one. The inner optimizer steps *units*: a run of a chunk's
+shards stepped as one tensor with one set of per-parameter scalars (Adam's `step`). A chunk is
+one unit (its flat master) until a step where some of its shards have a gradient and others
+not (a head used on some steps, a parameter never used): then the unit is split where that
+differs (`mark`), each part a view of the master with views of the state and scalars of its
+own, and only the parts with a gradient step. Parts never merge again (their step counts
+differ from then on); each step remains one call of the inner optimizer over every unit with
+a gradient (torch's fused kernel takes a list). A part never stepped has no state, as torch's
+own parameter would not; its first step creates it, and it is moved into the chunk's flat
+state (`Chunk.flat_state`, what offloading moves) at once (`_adopt`). A chunk whose shards all
+have a gradient (the common case) costs one check of its shards' gradients, in C (`map`).
+
 [Note: per-parameter state] The facade's `state[shard]` holds views of the inner state
 (`exp_avg[off:off + n]`) and the chunk's scalars (`step`: the same tensor object), so
 `engine.optimizer.state_dict()` is per parameter, as checkpoints (checkpoint.py) and users
@@ -50,6 +67,7 @@ chunks, but the step is per parameter and `offload_optimizer` refuses them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -85,6 +103,17 @@ def chunk_bytes_for(total_bytes: int) -> int:
 
 
 @dataclasses.dataclass(eq=False)
+class Unit:
+    """A run of a chunk's shards stepped as one tensor ([Note: steps without a gradient])."""
+    first: int                       # its shards: the chunk's [first, end)
+    end: int
+    start: int                       # its elements: the chunk's [start, stop) (gaps included)
+    stop: int
+    param: nn.Parameter              # what the inner optimizer steps: the master, or a view
+    grad: torch.Tensor = dataclasses.field(repr=False)   # its slice of the chunk's gradient
+
+
+@dataclasses.dataclass(eq=False)
 class Chunk:
     index: int
     group: int                       # the facade's parameter group
@@ -98,6 +127,11 @@ class Chunk:
     grad_views: list[torch.Tensor] = dataclasses.field(repr=False)   # per shard: its slice
     gaps: list[torch.Tensor] = dataclasses.field(repr=False)   # `grad`'s alignment gaps (zeroed)
     shards: list[nn.Parameter]
+    units: list[Unit] = dataclasses.field(default_factory=list)
+    # the units with a gradient in this step (`FlatState.mark`); None: every unit
+    live: list[Unit] | None = dataclasses.field(default=None, repr=False)
+    # split into several units: the flat state they are views of (one unit: the inner state)
+    flat_state: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,9 +147,9 @@ class Chunk:
 
     def state_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """The chunk's flat state tensors (same size as the chunk), by key."""
-        st = optimizer.state.get(self.param, {})
-        return {k: v for k, v in st.items()
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == self.numel}
+        if len(self.units) > 1:
+            return dict(self.flat_state or {})
+        return _flat_values(optimizer.state.get(self.param, {}), self.numel)
 
 
 def _align(n: int, itemsize: int) -> int:
@@ -196,6 +230,7 @@ class FlatState:
                      "state cannot be offloaded", type(facade).__name__,
                      ", ".join(c.__name__ for c in ELEMENTWISE))
         self.on_load: list = []              # called after the inner state was reloaded
+        self.on_layout: list = []            # called with a chunk whose units or state moved
 
     @classmethod
     def of_parameters(cls, facade: torch.optim.Optimizer, device) -> "FlatState":
@@ -243,7 +278,8 @@ class FlatState:
         grad.untyped_storage().resize_(0)
         return Chunk(index=index, group=group, entries=entries, offsets=offsets, numel=numel,
                      param=param, grad=grad, grad_views=views, gaps=gaps,
-                     shards=[e.shard for e in entries])
+                     shards=[e.shard for e in entries],
+                     units=[Unit(0, len(entries), 0, numel, param, grad)])
 
     # -- the inner optimizer ----------------------------------------------------------------
     def _build_inner(self) -> None:
@@ -289,28 +325,58 @@ class FlatState:
 
     # -- gradients ----------------------------------------------------------------------------
     def fold_grads(self, chunks: Iterable[Chunk] | None = None) -> None:
-        """Each chunk's shard gradients into its flat gradient; the shards' `.grad` dropped."""
+        """Each chunk's shard gradients into its flat gradient; the shards' `.grad` dropped;
+        the units with a gradient marked ([Note: steps without a gradient]). A chunk none of
+        whose shards has a gradient gets no flat gradient (it does not step)."""
         for c in self.chunks if chunks is None else chunks:
             grads = list(map(_grad_of, c.shards))
+            every = all(map(_is_not_none, grads))
             if not c.grad_allocated:
+                if not every and not any(map(_is_not_none, grads)):
+                    c.live = []
+                    continue
                 c.grad.untyped_storage().resize_(c.nbytes)
                 if c.gaps:
                     torch._foreach_zero_(c.gaps)
-                if all(map(_is_not_none, grads)):
+                if every:
                     torch._foreach_copy_(c.grad_views, grads)
-                else:   # a shard without a gradient this step (unused): zeros
+                else:   # a shard without a gradient this step: zeros (it does not step)
                     for v, g in zip(c.grad_views, grads):
                         v.zero_() if g is None else v.copy_(g)
+                self.mark(c, None if every else [g is not None for g in grads])
             else:       # already folded (a gradient routed here, or a second fold): add
                 for v, g in zip(c.grad_views, grads):
                     if g is not None:
                         v.add_(g)
+                if not every and c.live is not None:   # what had none may have one now
+                    had = {i for u in c.live for i in range(u.first, u.end)}
+                    self.mark(c, [i in had or g is not None for i, g in enumerate(grads)])
             any(map(setattr, c.shards, itertools.repeat("grad"), itertools.repeat(None)))
+
+    def mark(self, c: Chunk, has: list[bool] | None) -> None:
+        """`has`: which of `c`'s shards have a gradient in this step (None: all); `c.live`
+        becomes its units with one, a unit whose shards differ split where they do ([Note:
+        steps without a gradient])."""
+        if has is None or all(has):
+            c.live = None
+            return
+        if not any(has):
+            c.live = []
+            return
+        cuts = [i for i in range(1, len(has)) if has[i] != has[i - 1]]
+        if any(u.first < i < u.end for u in c.units for i in cuts):
+            self._split(c, cuts)
+        c.live = [u for u in c.units if has[u.first]]
+
+    def live_units(self, c: Chunk) -> list[Unit]:
+        return c.units if c.live is None else c.live
 
     def release_grads(self, chunks: Iterable[Chunk] | None = None) -> None:
         for c in self.chunks if chunks is None else chunks:
             c.grad.untyped_storage().resize_(0)
-            c.param.grad = None
+            for u in c.units:
+                u.param.grad = None
+            c.live = None
 
     def grads(self) -> list[torch.Tensor]:
         """The flat gradients allocated now (after `fold_grads`)."""
@@ -318,65 +384,217 @@ class FlatState:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, chunks: list[Chunk]) -> None:
-        """One inner optimizer step over exactly `chunks` (their gradients folded)."""
-        if not chunks:
+        """One inner optimizer step over exactly `chunks` (their gradients folded): the units
+        with a gradient ([Note: steps without a gradient])."""
+        units = [(c, u) for c in chunks for u in self.live_units(c)]
+        if not units:
             return
+        state = self.inner.state
+        fresh = [(c, u) for c, u in units if not state.get(u.param)]
+        # units stepped for the first time step apart from those with state (torch's fused SGD
+        # takes a list of momentum buffers all made or all to make)
+        calls = [[(c, u) for c, u in units if state.get(u.param)], fresh] if fresh else [units]
+        for call in calls:
+            if not call:
+                continue
+            for _c, u in call:
+                u.param.grad = u.grad
+            self.inner.step()
+            for _c, u in call:
+                u.param.grad = None
+        for c, u in fresh:   # state made by this step: the facade shows it from now on
+            if len(c.units) > 1:
+                self._adopt(c, u)
+            else:
+                self._viewed.discard(c.index)
+        self.show_state(chunks)
+
+    def show_state(self, chunks: Iterable[Chunk]) -> None:
+        """The facade's per-shard state of `chunks` made again where their units changed."""
         for c in chunks:
-            c.param.grad = c.grad
-        self.inner.step()
-        for c in chunks:
-            c.param.grad = None
             if c.index not in self._viewed:
                 self._view_state(c)
 
+    # -- units ([Note: steps without a gradient]) ---------------------------------------------
+    @torch.no_grad()
+    def _split(self, c: Chunk, cuts: list[int]) -> None:
+        """Split the units of `c` at the shard indices `cuts`: each part a view of the master
+        and of the gradient, with views of its unit's state and copies of its scalars, in
+        its unit's place in the inner optimizer's group."""
+        state = self.inner.state
+        units: list[Unit] = []
+        with _allocated([c.param, c.grad, *(c.flat_state or {}).values(),
+                         *_flat_values(state.get(c.param, {}), c.numel)]):
+            if len(c.units) == 1 and state.get(c.param):   # its state becomes the chunk's
+                c.flat_state = _flat_values(state[c.param], c.numel)
+            for u in c.units:
+                inside = [i for i in cuts if u.first < i < u.end]
+                if not inside:
+                    units.append(u)
+                    continue
+                bounds = [u.first, *inside, u.end]
+                parts = []
+                for a, b in zip(bounds, bounds[1:]):
+                    start = c.offsets[a]
+                    stop = c.offsets[b] if b < len(c.offsets) else c.numel
+                    parts.append(Unit(a, b, start, stop,
+                                      nn.Parameter(c.param.detach()[start:stop]),
+                                      c.grad[start:stop]))
+                group = next(g for g in self.inner.param_groups
+                             if any(p is u.param for p in g["params"]))
+                at = next(i for i, p in enumerate(group["params"]) if p is u.param)
+                group["params"][at:at + 1] = [p.param for p in parts]
+                old = state.pop(u.param, None)
+                if old:
+                    n = u.stop - u.start
+                    for p in parts:
+                        state[p.param] = {
+                            k: v[p.start - u.start:p.stop - u.start] if _is_flat(v, n)
+                            else v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in old.items()}
+                units += parts
+        c.units = units
+        self._layout_changed(c)
+
+    @torch.no_grad()
+    def _adopt(self, c: Chunk, u: Unit) -> None:
+        """A part's first step created its state apart: moved into the chunk's flat state."""
+        st = self.inner.state[u.param]
+        mine = _flat_values(st, u.stop - u.start)
+        if c.flat_state is None:
+            c.flat_state = {k: torch.zeros(c.numel, dtype=v.dtype, device=v.device)
+                            for k, v in mine.items()}
+        for k, v in mine.items():
+            view = c.flat_state[k][u.start:u.stop]
+            view.copy_(v)
+            st[k] = view
+        self._layout_changed(c)
+
+    def _layout_changed(self, c: Chunk) -> None:
+        self._viewed.discard(c.index)
+        for fn in self.on_layout:
+            fn(c)
+
     @torch.no_grad()
     def _view_state(self, c: Chunk) -> None:
-        """The facade's per-shard state: views of the chunk's flat state, shared scalars."""
-        st = self.inner.state.get(c.param)
-        if not st:
-            return
-        for e, off, shard in zip(c.entries, c.offsets, c.shards):
-            n = shard.numel()
-            self.facade.state[shard] = {
-                k: v[off:off + n] if isinstance(v, torch.Tensor) and v.dim() == 1
-                and v.numel() == c.numel else v for k, v in st.items()}
+        """The facade's per-shard state: views of its unit's state, the unit's scalars; none
+        for a shard never stepped (as torch's optimizer has none). (Views of offloaded state:
+        runtime/offload.py shows the facade meta tensors in their place.)"""
+        with _allocated(list(c.state_tensors(self.inner).values())):
+            self._view_units(c)
         self._viewed.add(c.index)
+
+    def _view_units(self, c: Chunk) -> None:
+        for u in c.units:
+            st = self.inner.state.get(u.param)
+            n = u.stop - u.start
+            for i in range(u.first, u.end):
+                shard = c.shards[i]
+                if not st:
+                    self.facade.state.pop(shard, None)
+                    continue
+                off, m = c.offsets[i] - u.start, shard.numel()
+                self.facade.state[shard] = {k: v[off:off + m] if _is_flat(v, n) else v
+                                            for k, v in st.items()}
 
     # -- loading ----------------------------------------------------------------------------
     @torch.no_grad()
     def _after_load(self, facade: torch.optim.Optimizer) -> None:
-        """`facade.load_state_dict` installed per-shard state: copy it into the flat state."""
+        """`facade.load_state_dict` installed per-shard state: copy it into the flat state, in
+        units where the shards' scalars differ or some shards have none ([Note: steps without a
+        gradient])."""
         inner = self.inner
-        flat_state: dict[int, dict] = {}
-        index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+        loaded = []
         for c in self.chunks:
             per = [facade.state.get(s) for s in c.shards]
-            if not any(per):
+            self._merge(c)
+            keys = [_scalars(st, s.numel()) for st, s in zip(per, c.shards)]
+            cuts = [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+            if cuts:
+                self._split(c, cuts)
+            loaded.append((c, per))
+        index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+        flat_state: dict[int, dict] = {}
+        for c, per in loaded:
+            i0 = next((i for i, st in enumerate(per) if st), None)
+            if i0 is None:
                 continue
-            if not all(per):
-                raise RuntimeError("deepcompile: the loaded optimizer state covers only some "
-                                   f"parameters of a chunk ({', '.join(e.name for e in c.entries)})")
-            out = {}
-            for k, v0 in per[0].items():
-                if isinstance(v0, torch.Tensor) and v0.dim() == 1 and v0.numel() == c.shards[0].numel():
-                    flat = torch.zeros(c.numel, dtype=v0.dtype, device=self.device)
-                    for st, off, s in zip(per, c.offsets, c.shards):
+            flats = {k: torch.zeros(c.numel, dtype=v.dtype, device=self.device)
+                     for k, v in _flat_values(per[i0], c.shards[i0].numel()).items()}
+            for st, off, s in zip(per, c.offsets, c.shards):
+                for k, flat in flats.items():
+                    if st:
                         flat[off:off + s.numel()].copy_(st[k])
-                    out[k] = flat
-                else:   # a per-chunk scalar (Adam's step): every shard of the chunk has the same
-                    for st, e in zip(per, c.entries):
-                        same = torch.equal(st[k], v0) if isinstance(v0, torch.Tensor) else st[k] == v0
-                        if not same:
-                            raise RuntimeError(
-                                f"deepcompile: optimizer state {k!r} of {e.name} differs from "
-                                f"{c.entries[0].name}'s; parameters stepped together (one chunk) "
-                                "must agree on it")
-                    out[k] = v0.clone() if isinstance(v0, torch.Tensor) else v0
-            flat_state[index[id(c.param)]] = out
+            if len(c.units) > 1:
+                c.flat_state = flats
+            for u in c.units:
+                st = per[u.first]
+                if st:
+                    flat_state[index[id(u.param)]] = {
+                        k: flats[k][u.start:u.stop] if k in flats
+                        else v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in st.items()}
         sd = inner.state_dict()
         inner.load_state_dict({"state": flat_state, "param_groups": sd["param_groups"]})
+        for c, _per in loaded:   # views of the flat state again (the load may have copied)
+            if len(c.units) > 1:
+                for u in c.units:
+                    if inner.state.get(u.param):
+                        self._adopt(c, u)
         self._viewed.clear()
         for c in self.chunks:
             self._view_state(c)
         for fn in self.on_load:
             fn()
+
+    def _merge(self, c: Chunk) -> None:
+        """`c` one unit again, without state (a load installs it)."""
+        state = self.inner.state
+        if len(c.units) > 1:
+            group = next(g for g in self.inner.param_groups
+                         if any(p is c.units[0].param for p in g["params"]))
+            ids = {id(u.param) for u in c.units}
+            at = next(i for i, p in enumerate(group["params"]) if id(p) in ids)
+            group["params"][:] = [p for p in group["params"][:at] if id(p) not in ids] + \
+                [c.param] + [p for p in group["params"][at:] if id(p) not in ids]
+            for u in c.units:
+                state.pop(u.param, None)
+            c.units = [Unit(0, len(c.shards), 0, c.numel, c.param, c.grad)]
+            c.flat_state = None
+            self._layout_changed(c)
+        state.pop(c.param, None)
+
+
+def _is_flat(v, n: int) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n
+
+
+def _flat_values(st: dict, n: int) -> dict[str, torch.Tensor]:
+    """The state tensors of `st` shaped like its parameter of `n` elements, by key."""
+    return {k: v for k, v in st.items() if _is_flat(v, n)}
+
+
+def _scalars(st: dict | None, n: int) -> tuple | None:
+    """What must be equal for two shards' state to be stepped as one unit: their scalars
+    (Adam's `step`); None without state."""
+    if not st:
+        return None
+    return tuple(sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items() if not _is_flat(v, n)))
+
+
+@contextlib.contextmanager
+def _allocated(tensors: Iterable[torch.Tensor]):
+    """Storages released between steps (a flat gradient, offloaded state or master) allocated
+    for the duration, so that views of them can be made; released again after."""
+    sizes = []
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_((t.storage_offset() + t.numel()) * t.element_size())
+            sizes.append(st)
+    try:
+        yield
+    finally:
+        for st in sizes:
+            st.resize_(0)

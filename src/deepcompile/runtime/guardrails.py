@@ -28,13 +28,17 @@ order, or another parameter's gather of the same size, complete and train on wro
 gloo aborts the process (in C++, no Python error) when a collective's size does not match the
 peer's. So the ranks compare what they ran: every graph call folds the digest of the graph's
 collective sequence (kind, parameters and so sizes, order, accumulation variant:
-`compiler/families.py`) into a per-step fingerprint (two integer operations per graph call), and
-every `Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before
-the step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
+`compiler/families.py`; a graph Dynamo reuses for other parameters folds those too) into a
+per-step fingerprint (two integer operations per graph call), and every
+`Config.divergence_check_every` optimizer steps, first thing in `engine.step()`, before the
+step's own collectives, the ranks all-reduce (MAX) eight integers: step, micro-steps,
 fingerprint and graph calls, each with its negation, so one reduction yields the maximum and
 minimum of each (a ninth carries the ranks' re-plan agreement: [Note: agreed re-planning] in
-compiler/drift.py). Any difference, and every rank all-gathers the per-call details of the window
-and raises the same `DivergenceError` naming the first step, graph call and ranks that differ.
+compiler/drift.py; a tenth whether some rank holds gradients of eager code: [Note: eager
+gradients are agreed] in runtime/eager.py, which the other steps agree by the same reduction
+with the step alone compared). Any difference, and every rank all-gathers the per-call details
+of the window and raises the same `DivergenceError` naming the first step, graph call and ranks
+that differ.
 The check runs on a gloo group of its own that carries nothing else: a rank that is behind or
 ahead can never pair the check with a training collective (it waits, and times out with a
 report, instead). A rank that ran one micro-step more than the others is caught this way,
@@ -49,6 +53,46 @@ before it runs: the ranks compare its description (kind and parameters in order)
 each other; a rank that never arrives leaves the others with a report after the timeout. A new
 *shape* of a graph every rank has is not a new graph: it is planned like its family's first
 graph (compiler/families.py) and needs no agreement (ragged inputs are the normal case).
+
+[Note: structures are agreed at each call] Code whose graph depends on data (a loop count or a
+branch read with `int()` / `.item()` after a graph break: [Note: graph structure] in
+compiler/families.py) compiles to one graph per structure, each planned on its own, so each
+issues its own collectives. Where the data take the ranks down different paths in one step, a
+rank running one structure would pair its collectives with another structure's on the other
+ranks: a hang, a crash in gloo (sizes differ), or silently wrong gradients (sizes alike). So
+once the ranks agreed on a second structure of one piece of code (its first graph is agreed as
+a new graph, above), every call of a forward graph of that code (and of an inference graph, at
+ZeRO-3: at ZeRO-1/2 it issues no collective) first all-reduces its structure's digest (MAX of
+it and of its negation: two integers) on a gloo group of its own (`structure_group`, opened
+then, on every rank); where they differ, every rank all-gathers which graph each one called
+and raises the same `DivergenceError` naming them, before any of the graphs' collectives. A
+further structure needs no agreement when compiled: its first call is checked. One all-reduce
+per call of such graphs only, and none at world size 1. Not covered: a rank compiling a piece
+of code's *second* structure while the others run its first (nothing tells them the code has
+another): the new graph's agreement waits for them and times out, naming the graph on every
+rank, as for any graph compiled on some ranks only.
+
+[Note: collective calls] The engine's methods that communicate outside the training step
+(`save_checkpoint`, `load_checkpoint`, `save_pretrained`, `full_state_dict`, `export_trace`,
+`save_report`, `plot`) must be called on every rank, at the same point of the training loop.
+Called under `if rank == 0:`, the caller would wait in the method's first collective and the
+others in their next step's, until the timeout, with a transport error that names neither. So
+each call first meets the other ranks' through the store (`enter_collective`): the k-th
+collective call of an engine is "call/k" on every rank; a rank records there its method and how
+many training forwards it ran before it, and waits for every rank. Every training forward posts
+this rank's progress (`at_forward`: training forwards and collective calls so far, the step and
+micro-step for the messages; one store write, which TCPStore does not answer). Every rank runs
+the same forwards and calls in the same order, so a rank waiting at call k fails at once when
+another one ran more training forwards than it did before call k without entering call k (it
+skipped the call), or released its engine (or exited: `_gone`). Counts, not step numbers: a
+load moves the step counter back, a count never does, and a rank's last post is never ahead of
+it. The other way round, the first training forward of each accumulation window (one store
+read) finds a call k another rank entered after fewer forwards than this rank has now run:
+this rank skipped it, and fails there, before its forward's collectives. What cannot be seen
+is waited for, up to the collective timeout: a slow rank has not skipped the call, and an eval
+forward (no grad) posts nothing (at ZeRO-1/2 it may run on some ranks only). Either error stops
+the engine on that rank (its call count no longer matches the others') and is posted as a
+report for the ranks blocked in a collective ([Note: failures across ranks]).
 """
 
 from __future__ import annotations
@@ -87,6 +131,11 @@ class DivergenceError(DistributedError):
 
 class EngineStoppedError(DistributedError):
     """The engine was called after it stopped (see its __cause__)."""
+
+
+class CollectiveCallError(DistributedError):
+    """A collective engine method (save_checkpoint, save_pretrained, full_state_dict, ...) was
+    called on some ranks only, or the ranks called different ones ([Note: collective calls])."""
 
 
 class UsageError(RuntimeError):
@@ -154,19 +203,33 @@ class Guardrails:
         self.steady = False
         self._graphs = 0                        # new graphs agreed so far
         self.checks = 0
+        self.calls = 0                          # collective calls entered ([Note: collective calls])
+        self.forwards = 0                       # training forwards started (the same)
         self.store = None
         self.check_group = None
+        self.structure_group = None   # [Note: structures are agreed at each call]
+        self.eager_group = None
+        self.held_anywhere = False   # some rank holds eager gradients (the last `end_step`)
+        self._eager_seq = 0          # eager gathers agreed in this step
+        self._at = (0, 0)            # the step and micro-steps of the last `end_step`
         seq = next(_ENGINES)
         if not self.active:
             return
         self.store = dist.PrefixStore(f"deepcompile/{comm.group_name}/{seq}/",
                                       _compat.default_store())
+        # every rank's progress exists before any rank can read it: the engine's first
+        # collective (the weights' broadcast) comes after this on every rank
+        self._post((0, 0, 0))
+        weakref.finalize(self, _gone, self.store, self.rank)
         # the check's group (also where the ranks agree a re-plan, checks or not: [Note: agreed
         # re-planning] in compiler/drift.py)
         group = comm.group if comm.group is not None else dist.group.WORLD
         self.check_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                           use_local_synchronization=True)
         self.own_timeout = own_timeout(comm.user_group)
+        if config.zero_stage == 3:   # [Note: eager gathers are agreed] in runtime/eager.py
+            self.eager_group = dist.new_group(dist.get_process_group_ranks(group),
+                                              backend="gloo", use_local_synchronization=True)
         self.set_timeout(config.startup_timeout_s)
 
     # -- timeouts -------------------------------------------------------------------------------
@@ -185,8 +248,9 @@ class Guardrails:
             seconds = own if seconds is None else min(seconds, own) if given else seconds
         self.timeout_s = seconds
         _compat.set_pg_timeout(self.comm.group, seconds)
-        if self.check_group is not None:
-            _compat.set_pg_timeout(self.check_group, seconds)
+        for group in (self.check_group, self.structure_group, self.eager_group):
+            if group is not None:
+                _compat.set_pg_timeout(group, seconds)
 
     def enter_steady(self) -> None:
         """After the first steady optimizer step (the final compiles are done)."""
@@ -342,44 +406,195 @@ class Guardrails:
         self.stopped = err
         return err
 
+    # -- structures ------------------------------------------------------------------------------
+    def open_structure_checks(self) -> None:
+        """[Note: structures are agreed at each call] Open the checks' group, once (every rank
+        calls this at the same point: the agreement on a second structure)."""
+        if not self.active or self.structure_group is not None:
+            return
+        group = self.comm.group if self.comm.group is not None else dist.group.WORLD
+        self.structure_group = dist.new_group(dist.get_process_group_ranks(group),
+                                              backend="gloo", use_local_synchronization=True)
+        if self.timeout_s is not None:
+            _compat.set_pg_timeout(self.structure_group, self.timeout_s)
+
+    def agree_structure(self, graph: str, structure: int, step: int, micro: int) -> None:
+        """[Note: structures are agreed at each call] Every rank calls a graph of this structure
+        now, or every rank raises the same DivergenceError."""
+        if not self.active:
+            return
+        vec = torch.tensor([structure, -structure], dtype=torch.int64)
+        self.failed_graph = graph   # named in the report where a rank never comes
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.structure_group)
+        self.failed_graph = None
+        hi, neg_lo = vec.tolist()
+        if hi == -neg_lo:
+            return
+        calls: list[Any] = [None] * self.world
+        dist.all_gather_object(calls, (self.rank, graph, structure), group=self.structure_group)
+        groups: dict[tuple[str, int], list[int]] = {}
+        for rank, key, digest_ in calls:
+            groups.setdefault((key, digest_), []).append(rank)
+        ran = "; ".join(f"ranks {ranks}: {key} (structure {d:x})"
+                        for (key, d), ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        err = DivergenceError(
+            f"deepcompile: the ranks ran different structures of one piece of code in optimizer "
+            f"step {step} (micro-step {micro}): {ran}. The code reads data to decide what it "
+            "computes (a loop count or a branch taken on a value read with int(), .item() or "
+            "bool() of a tensor), and the ranks' data took different paths in the same step: each "
+            "path is a graph of its own with its own collectives. Take the same path on every "
+            "rank in each step (decide from data every rank shares, or all-reduce the value "
+            "first). The engine stops on every rank; restart from the last checkpoint.")
+        self.stopped = err
+        raise err
+
+    # -- collective calls ([Note: collective calls]) ----------------------------------------------
+    def _post(self, pos: tuple[int, int, int]) -> None:
+        """How far this rank has got: its training forwards and collective calls so far, and
+        where the last forward was (for the messages)."""
+        self.store.set(f"pos/{self.rank}", "%d %d %d %d %d" % (self.forwards, self.calls, *pos))
+
+    def at_forward(self, step: int, micro: int, forwards: int) -> None:
+        """A training forward starts at this position: post it; at the first forward of an
+        accumulation window, fail if another rank entered a collective call that this rank
+        went past."""
+        if self.store is None:
+            return
+        pos = (step, micro, forwards)
+        self.forwards += 1
+        self._post(pos)
+        if micro or forwards:
+            return
+        key = f"call/{self.calls}"
+        if not self.store.check([key]):
+            return
+        method, done, *first, by = self.store.get(key).decode().split()
+        if self.forwards <= int(done):
+            return   # this forward comes before that call in the loop: not skipped
+        where = {"phase": "forward", "step": step, "micro": micro, "graph": None}
+        what = (f"rank(s) {self._callers(key) or [int(by)]} called it at "
+                f"{_point(*map(int, first))}, and this rank did not: it went on to a training "
+                f"forward at {_point(*pos)}")
+        raise self._call_failure(where, method, what, f"skipped engine.{method}(): {what}")
+
+    def enter_collective(self, method: str, step: int, micro: int, forwards: int) -> None:
+        """Before the collective method `method` communicates: every rank is in it, or this
+        rank raises CollectiveCallError ([Note: collective calls])."""
+        if self.store is None:
+            return
+        pos = (step, micro, forwards)
+        k, self.calls = self.calls, self.calls + 1
+        key = f"call/{k}"
+        mine = "%s %d %d %d %d %d" % (method, self.forwards, *pos, self.rank)
+        where = {"phase": method, "step": step, "micro": micro, "graph": None}
+        first = self.store.compare_set(key, "", mine).decode().split()
+        if first[0] != method:
+            self.store.set(f"{key}/bad", f"{self.rank} {method}")
+            raise self._mismatch(where, pos, method, first[0], [int(first[-1])])
+        self.store.set(f"{key}/at/{self.rank}", mine)
+        if self.store.add(f"{key}/n", 1) == self.world:
+            self.store.set(f"{key}/done", "1")
+            return
+        wait_s = self._wait_s()
+        deadline = time.monotonic() + wait_s
+        delay = 0.001
+        while not self.store.check([f"{key}/done"]):
+            if self.store.check([f"{key}/bad"]):
+                rank, other = self.store.get(f"{key}/bad").decode().split()
+                raise self._mismatch(where, pos, method, other, [int(rank)])
+            skipped = self._skipped(key, k)
+            if skipped or time.monotonic() >= deadline:
+                absent = [r for r in range(self.world)
+                          if not _safe_check(self.store, f"{key}/at/{r}")]
+                why = "; ".join(skipped) if skipped else (
+                    f"not within {wait_s:g} s (Config.collective_timeout_s)")
+                what = f"this rank called it at {_point(*pos)}, and rank(s) {absent} did not: {why}"
+                raise self._call_failure(where, method, what, f"called engine.{method}() at "
+                                         f"{_point(*pos)}; rank(s) {absent} did not: {why}")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def _mismatch(self, where: dict, pos: tuple[int, int, int], method: str, other: str,
+                  ranks: list[int]) -> CollectiveCallError:
+        what = (f"this rank called it at {_point(*pos)} as its collective call "
+                f"#{self.calls - 1}, and rank(s) {ranks} called engine.{other}() there")
+        return self._call_failure(where, method, what, f"called engine.{method}() where rank(s) "
+                                  f"{ranks} called engine.{other}()")
+
+    def _skipped(self, key: str, k: int) -> list[str]:
+        """The ranks that ran more training forwards than this one before call `k` without
+        entering it (or released their engine), as sentences; one read of every rank's
+        progress. What a rank posted is never ahead of it: an old post cannot accuse it."""
+        others = [r for r in range(self.world) if r != self.rank]
+        got = self.store.multi_get([f"pos/{r}" for r in others])
+        out = []
+        for r, raw in zip(others, got):
+            text = raw.decode()
+            if text == "gone":
+                why = f"rank {r} released its engine (or exited)"
+            else:
+                forwards, calls, *where = map(int, text.split())
+                if calls > k or forwards <= self.forwards:
+                    continue
+                why = f"rank {r} went on to a training forward at {_point(*where)}"
+            if not _safe_check(self.store, f"{key}/at/{r}"):
+                out.append(why)
+        return out
+
+    def _callers(self, key: str) -> list[int]:
+        return [r for r in range(self.world) if _safe_check(self.store, f"{key}/at/{r}")]
+
+    def _call_failure(self, where: dict, method: str, what: str,
+                      report: str) -> CollectiveCallError:
+        self.report("collective", where, report)
+        err = CollectiveCallError(
+            f"deepcompile: engine.{method}() on rank {self.rank}: {what}. engine.{method}() is "
+            "a collective call: call it on every rank, at the same point of the training loop "
+            "(not under `if rank == 0:`; where it writes files, rank 0 alone writes). "
+            + self._closing())
+        self.stopped = err
+        return err
+
     # -- the divergence check ---------------------------------------------------------------------
-    def end_step(self, step: int, micro: int, request: bool | None = None) -> bool:
+    def end_step(self, step: int, micro: int, request: bool | None = None,
+                 held: bool = False) -> bool:
         """[Note: divergence check] First thing at an optimizer-step boundary, on every rank.
 
         `request`: whether this rank asks the others for a re-plan ([Note: agreed re-planning]
         in compiler/drift.py); None where no re-plan can be asked for this step (the same on
-        every rank). Returns whether some rank asked, once every rank knows it: with the check
-        (one more integer in its reduction), or where there is no check this step, never (the
-        request waits for the next check), or with no checks at all, by a reduction of its
-        own."""
+        every rank). Returns whether some rank asked, once every rank knows it: with the check,
+        or where there is no check this step, never (the request waits for the next check), or
+        with no checks at all, at once. `held`: whether this rank holds gradients of eager code
+        ([Note: eager gradients are agreed] in runtime/eager.py); whether any rank does is
+        `held_anywhere` after the call. Both ride one reduction at every step, the check's
+        where one is due (the step number always compared: ranks a step apart stop here)."""
         tr = self.trace
         self.window.append((step, micro, tr.fp, tr.calls))
         tr.fp, tr.calls = 0, []
+        self._eager_seq = 0
+        self._at = (step, micro)
         every = self.config.divergence_check_every
         if not self.active:
             self.window.clear()
+            self.held_anywhere = held
             return bool(request)
-        if not every:
-            if request is not None:
-                vec = torch.tensor([int(request)], dtype=torch.int64)
-                self._reduce_for_check(vec, step, micro)
-                request = bool(vec.item())
-            self.window.clear()
-            return bool(request)
-        if len(self.window) < every:
-            return False
+        due = bool(every) and len(self.window) >= every
         fp, micros, calls = 0, 0, 0
-        for _s, m, f, c in self.window:
-            fp = (fp * FP_MUL + f) & FP_MASK
-            micros += m
-            calls += len(c)
+        if due:
+            for _s, m, f, c in self.window:
+                fp = (fp * FP_MUL + f) & FP_MASK
+                micros += m
+                calls += len(c)
+            self.checks += 1
+        ask = request is not None and (due or not every)
         vec = torch.tensor([step, -step, micros, -micros, fp, -fp, calls, -calls,
-                            int(bool(request))], dtype=torch.int64)
+                            int(bool(request)) if ask else 0, int(held)], dtype=torch.int64)
         self._reduce_for_check(vec, step, micro)
-        self.checks += 1
         v = vec.tolist()
+        self.held_anywhere = bool(v[9])
         if all(v[i] == -v[i + 1] for i in range(0, 8, 2)):
-            self.window.clear()
+            if due or not every:
+                self.window.clear()
             return bool(v[8])
         details: list[Any] = [None] * self.world
         dist.all_gather_object(details, self._details(), group=self.check_group)
@@ -393,9 +608,9 @@ class Guardrails:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.check_group)
         except Exception as e:  # noqa: BLE001 -- some rank never came to the check
             where = {"phase": "step", "step": step, "micro": micro, "graph": None}
+            calls = len(self.window[-1][3]) if self.window else 0
             self.report("check", where, f"waited at the cross-rank check after {micro} "
-                        f"micro-steps and {len(self.window[-1][3])} graph calls in this step: "
-                        f"{brief(e)}")
+                        f"micro-steps and {calls} graph calls in this step: {brief(e)}")
             err = DistributedError("\n".join(
                 [f"deepcompile: rank {self.rank} ended {_where(where)} after {micro} "
                  "micro-steps and waited for the other ranks at the cross-rank check, which not "
@@ -404,6 +619,40 @@ class Guardrails:
             err.__cause__ = e
             self.stopped = err
             raise err
+
+    def agree_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of the integer CPU tensor `mask` over the ranks (at an
+        optimizer-step boundary, on every rank: [Note: eager gradients are agreed])."""
+        if self.active:
+            self._reduce_for_check(mask, *self._at)
+        return mask
+
+    def agree_eager(self, what: str, where: str, entries: list) -> None:
+        """[Note: eager gathers are agreed] in runtime/eager.py: every rank is about to gather
+        the same parameters (`entries`, for module `where`: `what` it gathers them for), or every
+        rank raises the same DivergenceError."""
+        if self.eager_group is None:
+            return
+        seq, self._eager_seq = self._eager_seq, self._eager_seq + 1
+        mine = torch.tensor([seq, digest(repr([e.name for e in entries]))], dtype=torch.int64)
+        every = torch.empty(self.world * 2, dtype=torch.int64)
+        _compat.all_gather_flat(every, mine, self.eager_group)
+        if all(torch.equal(mine, row) for row in every.view(self.world, 2)):
+            return
+        names = [e.name for e in entries]
+        text = f"module {where} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        seen: list[Any] = [None] * self.world
+        dist.all_gather_object(seen, text, group=self.eager_group)
+        err = DivergenceError(
+            f"deepcompile: at ZeRO-3 the ranks ran different modules eagerly (outside the "
+            f"compiled graphs): at the eager gather #{seq} of this optimizer step\n" +
+            "\n".join(f"  rank {r}: {t}" for r, t in enumerate(seen)) +
+            "\nA module run on some ranks only cannot gather its parameters (every rank takes "
+            "part in each gather): run it on every rank (an expert with no token: call it on an "
+            "empty batch), or train at ZeRO-1/2, where such a module trains as under DDP. The "
+            "engine stops on every rank.")
+        self.stopped = err
+        raise err
 
     def _details(self) -> dict:
         return {"rank": self.rank,
@@ -471,9 +720,26 @@ def _describe(rep: dict) -> str:
         return f"{rep['error']} (at {where})"
     if kind == "check":
         return f"at the end of {where}: {rep['error']}"
-    if kind == "new_graph":
+    if kind in ("new_graph", "collective"):
         return f"at {where}: {rep['error']}"
     return f"{kind} at {where}: {rep.get('error')}"
+
+
+def _point(step: int, micro: int, forwards: int) -> str:
+    """A position of the training loop ([Note: collective calls]), in words."""
+    if micro == 0 and forwards == 0:
+        return f"the start of step {step}"
+    return (f"step {step}, micro-step {micro}" +
+            (f" (after {forwards} training forward{'s' * (forwards > 1)})" if forwards else ""))
+
+
+def _gone(store, rank: int) -> None:
+    """This rank's engine is released (or the process exits): a rank waiting at a collective
+    call for it fails at once ([Note: collective calls])."""
+    try:
+        store.set(f"pos/{rank}", "gone")
+    except Exception:  # noqa: BLE001 -- the store may be gone with rank 0
+        pass
 
 
 def _safe_check(store, key: str) -> bool:

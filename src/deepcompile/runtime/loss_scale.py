@@ -23,7 +23,8 @@ largest magnitude (the inf-norm) would be exact, and on a GPU costs the same one
 CPU torch's inf-norm kernel is ~40x slower than its 2-norm (10.4 against 0.27 ms over 3.95 M
 float32, one thread): 7% of small-llama's whole step at world size 1, where the flat step it
 guards took 1.8 ms. float32 whatever the gradients' dtype: a float16 norm overflows at 65504.
-With clipping the clip uses the same norms (one read of the gradients for both).
+The step's gradient norm, and the clip, come from the same norms (one read of the gradients
+for all three: [Note: the step's gradient norm] in engine.py).
 """
 
 from __future__ import annotations
@@ -151,14 +152,21 @@ class GradCheck:
         found.copy_(found.logical_or(torch.logical_not(torch.isfinite(norms)).any()))
 
 
-def nonfinite_ranks(comm, *flags: torch.Tensor) -> list[list[int]]:
+def nonfinite_ranks(comm, *flags: torch.Tensor, sq: torch.Tensor | None = None,
+                    ) -> tuple[list[list[int]], torch.Tensor | None]:
     """For each flag (a 0-dim device tensor, nonzero: found on this rank), the ranks where it is
     set: the same lists on every rank (one all-reduce of a one-hot vector per flag, uncounted:
-    bookkeeping, not training traffic)."""
+    bookkeeping, not training traffic); and `sq` (this rank's squared gradient norm) summed over
+    the ranks in the same all-reduce ([Note: the step's gradient norm] in engine.py), a 0-dim
+    device tensor (None without `sq`)."""
     world = comm.world
-    vec = torch.zeros(len(flags) * world, dtype=torch.float32, device=flags[0].device)
+    n = len(flags) * world
+    vec = torch.zeros(n + (sq is not None), dtype=torch.float32, device=flags[0].device)
     for i, f in enumerate(flags):
         vec[i * world + comm.rank] = f
+    if sq is not None:
+        vec[n] = sq
     comm.all_reduce(vec, count=False)
-    got = vec.tolist()
-    return [[r for r in range(world) if got[i * world + r]] for i in range(len(flags))]
+    got = vec[:n].tolist()
+    return ([[r for r in range(world) if got[i * world + r]] for i in range(len(flags))],
+            vec[n] if sq is not None else None)

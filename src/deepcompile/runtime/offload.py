@@ -181,8 +181,10 @@ class Slot:
     grad_saved: object = None        # event: the last copy into `host_grad` done
     written: set = dataclasses.field(default_factory=set)   # shards written this window
     sumsq: torch.Tensor | None = None   # device, per shard: squared norm of its window gradient
-    # the facade's per-shard state dicts: on the device (views), off it (meta): `_show`
-    faces: tuple[list[dict], list[dict]] | None = dataclasses.field(default=None, repr=False)
+    # the facade's per-shard state dicts of the shards that have state: (shards, on the
+    # device (views), off it (meta)): `_show`
+    faces: tuple[list, list[dict], list[dict]] | None = dataclasses.field(default=None,
+                                                                         repr=False)
     # tier 3 ([Note: masters on the host]): the master on the host, its copy on the device
     host_master: torch.Tensor | None = None
     master_saved: object = None      # event: the copy of the master to the host done
@@ -190,6 +192,9 @@ class Slot:
     lowp: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     # tier 4 ([Note: the host step]): the host optimizer, the copy's host buffer, its copy up
     host_opt: torch.optim.Optimizer | None = dataclasses.field(default=None, repr=False)
+    # its parameters: (unit, the unit's slice of `host_master`) ([Note: steps without a
+    # gradient] in runtime/flat.py)
+    host_units: list = dataclasses.field(default_factory=list, repr=False)
     host_lowp: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     lowp_loaded: object = None       # event: the copy up from `host_lowp` done
 
@@ -400,6 +405,7 @@ class Offloader:
             flat.facade.register_state_dict_post_hook(self._state_dict_hook)
             flat.facade.register_load_state_dict_pre_hook(self._before_load)
             flat.on_load.append(self._after_load)
+            flat.on_layout.append(self._layout_changed)
 
     # -- placement ---------------------------------------------------------------------------
     @property
@@ -610,14 +616,23 @@ class Offloader:
         state = self.flat.facade.state
         c = slot.chunk
         if slot.faces is None:
-            views = [state.get(sh) for sh in c.shards]
-            if not all(views):
-                return   # no per-shard state (not stepped yet)
+            shards = [sh for sh in c.shards if state.get(sh)]   # a shard never stepped: none
+            if not shards:
+                return
+            views = [state[sh] for sh in shards]
             meta = [{k: torch.empty_like(v, device="meta") if k in tensors else v
                      for k, v in d.items()} for d in views]
-            slot.faces = (views, meta)
-        for sh, d in zip(c.shards, slot.faces[slot.offloaded]):
+            slot.faces = (shards, views, meta)
+        shards, views, meta = slot.faces
+        for sh, d in zip(shards, meta if slot.offloaded else views):
             state[sh] = d
+
+    def _layout_changed(self, chunk: Chunk) -> None:
+        """The chunk's units or its state dicts changed (runtime/flat.py): what was made from
+        them is made again."""
+        slot = self.slots[chunk.index]
+        slot.faces = None
+        slot.host_opt = None
 
     def reload_group(self, group: int) -> None:
         """A `reload_state` op: bring the group's chunks back, unless the device is fuller now
@@ -808,12 +823,21 @@ class Offloader:
         tier-4 ones stepped on the host ([Note: the host step]) while the device works."""
         flat = self.flat
         self._reloaded()
-        ready = [s.chunk for s in self.slots if not s.offloaded and not self.grad_tier(s)]
+        for s in self.slots:   # a host gradient's shards: those some graph wrote this window
+            if self.grad_tier(s):
+                n = len(s.chunk.shards)
+                flat.mark(s.chunk, None if len(s.written) == n
+                          else [i in s.written for i in range(n)])
+        # a chunk with no gradient in this step does not step ([Note: steps without a
+        # gradient] in runtime/flat.py): nothing of it moves
+        stepping = [s for s in self.slots if flat.live_units(s.chunk)]
+        ready = [s.chunk for s in stepping if not s.offloaded and not self.grad_tier(s)]
         with record_function("deepcompile.optimizer_step"):
             flat.step(ready)
-        on_host = [self.host_tier(s) and s.offloaded and s.master_off for s in self.slots]
-        hosted = [s for s, h in zip(self.slots, on_host) if h]
-        streamed = [s for s, h in zip(self.slots, on_host)
+        on_host = [self.host_tier(s) and s.offloaded and s.master_off and self._host_ready(s)
+                   for s in stepping]
+        hosted = [s for s, h in zip(stepping, on_host) if h]
+        streamed = [s for s, h in zip(stepping, on_host)
                     if not h and (s.offloaded or self.grad_tier(s))]
         if streamed:
             with record_function("deepcompile.optimizer_step_streamed"):
@@ -839,7 +863,12 @@ class Offloader:
                 t0 = time.perf_counter()
                 scale = None if self.grad_scale is None else self.grad_scale.to("cpu")
                 groups = {id(p): g for g in flat.inner.param_groups for p in g["params"]}
-                ups = [self._host_step(s, groups[id(s.chunk.param)], scale) for s in hosted]
+                ups = [self._host_step(s, groups[id(s.chunk.units[0].param)], scale)
+                       for s in hosted]
+                for s in hosted:   # units split: the facade's state of them made again
+                    if s.faces is None:
+                        flat.show_state([s.chunk])
+                        self._show(s, s.tensors(flat.inner))
                 self._copier.wait(ups)   # the next forward's gathers read the copies
                 self.host_seconds += time.perf_counter() - t0
             self._counts["stepped_on_host"] += len(hosted)
@@ -862,19 +891,22 @@ class Offloader:
         if scale is not None:
             g.mul_(scale)
         opt = slot.host_opt or self._host_optimizer(slot)
-        param = opt.param_groups[0]["params"][0]
         opt.param_groups[0].update({k: v for k, v in group.items()
                                     if k != "params" and k not in _HOST_IMPL})
-        param.grad = g
+        live = {id(u) for u in self.flat.live_units(c)}
+        for u, param in slot.host_units:
+            if id(u) in live:
+                param.grad = g[u.start:u.stop]
         opt.step()
-        param.grad = None
-        inner = self.flat.inner.state[c.param]
-        for k, v in opt.state[param].items():   # the scalars back (Adam's step)
-            if k not in slot.host:
-                if isinstance(v, torch.Tensor):
-                    inner[k].copy_(v)
-                else:
-                    inner[k] = v
+        for u, param in slot.host_units:
+            param.grad = None
+            inner = self.flat.inner.state[u.param]
+            for k, v in opt.state[param].items():   # the scalars back (Adam's step)
+                if k not in slot.host:
+                    if isinstance(v, torch.Tensor):
+                        inner[k].copy_(v)
+                    else:
+                        inner[k] = v
         if slot.host_lowp is None:
             slot.host_lowp = self._copier.host_buffer(slot.lowp)
         self._copier.host_wait([slot.lowp_loaded])
@@ -884,17 +916,26 @@ class Offloader:
         return slot.lowp_loaded
 
     def _host_optimizer(self, slot: Slot) -> torch.optim.Optimizer:
-        """The host instance of the inner optimizer for a tier-4 chunk: its parameter the
-        pinned master, its state the chunk's host buffers and a host copy of the inner's
-        scalars."""
-        c = slot.chunk
-        param = torch.nn.Parameter(slot.host_master, requires_grad=True)   # shares the buffer
-        opt = host_optimizer(self.flat.inner, [param])
-        opt.state[param] = {k: slot.host[k] if k in slot.host
-                            else v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                            for k, v in self.flat.inner.state[c.param].items()}
+        """The host instance of the inner optimizer for a tier-4 chunk: its parameters the
+        pinned master's slices of the chunk's units that have state (one: the whole master),
+        their state the chunk's host buffers' slices and host copies of the inner's scalars."""
+        inner = self.flat.inner.state
+        slot.host_units = [(u, torch.nn.Parameter(slot.host_master[u.start:u.stop],
+                                                  requires_grad=True))   # share the buffer
+                           for u in slot.chunk.units if inner.get(u.param)]
+        opt = host_optimizer(self.flat.inner, [p for _u, p in slot.host_units])
+        for u, param in slot.host_units:
+            opt.state[param] = {k: slot.host[k][u.start:u.stop] if k in slot.host
+                                else v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                                for k, v in inner[u.param].items()}
         slot.host_opt = opt
         return opt
+
+    def _host_ready(self, slot: Slot) -> bool:
+        """Every unit of the chunk that steps has state: a unit's first step creates it on the
+        device ([Note: steps without a gradient] in runtime/flat.py)."""
+        inner = self.flat.inner.state
+        return all(inner.get(u.param) for u in self.flat.live_units(slot.chunk))
 
     def host_step_rate(self) -> float:
         """Seconds per element of the host step on this rank ([Note: the host step]), measured
@@ -1025,6 +1066,8 @@ class Offloader:
             c = s.chunk
             for shard, off_, in zip(c.shards, c.offsets):
                 i = index[id(shard)]
+                if i not in state_dict["state"]:   # never stepped: no state
+                    continue
                 n = shard.numel()
                 # the packed per-parameter dict IS `optimizer.state[p]`: copy it, never edit it
                 state_dict["state"][i] = {**state_dict["state"][i],

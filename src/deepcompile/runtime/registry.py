@@ -135,6 +135,9 @@ class ParamRegistry:
         self.reuses: set[tuple[int, int]] = set()
         # called with (compiled-for entry, actual entry) on every new reuse pair
         self.reuse_listeners: list[Callable[[ParamEntry, ParamEntry], None]] = []
+        # called with (compiled-for entry, actual entry) on every call of a graph with a
+        # parameter it was not compiled for
+        self.reuse_call_listeners: list[Callable[[ParamEntry, ParamEntry], None]] = []
         names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -187,6 +190,8 @@ class ParamRegistry:
         return entry if entry is not None and entry.param is tensor else None
 
     def note_reuse(self, compiled_for: ParamEntry, actual: ParamEntry) -> None:
+        for listener in self.reuse_call_listeners:
+            listener(compiled_for, actual)
         pair = (compiled_for.pid, actual.pid)
         if pair not in self.reuses:
             self.reuses.add(pair)

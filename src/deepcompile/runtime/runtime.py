@@ -11,7 +11,8 @@
 * `replicas`: ZeRO-1/2's replicated module parameters (runtime/replicas.py);
 * `layout`: the data-parallel layout and its groups (runtime/mesh.py), and under "hpz"
   `secondary`, the secondary shards the forward keeps for the backward (runtime/secondary.py);
-* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on.
+* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
+* `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py).
 
 The lowered graphs take what they need from here as extra inputs, looked up once per graph call
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
@@ -44,8 +45,10 @@ class ParkedGathers:
     waits for it. B takes it only if it was started for exactly the shards B is called with
     (Dynamo may reuse one graph for several layers); otherwise, or if A did not run, B's group
     is gathered synchronously here. Every rank runs the same graphs in the same order, so every
-    rank takes the same path. Whatever is parked and not taken is waited for and dropped before
-    the optimizer changes the shards (`drop_unused`)."""
+    rank takes the same path. Whatever is parked and not taken by the next graph is waited for
+    and dropped when that graph starts (the plan counts its memory up to B's use only; another
+    graph came instead: one of another structure of B's code, compiled after planning), and
+    before the optimizer changes the shards (`drop_unused`)."""
 
     def __init__(self) -> None:
         self.parked: dict[tuple[int, ...], torch.Tensor] = {}
@@ -105,6 +108,8 @@ class EngineRuntime:
         self.secondary = SecondaryShards(self.entry_by_ptr) \
             if self.layout.secondary is not None else None
         self.offload: Any = None          # runtime/offload.py, set by the engine
+        self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
+                                                         # gradients are agreed])
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
@@ -132,7 +137,8 @@ class EngineRuntime:
     def held_bytes(self) -> int:
         """Bytes held outside graph values (the CPU memory model's runtime source; on CUDA the
         allocator counts them)."""
-        total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes()
+        total = self.kept.held_bytes() + self.accum.held_bytes() + self.parked.held_bytes() + \
+            sum(g.untyped_storage().nbytes() for g in self.eager_grads.values())
         if self.secondary is not None:
             total += self.secondary.held_bytes()
         if self.count_offload_bytes and self.offload is not None:
@@ -172,15 +178,20 @@ class EngineRuntime:
         return out
 
     # -- around the optimizer step -------------------------------------------------------------
-    def before_optimizer_step(self) -> None:
-        """Gathers started for a graph that did not run are dropped before the shards change;
-        gradients still held locally are reduced into the shard gradients."""
+    def drop_parked(self) -> None:
+        """Gathers started for a graph that did not run next are dropped ([Note: cross-graph
+        prefetch])."""
         dropped = self.parked.drop_unused()
         if dropped and not self._warned_unused:
             self._warned_unused = True
-            log.warning("deepcompile: %d gathers started for a next graph were not used this step "
-                        "(the graphs ran in another order than when profiled); they are dropped",
+            log.warning("deepcompile: %d gathers started for a next graph were not used (the "
+                        "graphs ran in another order than when profiled); they are dropped",
                         dropped)
+
+    def before_optimizer_step(self) -> None:
+        """Gathers started for a graph that did not run are dropped before the shards change;
+        gradients still held locally are reduced into the shard gradients."""
+        self.drop_parked()
         self.accum.flush()
 
     def shards_changed(self, frozen_too: bool = False) -> None:

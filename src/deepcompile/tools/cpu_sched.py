@@ -1,10 +1,10 @@
 """The scheduling policy of the CPU ranks that the bench and the planner start.
 
 [Note: gloo's spinning loop]
-On a machine with no core to spare (the 2-core VM of stops 31-37: 2 ranks or more), a small
-gloo collective took a scheduler tick (4 ms at HZ=250) or two longer in 4-18% of its calls,
-where it otherwise takes ~0.2 ms (benchmarks/validation/gloo_latency.py). Per-thread schedstat over each
-call (stop 37) shows what happens in a slow one: gloo's device thread (`gloo_tcp_loop`) *runs*
+On a machine with no core to spare (as many ranks as cores, or more), a small gloo collective
+sometimes takes a scheduler tick (4 ms at HZ=250) or two longer than it otherwise does
+(benchmarks/validation/gloo_latency.py measures it). Per-thread schedstat over a slow call
+shows why: gloo's device thread (`gloo_tcp_loop`) *runs*
 for the whole stall while the worker thread that runs the collective (`pt_gloo_runloop`) waits
 on the run queue for as long. The device thread takes a pair's lock with `try_lock` and, when
 the worker holds it, returns to `epoll_wait`, whose level-triggered event is still pending: it
@@ -14,8 +14,8 @@ worker can run again only when the spinner's time slice ends, at a tick.
 A SCHED_BATCH thread does not preempt on wakeup (Linux: "batch and idle tasks do not preempt
 non-idle tasks; their preemption is driven by the tick") and otherwise gets the CPU as a normal
 thread of the same nice level does. With the rank's process SCHED_BATCH before gloo starts its
-threads (they inherit it), the calls over 2 ms went from 10-18% to 0-1% at 2 ranks and from
-72-76% to 1% at 4 (stop 37, benchmarks/results/2026-11-25-cpu2-gloo-spin/). This has nothing to do with NCCL, whose
+threads (they inherit it), the slow calls all but vanish
+(benchmarks/results/2026-11-25-cpu2-gloo-spin/). This has nothing to do with NCCL, whose
 progress does not go through such a thread; it is the CPU bench's distortion, removed for every
 system alike (peers included) and for the planner's profiles of the same machine, so a
 prediction and the step it predicts run under the same policy.
@@ -25,7 +25,7 @@ prediction and the step it predicts run under the same policy.
 [Note: where a step's core time goes]
 With more ranks than cores a step's wall time is not any one thread's: it is the ranks' CPU work
 shared out over the cores, plus what the cores sit idle (ranks that wait for each other at a
-collective with no other thread to run) or lose to the hypervisor (steal: the VM's vCPU not
+collective with no other thread to run) or lose to the hypervisor (steal: a virtual CPU not
 running; counted as the thread's CPU time by `time.thread_time`). `threads()` reads every thread
 of this process from /proc schedstat (ns run on a CPU, ns waited on a run queue), and
 `machine()` the machine's CPU time from /proc/stat (busy, idle and steal, in clock ticks of

@@ -1,7 +1,7 @@
 """The bench's parent process: which systems run, in what order, and what the launches add up to.
 
-Timing discipline (DESIGN §7: on a shared machine the same configuration's step time moves
-1.7-1.9x between launches): every system is launched `launches` times in fresh processes,
+Timing discipline (on a shared machine the same configuration's step time moves by tens of
+percent between launches): every system is launched `launches` times in fresh processes,
 interleaved round by round (the order of systems rotates every round, so none is always first
 after a quiet spell), warm-up steps are excluded, each launch gives the median of its timed steps
 (a step's time is the slowest rank's), and a system's figure is the median of its launch medians,

@@ -18,7 +18,7 @@ import importlib.util
 from typing import Any
 
 # The order passes run in when several are configured: overlap communication first, then keep
-# parameters gathered with the memory left, then offload what does not fit (DESIGN §4).
+# parameters gathered with the memory left, then offload what does not fit.
 CANONICAL_PASS_ORDER = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 ALL = "all"  # passes=ALL: every registered pass
 AUTO = "auto"  # passes=AUTO: the pipeline chooses (the default)

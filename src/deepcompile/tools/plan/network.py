@@ -135,11 +135,9 @@ class Measured:
     (`samples`: made non-decreasing in size by `monotone`, then interpolated linearly;
     beyond the largest size, the last segment's slope), and `coeffs` (latency + bytes x
     seconds/byte, least squares, fitted by the harness) only summarize them (`describe`) or
-    stand in where there are no points. Until stop 37 the line was the time: its least squares
-    are dominated by the largest sizes (4 MiB takes 10x what 1 KiB does), and on the 2-core VM
-    it put a 19 KB all-gather at 88 us and a reduce-scatter at 93 us where the sweep measured
-    108-139 and 149-222 us at 1-64 KiB. tiny-llama's parameters are all of that size, 62 of
-    them a step at ZeRO-3."""
+    stand in where there are no points. A fitted line is not the time: its least squares are
+    dominated by the largest sizes (4 MiB takes 10x what 1 KiB does), and it misses the small
+    collectives a tiny model's step is made of."""
     world: int
     coeffs: dict[str, tuple[float, float]]   # kind -> (latency s, s per byte)
     launch: dict[str, float] = dataclasses.field(default_factory=dict)  # kind -> host s (async)

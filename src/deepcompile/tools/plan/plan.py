@@ -11,20 +11,18 @@ Assumed figures, all printed with a plan and overridable with `--assume key=valu
 * `net.host_step_ns`: the host's optimizer step per parameter (offload tier 4, chunks whose
   masters are on the host stepping there): measured on this machine (torch's fused CPU AdamW
   over 16 M fp32 parameters, past the caches; its intra-op threads), which is not the target's
-  host; set the
-  target's with `--assume net.host_step_ns=...`.
+  host; set the target's with `--assume net.host_step_ns=...`.
 * `net.*` (network.py): NVLink and NIC bandwidths, hop latencies, and `net.launch_host_s`,
   deepcompile's host time per collective launch. Default 20 us: the runtime's graphs launch
   torch's functional collectives (C++ ops called from Inductor's code: compiler/lower.py), whose
-  launch on an H100 host is NCCL's enqueue plus c10d's work object (an assumption: not measured
-  on a GPU in this project; `compiler.cost.calibrate` measures it at start-up, and
-  `--assume net.launch_host_s=...` sets it). Before the lowering (the Python ops DESIGN §3
-  measured) it was 100-350 us: `--assume net.launch_host_s=1e-4` plans that runtime.
+  launch on an H100 host is NCCL's enqueue plus c10d's work object (an assumption;
+  `compiler.cost.calibrate` measures it at start-up, and `--assume net.launch_host_s=...` sets
+  it). A runtime that launched each collective through a Python op would take 100-350 us:
+  `--assume net.launch_host_s=1e-4` plans that.
 * `peer.fsdp_hook_s` (150 us per FSDP2 collective: its pre/post hooks, copy-in/out launches;
-  an assumption) and `peer.ds_hook_s` per DeepSpeed module fetch: 900 us, from DESIGN §7
-  (llama-1b, one H100, world size 1: DeepSpeed ZeRO-3 eager 473.0 ms against FSDP2 eager
-  192.4 ms per step; the difference over that model's 312 module fetches per step (156
-  modules of more than 1e5 elements, forward and backward) is 0.90 ms each).
+  an assumption) and `peer.ds_hook_s` per DeepSpeed module fetch (900 us: one H100's llama-1b
+  step, DeepSpeed ZeRO-3 eager against FSDP2 eager, the difference spread over the model's 312
+  module fetches per step).
 """
 
 from __future__ import annotations

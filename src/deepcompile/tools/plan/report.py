@@ -140,8 +140,9 @@ def _default(x):
 
 
 # ------------------------------------------------------------------------------ picture
+# one hue per legend entry, no two alike (one blue, one purple)
 _COLORS = {"fw": "#4C72B0", "bw": "#55A868", "optimizer": "#8172B2", "wait": "#DDDDDD",
-           "all_gather": "#1F77B4", "reduce_scatter": "#FF7F0E", "refresh": "#9467BD",
+           "all_gather": "#17BECF", "reduce_scatter": "#FF7F0E", "refresh": "#E377C2",
            "offload": "#8C564B", "host": "#7F7F7F", "other": "#BBBBBB"}
 
 
@@ -216,16 +217,22 @@ def picture(plan, path: Path, systems: list[str] | None = None) -> Path | None:
         axm.step(ts, ms, where="post", color="#C44E52", linewidth=1)
         axm.fill_between(ts, ms, step="post", alpha=0.2, color="#C44E52")
         dev = plan.memory["device_bytes"]
+        # the lines' labels sit on the right, above the line (GPU memory) and below it
+        # (budget), inside the axes: none is crossed by a line or by the frame
         if dev != float("inf"):
             axm.axhline(dev / GiB, color="black", linewidth=0.8, linestyle="--")
-            axm.text(t_max * 0.005, dev / GiB, "GPU memory", fontsize=7, va="bottom")
+            axm.annotate("GPU memory", (0.995, dev / GiB), xycoords=axm.get_yaxis_transform(),
+                         xytext=(0, 1.5), textcoords="offset points", fontsize=7, va="bottom",
+                         ha="right")
         budget = plan.setting.get("memory_budget_bytes")
         if budget and budget != float("inf"):
             axm.axhline(budget / GiB, color="gray", linewidth=0.8, linestyle=":")
-            axm.text(t_max * 0.12, budget / GiB, "budget", fontsize=7, va="top", color="gray")
+            axm.annotate("budget", (0.995, budget / GiB), xycoords=axm.get_yaxis_transform(),
+                         xytext=(0, -2), textcoords="offset points", fontsize=7, va="top",
+                         ha="right", color="gray")
         axm.set_ylabel("GiB", fontsize=8)
         axm.set_ylim(0, max(max(ms, default=1) * 1.15,
-                            (dev / GiB * 1.05) if dev != float("inf") else 0))
+                            (dev / GiB * 1.3) if dev != float("inf") else 0))
         axm.tick_params(labelsize=8)
     axes[-1].set_xlabel("seconds into the optimizer step", fontsize=9)
     axes[-1].set_xlim(0, t_max * 1.02)
