@@ -316,11 +316,24 @@ def _refusals_job(rank, world):
                                 DeviceMesh.from_group(nodes[rank // 2], "cpu"))
     crossed = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]))
     out["mesh_nodes"] = refused({"layout": "hsdp"}, {"LOCAL_WORLD_SIZE": "2"}, crossed)
+    # a user's 2-D mesh that works: its rows are the groups (no LOCAL_WORLD_SIZE needed)
+    torch._dynamo.reset()
+    engine = deepcompile.initialize(
+        _models.build_model("mlp"), functools.partial(torch.optim.SGD, lr=0.1),
+        deepcompile.Config(compiler="fx", layout="hsdp", passes=()),
+        mesh=DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]])))
+    engine.backward(_models.loss_of(engine(**_models.local_batch("mlp", 0, rank, world))))
+    engine.step()
+    lay = engine._layout
+    accepted = {"layout": lay.name, "group_size": lay.group_size,
+                "shard": dist.get_process_group_ranks(lay.shard.user_group),
+                "replicate": dist.get_process_group_ranks(lay.replicate.user_group),
+                "groups": sorted(engine.comm_stats(by_group=True))}
     dist.barrier()
-    return out
+    return out, accepted
 
 
-def test_layouts_that_cannot_work_are_refused_on_every_rank():
+def test_layouts_that_cannot_work_are_refused_on_every_rank_and_a_users_mesh_is_taken():
     import deepcompile
 
     with pytest.raises(ValueError, match="'hpz' is not allowed with zero_stage=2"):
@@ -329,7 +342,12 @@ def test_layouts_that_cannot_work_are_refused_on_every_rank():
         deepcompile.Config(layout="fsdp")
     with pytest.raises(ValueError, match="shard_group_size"):
         deepcompile.Config(shard_group_size=0)
-    per_rank = run_distributed(_refusals_job, 4, timeout=300)
+    per_rank, accepted = zip(*run_distributed(_refusals_job, 4, timeout=300))
+    for rank, acc in enumerate(accepted):
+        row = rank // 2 * 2
+        assert acc == {"layout": "hsdp", "group_size": 2, "shard": [row, row + 1],
+                       "replicate": [rank % 2, rank % 2 + 2],
+                       "groups": ["inter", "intra", "world"]}, (rank, acc)
     for case, text in per_rank[0].items():
         assert text, f"{case}: not refused"
         assert all(r[case] == text for r in per_rank), case   # the same on every rank
