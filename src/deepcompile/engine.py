@@ -430,10 +430,10 @@ class Engine:
         return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
 
     # [Note: the step's gradient norm] Every optimizer step leaves the global 2-norm of the
-    # gradients it applies (`grad_norm()`, `metrics()["grad_norm"]`): all ranks' shards, and the
-    # gradients on the host (offload tier 2) by their squared norm, unscaled (a loss scale
-    # divided out), before clipping -- what torch.nn.utils.clip_grad_norm_ returns on the whole
-    # model in one process; inf/NaN when a gradient is not. It is one all-reduced sum, so the
+    # gradients it applies (`grad_norm()`, `metrics()["grad_norm"]`): all ranks' shards (under
+    # "hsdp" the first group's: each group holds every gradient), and the gradients on the host
+    # (offload tier 2) by their squared norm, unscaled (a loss scale divided out), before
+    # clipping -- what torch.nn.utils.clip_grad_norm_ returns on the whole model in one process; inf/NaN when a gradient is not. It is one all-reduced sum, so the
     # same on every rank. Without a loss scale, each gradient's float32 2-norm is read once (one
     # fused kernel), for the inf/NaN check too ([Note: the check reads 2-norms] in
     # runtime/loss_scale.py), and the squared sum rides in the check's all-reduce as one more
