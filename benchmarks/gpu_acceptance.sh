@@ -33,8 +33,10 @@
 #                                pinned buffers (tests, fx and Inductor); llama-1b at 1 x 4096
 #                                tokens: ours against HF full checkpointing and torch's
 #                                activation_memory_budget at the same profiled peak, paired
+#   layouts     42     4         2 GPUs (not part of `all`): hsdp and hpz over NCCL sub-groups
+#                                made at initialize, parity with eager, collectives per group
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|layouts|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -119,12 +121,19 @@ one() {
     attention)
       run 240 "$log" $py benchmarks/attention_path.py --workload llama-1b --out "$out" ;;
     activations)
-      run 200 "$log" $py -m pytest tests/test_gpu.py -k activation_budget -q -s -ra \
+      run 200 "$log" $py -m pytest tests/gpu/test_gpu.py -k activation_budget -q -s -ra \
         -p no:cacheprovider
       run 380 "$log" $py benchmarks/activation_budget.py --device cuda --nproc 1 \
         --workload llama-1b --seq 4096 --batch 1 --torch-budget 0.1 --between \
         --systems torch-budget ours --launches 1 --rounds 5 --timeout 360 \
         --out "$out/activation_budget.json" ;;
+    layouts)
+      # needs 2 GPUs: two "nodes" of one (Config.shard_group_size=1)
+      if [[ $dry != 1 ]] && (( $(nvidia-smi -L | wc -l) < 2 )); then
+        echo "layouts: needs 2 GPUs" >&2; return 2
+      fi
+      run 300 "$log" $py -m torch.distributed.run --standalone --nproc-per-node 2 \
+        benchmarks/layouts_gpu.py --out "$out" ;;
     *) echo "unknown part $p" >&2; return 2 ;;
   esac
 }

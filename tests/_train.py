@@ -14,10 +14,13 @@ A *scenario* is a plain dict (picklable, hashable through `scenario_key`):
                                             # "report" (engine.report().to_dict() at the end),
                                             # "replicas", "unshard", "structures" (the graph
                                             # slots, the pass log, deepcompile's warnings),
-                                            # "optim_state"
+                                            # "optim_state", "comm_groups" (per optimizer
+                                            # step, comm_stats(by_group=True))
      "profile_seed": 3,                     # optional: profiled times randomized
                                             # (`random_times`)
-     "recompile_limit": 2}                  # optional: Dynamo's, for the run
+     "recompile_limit": 2,                  # optional: Dynamo's, for the run
+     "env": {"LOCAL_WORLD_SIZE": "2"}}      # optional: environment while the engine is made
+                                            # (simulated nodes: runtime/mesh.py)
 
 `run_training(rank, world, scenarios)` runs every scenario in sequence on one rank (one spawned
 job, several scenarios: the processes and the process group are set up once) and returns one
@@ -65,7 +68,7 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
              clip: float | None = None, compiler: str = "fx", steps: int = DEFAULT_STEPS,
              record: tuple[str, ...] = (), chunk_bytes: int | None = None,
              profile_seed: int | None = None, extended: bool = False, core: bool = False,
-             **config) -> dict:
+             env: dict | None = None, **config) -> dict:
     """Build a scenario dict (see module docstring). `chunk_bytes`: the flat layout's chunk
     size (runtime/flat.py; tiny models fit one chunk of the default size, and offloading
     moves whole chunks). `extended`: only in the full matrix; `core`: always ([Note: the core
@@ -85,6 +88,8 @@ def scenario(id: str, model: str, optim: str, lr: float, *, gas: int = 1,
         out["extended"] = True
     if core:
         out["core"] = True
+    if env:
+        out["env"] = dict(env)
     return out
 
 
@@ -96,6 +101,23 @@ def tanh_stack() -> torch.nn.Module:
     for _ in range(6):
         layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+@contextlib.contextmanager
+def environment(env: dict | None):
+    """`env` set in os.environ inside (what the engine reads when it is made)."""
+    import os
+
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -131,7 +153,7 @@ def make_optimizer(spec):
 def scenario_key(sc: dict) -> str:
     """What the reference training depends on."""
     return json.dumps({k: v for k, v in sc.items()
-                       if k not in ("record", "profile_seed", "extended", "core")},
+                       if k not in ("record", "profile_seed", "extended", "core", "env")},
                       sort_keys=True, default=str)
 
 
@@ -190,6 +212,19 @@ def _comm(engine) -> dict:
 
 def _diff(a: dict, b: dict) -> dict:
     return {k: (a[k][0] - b[k][0], a[k][1] - b[k][1]) for k in COMM_KINDS}
+
+
+def _group_diff(after: dict, before: dict) -> dict:
+    """{group: {kind: (count, bytes)}} of what ran between two `comm_stats(by_group=True)`
+    (kinds that ran only)."""
+    zero = {"count": 0, "bytes": 0}
+    out = {}
+    for g, kinds in after.items():
+        for k, v in kinds.items():
+            b = before.get(g, {}).get(k, zero)
+            if v["count"] != b["count"]:
+                out.setdefault(g, {})[k] = (v["count"] - b["count"], v["bytes"] - b["bytes"])
+    return out
 
 
 def _memory_snapshot(engine) -> dict:
@@ -319,7 +354,7 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
             cfg[k] = getattr(torch, cfg[k])
     model = _models.build_model(name)
     model_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    with chunk_bytes(sc.get("chunk_bytes")):
+    with chunk_bytes(sc.get("chunk_bytes")), environment(sc.get("env")):
         engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
                                         config=deepcompile.Config(**cfg))
     if sc.get("profile_seed") is not None:
@@ -341,6 +376,7 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
 
     micro = 0
     for _step in range(sc["steps"]):
+        g0 = engine.comm_stats(by_group=True) if "comm_groups" in record else None
         for _m in range(gas):
             t_micro = time.perf_counter()
             batch = _models.local_batch(name, micro, rank, world)
@@ -368,6 +404,9 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
         engine.step()
         if "comm" in record:
             res["comm_step"].append(_diff(_comm(engine), c0))
+        if "comm_groups" in record:
+            res.setdefault("comm_groups_step", []).append(
+                _group_diff(engine.comm_stats(by_group=True), g0))
         # the step's global gradient norm, as the public API gives it (before clipping)
         res.setdefault("grad_norms", []).append(engine.metrics()["grad_norm"])
         res.setdefault("grad_norm_tensors", []).append(float(engine.grad_norm()))

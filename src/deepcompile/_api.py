@@ -13,12 +13,15 @@ from .engine import Engine, OptimizerFactory
 
 
 def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
-               config: Config | Mapping[str, Any] | None = None) -> Engine:
+               config: Config | Mapping[str, Any] | None = None, mesh: Any = None) -> Engine:
     """Shard `model` over the default process group and return a training engine.
 
     optimizer: a callable taking an iterable of parameters and returning a
         torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)); default AdamW.
     config: a `Config` or an equivalent dict.
+    mesh: a `torch.distributed.DeviceMesh` over the default group's ranks: 1-D (shard over
+        it) or 2-D (dim 0 replicates, dim 1 shards: the groups of `Config.layout` "hsdp" and
+        "hpz"); None: the groups are made from `Config.shard_group_size` / LOCAL_WORLD_SIZE.
     The default process group is used; if there is none, it is initialized from torchrun's
     environment (nccl for CUDA models, gloo otherwise).
     """
@@ -59,4 +62,4 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
             f"model.to(torch.{low[0]})) and set deepcompile.Config(param_dtype=torch.{low[0]}).",
             UserWarning, stacklevel=2)
     _ensure_process_group(device)
-    return Engine(model, optimizer, cfg)
+    return Engine(model, optimizer, cfg, mesh=mesh)

@@ -118,6 +118,10 @@ def wait_tensors(tensors: Sequence[torch.Tensor]) -> None:
     calling the overload itself runs a Python frame per tensor)."""
     op = funcol_ops()[2]
     deque(map(getattr(op, "_op", op), tensors), maxlen=0)
+def funcol_all_reduce():
+    """The functional all-reduce overload (`(input, reduce_op, group_name)`, same schema from
+    2.11 on)."""
+    return torch.ops._c10d_functional.all_reduce.default
 
 
 def below_autograd():

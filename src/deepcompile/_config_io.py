@@ -165,6 +165,15 @@ def from_deepspeed(ds: Mapping[str, Any], overrides: dict) -> dict:
                         raise error(where, f"device {device!r} is not supported; allowed: "
                                            "'cpu' (the offload_optimizer pass), 'none'")
                     _add_pass_for(out, "zero_optimization.offload_optimizer")
+                elif zkey in ("zero_hpz_partition_size", "mics_shard_size"):
+                    # ZeRO++'s hpZ and MiCS: the layouts "hpz" and "hsdp" (runtime/mesh.py)
+                    size = zvalue
+                    if isinstance(size, bool) or not isinstance(size, int) or size < 1 and \
+                            not (zkey == "mics_shard_size" and size == -1):
+                        raise error(where, f"{size!r} is not allowed; allowed: an integer >= 1")
+                    if size > 1:
+                        out["layout"] = "hpz" if zkey == "zero_hpz_partition_size" else "hsdp"
+                        out["shard_group_size"] = size
                 elif zkey in _ZERO_IGNORED:
                     ignored.append(where)
                 else:

@@ -20,13 +20,14 @@ complete checkpoint version and a pointer to it:
         commit.json                    every file above with its size, written last
 
 Each parameter is stored as one flat tensor of `numel` elements, and every rank writes the part
-its shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / world): a DTensor
-with a Shard(0) placement over the checkpoint's process group, which chunks exactly like the
-registry's shards). The optimizer state follows the same rule: a state tensor shaped like the
+its shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / S), r its place
+among the S ranks the layout shards over: a DTensor with a Shard(0) placement over a gloo copy
+of that group, which chunks exactly like the registry's shards; under "hsdp" every group holds
+the same chunks, and DCP's planner keeps one writer of each). The optimizer state follows the same rule: a state tensor shaped like the
 shard is stored flat per parameter (Adam's moments), any other tensor once (Adam's `step`),
-any other value in state.json. Loading builds this rank's slices for the *current* world size,
-and DCP reads whatever saved chunks overlap them: a checkpoint of N ranks loads on M, and the
-ZeRO stage (which does not change the shards' layout) may differ too.
+any other value in state.json. Loading builds this rank's slices for the *current* world size
+and layout, and DCP reads whatever saved chunks overlap them: a checkpoint of N ranks loads on
+M, under another layout (runtime/mesh.py) or ZeRO stage (which do not change what is stored).
 
 [Note: atomic checkpoints] A save writes a new version directory `.tmp-<version>` beside the
 published one. Once every rank's data is written (inside DCP's final collective, on rank 0:
@@ -106,7 +107,13 @@ def _state(engine) -> _EngineCheckpointState:
         group = engine._comm.group
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         st.group = dist.new_group(ranks=ranks, backend="gloo")
-        st.mesh = DeviceMesh.from_group(st.group, "cpu")
+        shard = engine._layout.shard
+        if shard is engine._layout.world:
+            st.mesh = DeviceMesh.from_group(st.group, "cpu")
+        else:   # the shard group's ranks (one mesh per group: made by its members only)
+            st.mesh = DeviceMesh.from_group(dist.new_group(
+                ranks=dist.get_process_group_ranks(shard.group) if shard.world > 1
+                else [dist.get_rank()], backend="gloo", use_local_synchronization=True), "cpu")
     return st
 
 
@@ -232,7 +239,7 @@ def _numpy():
 # ---- save ----------------------------------------------------------------------------------------
 def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
     """(the DCP state dict of this rank, the JSON description of the optimizer)."""
-    rank = engine._comm.rank
+    rank = engine._layout.shard.rank
     sd: dict[str, Any] = {}
     for e in engine._registry:
         local = _host(e.shard[: _valid(e, rank)])
@@ -240,7 +247,7 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
                 e.shard.untyped_storage().data_ptr():   # a master about to leave (tier 3)
             local = local.clone()
         sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
-    if rank == 0:
+    if engine._comm.rank == 0:
         for name, b in persistent_buffers(engine.module).items():
             sd[f"buffer/{name}"] = b.detach().to("cpu")
     osd = engine.optimizer.state_dict()
@@ -373,6 +380,7 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
             plan = engine._pipeline.checkpoint_plan()
             plan = None if plan is None else json.loads(json.dumps(plan, default=str))
             state = {"format": FORMAT, "world_size": comm.world,
+                     "layout": engine._layout.name, "group_size": engine._layout.group_size,
                      "zero_stage": engine.config.zero_stage,
                      "optimizer_steps": engine._optimizer_steps, "params": _params(engine),
                      "dtypes": {e.name: str(e.shard.dtype).removeprefix("torch.")
@@ -442,7 +450,7 @@ def _check_matches(engine, state: dict, version: Path) -> None:
 
 
 def _targets(engine, state: dict, mesh) -> dict[str, Any]:
-    rank = engine._comm.rank
+    rank = engine._layout.shard.rank
     targets: dict[str, Any] = {}
     for e in engine._registry:
         targets[f"model/{e.name}"] = _dtensor(
@@ -469,7 +477,7 @@ def _targets(engine, state: dict, mesh) -> dict[str, Any]:
 
 
 def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
-    rank = engine._comm.rank
+    rank = engine._layout.shard.rank
     engine._drop_unused_prefetches()   # a parked gather read the shards about to be replaced
     with torch.no_grad():
         for e in engine._registry:

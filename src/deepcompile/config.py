@@ -16,6 +16,7 @@ _COMPILERS = ("inductor", "fx")
 _SUPPORTED_STAGES = (1, 2, 3)
 _NONFINITE = ("raise", "skip", "off")
 _HOST_STEP = ("auto", "always", "never")
+_LAYOUTS = ("auto", "shard", "hsdp", "hpz")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -118,6 +119,17 @@ class Config:
     host_step: where `offload_optimizer` steps the chunks whose masters it moves to the host:
         "auto" (on the host where that is predicted faster than streaming them through the
         device's step), "always" (on the host), "never" (streamed). Default "auto".
+    layout: how the ranks share the model, in groups of `shard_group_size` ranks (a node):
+        "shard" (every parameter sharded over every rank), "hsdp" (sharded within each group,
+        replicated across groups: gathers and reduce-scatters stay in the group, gradients
+        are all-reduced across groups; 1/G of the model state per rank), "hpz" (sharded over
+        every rank; the forward keeps a secondary shard of 1/G of each gathered parameter so
+        that the backward re-gathers within the group; ZeRO-3 only), or "auto" (the default:
+        "shard" with one group; else chosen when the engine is made from the model's size,
+        the memory budget and the collectives measured in and across the groups, and said in
+        the report: compiler/layouts.py). See [Note: layouts] in runtime/mesh.py.
+    shard_group_size: G, the ranks per group; None: LOCAL_WORLD_SIZE (torchrun's ranks per
+        node), else every rank (one group). A 2-D DeviceMesh given to `initialize` sets it.
     """
 
     zero_stage: int = 3
@@ -140,6 +152,8 @@ class Config:
     divergence_check_every: int = 1
     on_nonfinite: str = "raise"
     host_step: str = "auto"
+    layout: str = "auto"
+    shard_group_size: int | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Config":
         _check_removed(kwargs)   # before the dataclass __init__'s TypeError for an unknown key
@@ -234,6 +248,18 @@ class Config:
         if self.on_nonfinite not in _NONFINITE:
             raise ValueError(f"Config.on_nonfinite: {self.on_nonfinite!r} is not allowed; "
                              f"allowed: {', '.join(map(repr, _NONFINITE))}")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"Config.layout: {self.layout!r} is not allowed; "
+                             f"allowed: {', '.join(map(repr, _LAYOUTS))}")
+        g = self.shard_group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"Config.shard_group_size: {g!r} is not allowed; allowed: None "
+                             "(LOCAL_WORLD_SIZE) or an integer >= 1")
+        if self.layout == "hpz" and self.zero_stage != 3:
+            raise ValueError(f"Config.layout: 'hpz' is not allowed with zero_stage="
+                             f"{self.zero_stage}; its secondary shards serve the backward's "
+                             "re-gathers, which only ZeRO-3 has (allowed: 'shard', 'hsdp', "
+                             "'auto')")
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:

@@ -15,6 +15,7 @@ from torch import nn
 
 from . import _compat
 from .compiler.backend import Backend, WeakBackend
+from .compiler.layouts import auto as choose_layout
 from .compiler.pipeline import Phase, Pipeline
 from .config import Config
 from .guard import ModelGuard
@@ -26,6 +27,7 @@ from .runtime.flat import FlatState, _grad_of, _is_not_none
 from .runtime.guardrails import (DistributedError, Guardrails, NonFiniteError, UsageError,
                                  is_comm_error)
 from .runtime.loss_scale import GradCheck, grad_norms, nonfinite_ranks
+from .runtime.mesh import build as build_layout
 from .runtime.offload import Offloader
 from .runtime.registry import ParamEntry, ParamRegistry
 from .runtime.runtime import EngineRuntime
@@ -136,7 +138,7 @@ class Engine:
     """Trains `module` sharded over the process group. Create with `deepcompile.initialize`."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, config: Config,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, mesh: Any = None) -> None:
         self.config = config
         self.module = module
         self.device = _model_device(module)
@@ -145,8 +147,13 @@ class Engine:
         # failures, timeouts and cross-rank checks (runtime/guardrails.py): before anything that
         # communicates, so that the startup timeout bounds it
         self._rails = Guardrails(self._comm, config)
+        # the data-parallel layout and its groups, made once, before anything is sharded
+        # ([Note: layouts] in runtime/mesh.py; "auto": [Note: choosing the layout])
+        self._layout = build_layout(config, self._comm, self.device, mesh,
+                                    choose=lambda candidates: choose_layout(
+                                        candidates, module, config, self.device))
         self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
-        self._registry = ParamRegistry(module, self._comm, param_dtype=config.param_dtype,
+        self._registry = ParamRegistry(module, self._layout, param_dtype=config.param_dtype,
                                        reduce_dtype=config.reduce_dtype,
                                        zero_stage=config.zero_stage)
         self._trainable = self._registry.trainable_shards()
@@ -434,10 +441,10 @@ class Engine:
         return self._rails.on_exception(err, phase, self._optimizer_steps, self._micro_steps)
 
     # [Note: the step's gradient norm] Every optimizer step leaves the global 2-norm of the
-    # gradients it applies (`grad_norm()`, `metrics()["grad_norm"]`): all ranks' shards, and the
-    # gradients on the host (offload tier 2) by their squared norm, unscaled (a loss scale
-    # divided out), before clipping -- what torch.nn.utils.clip_grad_norm_ returns on the whole
-    # model in one process; inf/NaN when a gradient is not. It is one all-reduced sum, so the
+    # gradients it applies (`grad_norm()`, `metrics()["grad_norm"]`): all ranks' shards (under
+    # "hsdp" the first group's: each group holds every gradient), and the gradients on the host
+    # (offload tier 2) by their squared norm, unscaled (a loss scale divided out), before
+    # clipping -- what torch.nn.utils.clip_grad_norm_ returns on the whole model in one process; inf/NaN when a gradient is not. It is one all-reduced sum, so the
     # same on every rank. Without a loss scale, each gradient's float32 2-norm is read once (one
     # fused kernel), for the inf/NaN check too ([Note: the check reads 2-norms] in
     # runtime/loss_scale.py), and the squared sum rides in the check's all-reduce as one more
@@ -476,6 +483,10 @@ class Engine:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
         if host_sq is not None:
             local = local + (host_sq if host_scale is None else host_sq * host_scale.square())
+        if self._layout.replicate is not None and self._layout.replicate.rank != 0:
+            # hsdp: every group holds each gradient once ([Note: layouts] in runtime/mesh.py);
+            # the sum over every rank counts the first group's (times 0 keeps an inf/NaN)
+            local = local * 0.0
         return local
 
     def _grads_finite(self, flat_grads: list[torch.Tensor] | None = None,
@@ -593,7 +604,7 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         with self._offload.masters_home():   # [Note: masters on the host] in runtime/offload.py
             for entry in self._registry:
-                full = self._comm.all_gather(entry.shard.detach())[: entry.numel]
+                full = entry.comm.all_gather(entry.shard.detach())[: entry.numel]
                 full = full.view(entry.shape).to("cpu", copy=True)
                 for name in entry.names:
                     out[name] = full
@@ -633,8 +644,12 @@ class Engine:
         return export.save_pretrained(self, directory, dtype=dtype,
                                       max_shard_bytes=max_shard_bytes)
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self._comm.stats()
+    def comm_stats(self, by_group: bool = False) -> dict[str, dict[str, Any]]:
+        """Collectives since the engine was made: {kind: {"count", "bytes"}} (bytes: each
+        collective's full tensor), summed over the layout's groups; `by_group=True`: {group:
+        the same} for "world" (every rank) and, under a hierarchical layout, "intra" (within a
+        group) and "inter" (across the groups). See [Note: layouts] in runtime/mesh.py."""
+        return self._comm.stats(by_group)
 
     def report(self) -> Report:
         """What the compiler did: graphs, profiles, passes and their decisions, cache, comm.
@@ -728,6 +743,7 @@ class Engine:
             cfg.pop(key, None)   # none of these changes a plan
         return {
             "world_size": self._comm.world,
+            "layout": [self._layout.name, self._layout.group_size],
             "device": self.device.type,
             "torch": torch.__version__,
             "deepcompile": __version__,

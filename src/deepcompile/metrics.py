@@ -90,8 +90,10 @@ class StepMetrics:
             self.tokens += ids.numel()
 
     def end_step(self) -> None:
-        stats = self._comm._stats
-        now = {k: (v[0], v[1]) for k, v in stats.items()}
+        now: dict[str, tuple[int, int]] = {}
+        for (_group, kind), (c, b) in self._comm._stats.items():   # summed over the groups
+            c0, b0 = now.get(kind, (0, 0))
+            now[kind] = (c0 + c, b0 + b)
         self._last_comm = {k: {"count": c - self._prev.get(k, (0, 0))[0],
                                "bytes": b - self._prev.get(k, (0, 0))[1]}
                            for k, (c, b) in now.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -75,43 +75,98 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return latency, (max(0.0, (y1 - latency) / x1) if x1 > 0 else 0.0)
 
 
-def calibrate(comm, device: torch.device, repeats: int = 5) -> LinearCostModel:
-    """Measure all-gather and reduce-scatter over a few sizes; agree across ranks (MAX).
+def calibrate(comm, device: torch.device, repeats: int = 5, layout=None) -> LinearCostModel:
+    """Measure the collectives over a few sizes; agree across ranks (MAX).
+
+    `layout` (runtime/mesh.py): one figure per group it runs collectives in ([Note: a figure
+    per group]); None: all-gather and reduce-scatter over `comm`.
 
     Each size's time is the fastest of `repeats` runs: noise (another process on the core, a
     late peer) only ever adds time, and the fit goes through the smallest and the largest
     message, so one slow run at either end would tilt the slope (a slope of 0 makes every byte
     free)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
-    for nbytes in SWEEP_BYTES:
-        numel = max(comm.world, nbytes // 4) // comm.world * comm.world
-        full = torch.zeros(numel, dtype=torch.float32, device=device)
-        shard = full[: numel // comm.world].clone()
-        for kind, fn in (("all_gather", lambda: comm.all_gather(shard, count=False)),
-                         ("reduce_scatter", lambda: comm.reduce_scatter_avg(full, count=False))):
-            fn()  # warm
-            runs = []
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                runs.append(time.perf_counter() - t0)
-            times[kind].append(min(runs))
+    groups = group_kinds(layout) if layout is not None else [(comm, ("all_gather", "reduce_scatter"))]
+    times = measure_groups(groups, device, repeats)
     # host->device copies (offloading plans with them; on the CPU a host copy stands in)
     times["h2d"] = [t for _, t in _copy_sweep(device, repeats)]
     kinds = list(times)
-    launch = _launch_sweep(comm, device)
+    launch = _launch_sweep(layout.shard if layout is not None else comm, device)
     flat = torch.tensor([t for k in kinds for t in times[k]] + list(launch.values()),
                         dtype=torch.float64, device=device)
     comm.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)  # the slowest rank's
     flat = flat.tolist()
     k = len(SWEEP_BYTES)
     samples = {kind: list(zip(SWEEP_BYTES, flat[i * k:(i + 1) * k])) for i, kind in enumerate(kinds)}
-    return LinearCostModel(coeffs={kind: _fit(samples[kind]) for kind in ("all_gather", "reduce_scatter")},
-                           copy=_fit(samples["h2d"]) if "h2d" in samples else None, samples=samples,
-                           launch=dict(zip(launch, flat[len(kinds) * k:])))
+    if layout is None:   # one group: its figures under the kinds' names
+        samples = {kind.rpartition(":")[2]: v for kind, v in samples.items()}
+    coeffs = {kind: _fit(v) for kind, v in samples.items() if kind != "h2d"}
+    if layout is not None:
+        coeffs.update(compose(coeffs, layout))
+    return LinearCostModel(coeffs=coeffs, copy=_fit(samples["h2d"]) if "h2d" in samples else None,
+                           samples=samples, launch=dict(zip(launch, flat[len(kinds) * k:])))
+
+
+# [Note: a figure per group] A hierarchical layout (runtime/mesh.py) runs its collectives in
+# groups of different reach: within a node, across nodes, over every rank. The cost model keeps
+# one fitted figure per group and kind ("intra:all_gather", "inter:all_reduce", ...; a group
+# of one rank: its local copy) and composes from them the figures the passes plan with, as the
+# lowering runs each collective: "all_gather" (a forward gather), "all_gather_bw" (a backward
+# re-gather: hpz's runs within the group from the secondary shard) and "reduce_scatter" (a
+# gradient's reduction: hsdp's is the reduce-scatter in the group plus the all-reduce across
+# the groups of its 1/G slice, one after the other).
+def group_kinds(layout) -> list[tuple[Any, tuple[str, ...]]]:
+    """(comm, the kinds the layout runs on it), per group of `layout`."""
+    out = [(layout.shard, ("all_gather", "reduce_scatter"))]
+    if layout.replicate is not None:
+        out.append((layout.replicate, ("all_reduce",)))
+    if layout.secondary is not None:
+        out.append((layout.secondary, ("all_gather",)))
+    return out
+
+
+def compose(coeffs: dict[str, tuple[float, float]], layout) -> dict[str, tuple[float, float]]:
+    """The passes' figures from the per-group ones ([Note: a figure per group])."""
+    zero = (0.0, 0.0)
+    ag = coeffs.get(f"{layout.shard.label}:all_gather", zero)
+    rs = coeffs.get(f"{layout.shard.label}:reduce_scatter", zero)
+    out = {"all_gather": ag, "all_gather_bw": ag, "reduce_scatter": rs}
+    if layout.secondary is not None:
+        out["all_gather_bw"] = coeffs.get(f"{layout.secondary.label}:all_gather", zero)
+    if layout.replicate is not None:
+        a, b = coeffs.get(f"{layout.replicate.label}:all_reduce", zero)
+        # the all-reduce carries 1/G of the reduce-scatter's (full-tensor) bytes
+        out["reduce_scatter"] = (rs[0] + a, rs[1] + b / layout.shard.world)
+    return out
+
+
+def measure_groups(groups, device: torch.device, repeats: int = 5) -> dict[str, list[float]]:
+    """{"label:kind": the fastest of `repeats` runs at each of SWEEP_BYTES (the full tensor's
+    bytes)} for each (comm, kinds) of `groups` (a group of one rank: the local copy that stands
+    for its collective, as a gather's cast or view does in the lowered graphs). Every rank runs
+    the same sweeps in the same order (each in its own group of a level)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {}
+    for comm, kinds in groups:
+        for kind in kinds:
+            key = f"{comm.label}:{kind}"
+            times[key] = []
+            for nbytes in SWEEP_BYTES:
+                numel = max(comm.world, nbytes // 4) // comm.world * comm.world
+                full = torch.zeros(numel, dtype=torch.float32, device=device)
+                shard = full[: numel // comm.world].clone()
+                fn = {"all_gather": lambda: comm.all_gather(shard, count=False),
+                      "reduce_scatter": lambda: comm.reduce_scatter_avg(full, count=False),
+                      "all_reduce": lambda: comm.all_reduce(full, count=False)}[kind]
+                fn()  # warm
+                runs = []
+                for _ in range(repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    runs.append(time.perf_counter() - t0)
+                times[key].append(min(runs))
+    return times
 
 
 def _launch_sweep(comm, device: torch.device, launches: int = 16,

@@ -22,6 +22,13 @@ planned one describes; nothing in it calls back into Python.
 | `grad_to_host` (offload, tier 2) | unchanged (a Python op per gradient sent to the host); the gradient's output becomes None | |
 | `activation_offload` / `_reload` / `_wait` (activation_budget) | unchanged (a Python op each per offloaded activation: runtime/activations.py) | |
 
+Under a hierarchical layout ([Note: layouts] in runtime/mesh.py) "W" is the group a collective
+runs in: `hsdp` gathers and reduce-scatters within the group and all-reduces each reduced slice
+across the groups ([Note: hierarchical reduction]); `hpz` gathers over every rank in a forward
+graph, copying each rank's secondary block out of the gathered buffer into a runtime buffer
+(an extra input, written in place), and in a backward graph all-gathers those blocks within the
+group ([Note: secondary shards] in runtime/secondary.py).
+
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
 gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of
 the lowered graph; gathers started for the next graph become extra trailing outputs. The slot
@@ -49,6 +56,7 @@ from torch import fx
 from .. import _compat
 from ..runtime import offload, ops
 from ..runtime.registry import ParamEntry, lookup
+from ..runtime.secondary import secondary_numel
 from . import coverage
 from .coverage import param_name
 from .profiler import GraphProfile, NodeProfile
@@ -56,6 +64,7 @@ from .profiler import GraphProfile, NodeProfile
 aten = torch.ops.aten
 _CAST = torch.ops.prims.convert_element_type.default
 _AG, _RS, _WAIT = _compat.funcol_ops()
+_AR = _compat.funcol_all_reduce()
 
 
 @dataclasses.dataclass
@@ -70,6 +79,8 @@ class Lowered:
     park_keys: list[tuple[int, ...] | None]   # per extra output: the group it gathers (None:
                                               # the input of the gather before, not parked)
     counts: tuple[tuple[str, int, int], ...]  # collectives launched per run: (kind, n, bytes)
+    group_counts: tuple[tuple[str, str, int, int], ...]   # the same per group: (label, kind, n,
+                                                          # bytes), what `finish` counts
     acc_positions: tuple[int, ...]            # positions of accumulators among the extra inputs
     last: bool                                # the variant of the window's last micro-step
     runtime: Any
@@ -94,7 +105,7 @@ class Lowered:
         """After a run: count its collectives, record the accumulators it touched, park the
         gathers it started for the next graph; returns the planned graph's outputs."""
         rt = self.runtime
-        rt.comm.add_counts(self.counts)
+        rt.comm.add_counts(self.group_counts)
         if accs:
             rt.accum.mark(self.last, accs)
         if self.park_keys:
@@ -132,12 +143,26 @@ def needs_variants(gm: fx.GraphModule, runtime) -> bool:
 
 
 class _Lowering:
-    def __init__(self, gm: fx.GraphModule, runtime, last: bool, key: str = "") -> None:
+    def __init__(self, gm: fx.GraphModule, runtime, last: bool, kind: str = "fw",
+                 key: str = "") -> None:
         self.src = gm
         self.key = key or "?"
         self.rt = runtime
-        self.world = runtime.comm.world
-        self.group = runtime.comm.group_name
+        lay = runtime.layout
+        # [Note: layouts] in runtime/mesh.py. Gathers: over the ranks the primary shards span,
+        # or (hpz, a backward graph) within the group, from the secondary shards the forward
+        # keeps (`keeps_secondary`: [Note: secondary shards] in runtime/secondary.py).
+        self.secondary = lay.secondary is not None and kind == "bw"
+        self.keeps_secondary = lay.secondary is not None and kind == "fw"
+        gathers = lay.secondary if self.secondary else lay.shard
+        self.world = gathers.world           # ranks one gather spans
+        self.group = gathers.group_name
+        self.label = gathers.label
+        # reductions: a reduce-scatter over the shard group, then (hsdp) an all-reduce across
+        # the groups; the mean divides by every rank
+        self.shard_comm, self.replicate = lay.shard, lay.replicate
+        self.ranks = lay.world.world
+        self.local_reduce = lay.shard.world == 1 and lay.replicate is None
         self.last = last
         self.g = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
@@ -147,12 +172,16 @@ class _Lowering:
         self.fixed: list[tuple[fx.Node, torch.Tensor]] = []
         self.by_kept: list[tuple[fx.Node, int]] = []     # payload: argument position of the shard
         self.by_acc: list[tuple[fx.Node, int]] = []
-        # (placeholder, key, shard positions, expected shards, entries, dtype)
+        self.by_sec: list[tuple[fx.Node, int]] = []
+        self.sec_inputs: dict[int, fx.Node] = {}     # pid -> its secondary shard's extra input
+        self.reducing: list[dict] = []               # started buckets, all-reduce not launched
+        # (placeholder, key, shard positions, expected shards, entries, dtype, from the
+        # secondary shards)
         self.parked: list[tuple] = []
         self.acc_fixed: list[fx.Node] = []           # fixed inputs that are accumulators
         self.outputs_extra: list[fx.Node] = []
         self.park_keys: list[tuple[int, ...]] = []
-        self.counts: dict[str, list[int]] = {}
+        self.counts: dict[tuple[str, str], list[int]] = {}   # (group label, kind) -> [n, bytes]
         self.origin = ""
         self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
         self.to_host: set[fx.Node] = set()           # gradients sent to the host: None outputs
@@ -170,8 +199,8 @@ class _Lowering:
     def cast(self, x: fx.Node, have: torch.dtype, want: torch.dtype) -> fx.Node:
         return x if have == want else self.op(_CAST, x, want)
 
-    def count(self, kind: str, nbytes: int) -> None:
-        c = self.counts.setdefault(kind, [0, 0])
+    def count(self, kind: str, nbytes: int, label: str) -> None:
+        c = self.counts.setdefault((label, kind), [0, 0])
         c[0] += 1
         c[1] += nbytes
 
@@ -187,7 +216,10 @@ class _Lowering:
     def source(self, shard: fx.Node, e: ParamEntry) -> fx.Node:
         """What a gather of `e` reads: its shard, or while its master is on the host (offload
         tier 3) the shard's device copy in the compute dtype, a fixed extra input ([Note:
-        masters on the host] in runtime/offload.py)."""
+        masters on the host] in runtime/offload.py); a backward gather under hpz: its
+        secondary shard."""
+        if self.secondary:
+            return self.secondary_input(shard, e)
         if e.lowp is None:
             return self.env[shard]
         ph = self.copies.get(e.pid)
@@ -196,10 +228,48 @@ class _Lowering:
             self.fixed.append((ph, e.lowp))
         return ph
 
-    @staticmethod
-    def have(e: ParamEntry) -> torch.dtype:
+    def have(self, e: ParamEntry) -> torch.dtype:
         """The dtype of what `source` gives for `e`."""
+        if self.secondary:
+            return e.compute_dtype
         return e.shard.dtype if e.lowp is None else e.lowp.dtype
+
+    def local_numel(self, e: ParamEntry) -> int:
+        """Elements of what each rank contributes to a gather of `e`."""
+        return secondary_numel(e) if self.secondary else e.shard.numel()
+
+    def secondary_input(self, shard: fx.Node | None, e: ParamEntry) -> fx.Node:
+        """`e`'s secondary shard: an extra input, the runtime's buffer of the parameter the
+        graph is called with (found by its shard's position) or, where the shard is not an
+        argument, of `e` itself."""
+        ph = self.sec_inputs.get(e.pid)
+        if ph is None:
+            ph = self.sec_inputs[e.pid] = self.extra_input(f"sec_{e.pid}")
+            buf = self.rt.secondary.of(e)   # made now: the graph's own parameter's
+            if shard is not None and shard in self.arg_index:
+                self.by_sec.append((ph, self.arg_index[shard]))
+            else:
+                self.fixed.append((ph, buf))
+        return ph
+
+    def write_secondary(self, buffer: fx.Node, entries: list[ParamEntry],
+                        shards: list[fx.Node | None]) -> None:
+        """A forward gather under hpz: block l of G of each member (rows l*R .. (l+1)*R of
+        the [W, sum(shard_numel)] buffer, its columns) into its secondary shard ([Note:
+        secondary shards] in runtime/secondary.py)."""
+        sec = self.rt.layout.secondary
+        per = self.world // sec.world
+        total = sum(e.shard.numel() for e in entries)
+        rows = self.op(aten.view.default, buffer, [self.world, total])
+        mine = self.op(aten.slice.Tensor, rows, 0, sec.rank * per, (sec.rank + 1) * per)
+        off = 0
+        for e, shard in zip(entries, shards):
+            n = e.shard.numel()
+            block = mine if len(entries) == 1 else \
+                self.op(aten.slice.Tensor, mine, 1, off, off + n)
+            self.op(aten.copy_.default, self.secondary_input(shard, e),
+                    self.op(aten.reshape.default, block, [-1]))
+            off += n
 
     def shard_full(self, shard: fx.Node, e: ParamEntry, dtype: torch.dtype) -> fx.Node:
         """W == 1: the parameter from its shard, no collective (a view when the dtypes agree)."""
@@ -212,8 +282,8 @@ class _Lowering:
                       dtype: torch.dtype) -> fx.Node:
         flats = [self.cast(s, self.have(e), dtype) for s, e in zip(shards, entries)]
         src = flats[0] if len(flats) == 1 else self.op(aten.cat.default, flats)
-        total = sum(e.shard.numel() for e in entries)
-        self.count("all_gather", total * self.world * dtype.itemsize)
+        total = sum(self.local_numel(e) for e in entries)
+        self.count("all_gather", total * self.world * dtype.itemsize, self.label)
         return self.op(_AG, src, self.world, self.group)
 
     def gather_split(self, buffer: fx.Node, entries: list[ParamEntry]) -> list[fx.Node]:
@@ -223,11 +293,11 @@ class _Lowering:
             flat = buffer if e.padded_numel == e.numel else \
                 self.op(aten.slice.Tensor, buffer, 0, 0, e.numel)
             return [self.op(aten.view.default, flat, list(e.shape))]
-        total = sum(e.shard.numel() for e in entries)
+        total = sum(self.local_numel(e) for e in entries)
         rows = self.op(aten.view.default, buffer, [self.world, total])
         out, off = [], 0
         for e in entries:
-            n = e.shard.numel()
+            n = self.local_numel(e)
             block = self.op(aten.slice.Tensor, rows, 1, off, off + n)
             flat = self.op(aten.reshape.default, block, [-1])   # the column block's copy
             if e.padded_numel != e.numel:
@@ -243,7 +313,10 @@ class _Lowering:
         s = self.source(shard, e)
         if self.world == 1:
             return self.shard_full(s, e, dtype)
-        return self.gather_split(self.op(_WAIT, self.gather_launch([s], [e], dtype)), [e])[0]
+        buffer = self.op(_WAIT, self.gather_launch([s], [e], dtype))
+        if self.keeps_secondary:
+            self.write_secondary(buffer, [e], [shard])
+        return self.gather_split(buffer, [e])[0]
 
     def gather_start(self, node: fx.Node) -> None:
         shards, pids, dtype = node.args
@@ -253,7 +326,7 @@ class _Lowering:
             self.pending[node] = {"local": vals, "entries": entries, "dtype": dtype}
         else:
             self.pending[node] = {"buffer": self.gather_launch(vals, entries, dtype),
-                                  "entries": entries}
+                                  "entries": entries, "shards": list(shards)}
 
     def gather_wait(self, node: fx.Node) -> list[fx.Node]:
         started = self.pending.pop(node.args[0])
@@ -262,7 +335,10 @@ class _Lowering:
         if "local" in started:
             return [self.shard_full(s, e, started["dtype"])
                     for s, e in zip(started["local"], entries)]
-        return self.gather_split(self.op(_WAIT, started["buffer"]), entries)
+        buffer = self.op(_WAIT, started["buffer"])
+        if self.keeps_secondary:
+            self.write_secondary(buffer, entries, started["shards"])
+        return self.gather_split(buffer, entries)
 
     def gather_for_next(self, node: fx.Node) -> None:
         _after, pids, dtype = node.args
@@ -271,7 +347,9 @@ class _Lowering:
         entries = [lookup(int(p)) for p in pids]
         shards = []
         for e in entries:
-            if e.lowp is None:
+            if self.secondary:   # the next backward graph's: their secondary shards
+                ph = self.secondary_input(None, e)
+            elif e.lowp is None:
                 ph = self.extra_input(f"next_{e.pid}")
                 self.fixed.append((ph, e.shard))
             else:   # a tier-3 shard's copy (runtime memory, as `source`'s)
@@ -302,8 +380,11 @@ class _Lowering:
         positions = [self.arg_index[s] for s in shards]   # the shards B is called with
         ph = self.extra_input(f"prev_{entries[0].pid}")
         self.parked.append((ph, tuple(int(p) for p in pids), positions,
-                            [e.shard for e in entries], entries, dtype))
-        return self.gather_split(self.op(_WAIT, ph), entries)
+                            [e.shard for e in entries], entries, dtype, self.secondary))
+        buffer = self.op(_WAIT, ph)
+        if self.keeps_secondary:
+            self.write_secondary(buffer, entries, list(shards))
+        return self.gather_split(buffer, entries)
 
     def replica_wait(self, node: fx.Node) -> fx.Node:
         replica = self.env[node.args[0]]
@@ -335,7 +416,8 @@ class _Lowering:
         return ph
 
     def reduce_flat(self, grad: fx.Node, e: ParamEntry) -> fx.Node:
-        """The gradient as the [W, shard_numel] rows of a reduce-scatter input."""
+        """The gradient as the [S, shard_numel] rows of a reduce-scatter input (S: the ranks of
+        the shard group)."""
         val = grad.meta.get("val")
         flat = self.op(aten.reshape.default, grad, [-1])
         have = val.dtype if isinstance(val, torch.Tensor) else None
@@ -343,21 +425,58 @@ class _Lowering:
             flat = self.op(_CAST, flat, e.reduce_dtype)
         if e.padded_numel != e.numel:
             flat = self.op(aten.constant_pad_nd.default, flat, [0, e.padded_numel - e.numel], 0.0)
-        return self.op(aten.view.default, flat, [self.world, e.shard.numel()])
+        return self.op(aten.view.default, flat, [self.shard_comm.world, e.shard.numel()])
 
-    def reduce_launch(self, grads: list[fx.Node], entries: list[ParamEntry]) -> fx.Node:
+    # [Note: hierarchical reduction] Under hsdp a bucket's gradients are reduce-scattered
+    # (summed) in the shard group and the slice is all-reduced (summed) across the groups, then
+    # divided by every rank. The all-reduce needs the reduce-scatter's result, so it is launched
+    # after a wait for it: where the next bucket starts (the reduce-scatter has had that
+    # bucket's compute to finish; the all-reduce then runs under the next bucket's), or at the
+    # bucket's own wait if that comes first. The two collectives run on different groups (on
+    # NCCL, different streams): the wait orders them.
+    def reduce_launch(self, grads: list[fx.Node], entries: list[ParamEntry]) -> dict:
+        """Start a bucket's reduction (its reduce-scatter in the shard group, where that group
+        has more than one rank); returns what `reduce_split` finishes."""
+        for started in list(self.reducing):   # [Note: hierarchical reduction]
+            self.launch_all_reduce(started)
         rows = [self.reduce_flat(g, e) for g, e in zip(grads, entries)]
         bucket = rows[0] if len(rows) == 1 else self.op(aten.cat.default, rows, 1)
         bucket = self.op(aten.view.default, bucket, [-1])
-        self.count("reduce_scatter",
-                   sum(e.padded_numel for e in entries) * entries[0].reduce_dtype.itemsize)
-        return self.op(_RS, bucket, "sum", self.world, self.group)
+        sc = self.shard_comm
+        if sc.world == 1:
+            started = {"summed": bucket, "entries": entries}
+        else:
+            self.count("reduce_scatter",
+                       sum(e.padded_numel for e in entries) * entries[0].reduce_dtype.itemsize,
+                       sc.label)
+            started = {"scattered": self.op(_RS, bucket, "sum", sc.world, sc.group_name),
+                       "entries": entries}
+        if self.replicate is not None:
+            self.reducing.append(started)
+        return started
 
-    def reduce_split(self, reduced: fx.Node, entries: list[ParamEntry],
-                     zero: list[fx.Node] = ()) -> list[fx.Node]:
-        done = self.op(_WAIT, reduced)
+    def launch_all_reduce(self, started: dict) -> None:
+        """hsdp: the all-reduce across the groups of a started bucket's slice."""
+        summed = started.pop("summed", None)
+        if summed is None:
+            summed = self.op(_WAIT, started.pop("scattered"))
+        entries, rep = started["entries"], self.replicate
+        self.count("all_reduce",
+                   sum(e.shard.numel() for e in entries) * entries[0].reduce_dtype.itemsize,
+                   rep.label)
+        started["all_reduced"] = self.op(_AR, summed, "sum", rep.group_name)
+        self.reducing.remove(started)
+
+    def reduce_split(self, started: dict, zero: list[fx.Node] = ()) -> list[fx.Node]:
+        entries = started["entries"]
+        if self.replicate is not None and "all_reduced" not in started:
+            self.launch_all_reduce(started)
+        if "all_reduced" in started:
+            done = self.op(_WAIT, started["all_reduced"])
+        else:
+            done = self.op(_WAIT, started["scattered"])
         self.zero_after(zero)   # accumulators the reduction read
-        mean = self.op(aten.div.Tensor, done, self.world)
+        mean = self.op(aten.div.Tensor, done, self.ranks)
         if len(entries) == 1:
             e = entries[0]
             return [self.cast(mean, e.reduce_dtype, e.shard.dtype)]
@@ -370,7 +489,7 @@ class _Lowering:
         return out
 
     def local_grad(self, grad: fx.Node, e: ParamEntry) -> fx.Node:
-        """W == 1: the shard gradient is the gradient (flat, master dtype)."""
+        """One rank: the shard gradient is the gradient (flat, master dtype)."""
         val = grad.meta.get("val")
         have = val.dtype if isinstance(val, torch.Tensor) else None
         flat = self.op(aten.reshape.default, grad, [-1])
@@ -407,13 +526,13 @@ class _Lowering:
             if total is None:
                 return self.zeros(e)
             g, zero = total, [total]
-        if self.world == 1:
+        if self.local_reduce:
             out = self.local_grad(g, e)
             if zero:   # the accumulator is zeroed next: hand out a copy of it
                 out = self.op(aten.clone.default, out)
             self.zero_after(zero)
             return out
-        return self.reduce_split(self.reduce_launch([g], [e]), [e], zero)[0]
+        return self.reduce_split(self.reduce_launch([g], [e]), zero)[0]
 
     def reduce_start(self, node: fx.Node, accumulated: bool) -> None:
         grads, pids = node.args[0], node.args[1]
@@ -430,11 +549,10 @@ class _Lowering:
         zero = vals if accumulated else []
         if accumulated and not self.last:
             self.pending[node] = {"zeros": entries}
-        elif self.world == 1:
+        elif self.local_reduce:
             self.pending[node] = {"local": vals, "entries": entries, "zero": zero}
         else:
-            self.pending[node] = {"reduced": self.reduce_launch(vals, entries),
-                                  "entries": entries, "zero": zero}
+            self.pending[node] = {"reduced": self.reduce_launch(vals, entries), "zero": zero}
 
     def reduce_wait(self, node: fx.Node) -> list[fx.Node]:
         started = self.pending.pop(node.args[0])
@@ -446,7 +564,7 @@ class _Lowering:
                 out = [self.op(aten.clone.default, o) for o in out]
             self.zero_after(started["zero"])
             return out
-        return self.reduce_split(started["reduced"], started["entries"], started["zero"])
+        return self.reduce_split(started["reduced"], started["zero"])
 
     # -- the whole graph ------------------------------------------------------------------------
     def run(self) -> fx.Graph:
@@ -545,7 +663,8 @@ class _Lowering:
     def _order_placeholders(self) -> None:
         """Extra inputs after the planned graph's, in the order `extra_inputs` builds them."""
         extra = [ph for ph, _ in self.fixed] + [ph for ph, _ in self.by_kept] + \
-            [ph for ph, _ in self.by_acc] + [p[0] for p in self.parked]
+            [ph for ph, _ in self.by_acc] + [ph for ph, _ in self.by_sec] + \
+            [p[0] for p in self.parked]
         last = self.env[self.placeholders[-1]] if self.placeholders else None
         for ph in extra:
             if last is None:
@@ -557,11 +676,13 @@ class _Lowering:
             last = ph
 
 
-def lower(gm: fx.GraphModule, runtime, *, last: bool = True, key: str = "") -> Lowered:
+def lower(gm: fx.GraphModule, runtime, *, last: bool = True, kind: str = "fw",
+          key: str = "") -> Lowered:
     """The lowered graph of the planned graph `gm` (graph `key`), for the window's last
     micro-step (`last`) or an earlier one (graphs that accumulate gradients locally differ;
-    others do not)."""
-    lw = _Lowering(gm, runtime, last, key)
+    others do not). `kind`: the graph's slot kind ("fw", "bw", "inference"; hpz gathers
+    differ in each)."""
+    lw = _Lowering(gm, runtime, last, kind, key)
     graph = lw.run()
     graph.lint()
     lowered_gm = fx.GraphModule(gm, graph)
@@ -575,9 +696,12 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True, key: str = "") -> L
     ptr = torch.Tensor.data_ptr
     pick_kept = _picker([i for _, i in lw.by_kept])
     pick_acc = _picker([i for _, i in lw.by_acc])
-    has_kept, has_acc = bool(lw.by_kept), bool(lw.by_acc)
-    parked = [(key, _picker(positions), expected, _fallback_gather(entries, dtype))
-              for _ph, key, positions, expected, entries, dtype in lw.parked]
+    pick_sec = _picker([i for _, i in lw.by_sec])
+    sec_get = runtime.secondary.table.__getitem__ if lw.by_sec else None
+    has_kept, has_acc, has_sec = bool(lw.by_kept), bool(lw.by_acc), bool(lw.by_sec)
+    parked = [(key, _picker(positions), expected,
+               _fallback_gather(entries, dtype, runtime.secondary if secondary else None))
+              for _ph, key, positions, expected, entries, dtype, secondary in lw.parked]
     take = runtime.parked.take
 
     def extra_inputs(args: list) -> list:
@@ -586,16 +710,18 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True, key: str = "") -> L
             out += map(kept_get, map(ptr, pick_kept(args)))
         if has_acc:
             out += map(acc_get, map(ptr, pick_acc(args)))
+        if has_sec:
+            out += map(sec_get, map(ptr, pick_sec(args)))
         for key, pick, expected, gather in parked:
             out.append(take(key, pick(args), expected, gather))
         return out
 
     # positions among the extra inputs; which of them the memory model leaves to the runtime
     order = [ph for ph, _ in lw.fixed] + [ph for ph, _ in lw.by_kept] + \
-        [ph for ph, _ in lw.by_acc] + [p[0] for p in lw.parked]
+        [ph for ph, _ in lw.by_acc] + [ph for ph, _ in lw.by_sec] + [p[0] for p in lw.parked]
     accs = {id(ph) for ph in lw.acc_fixed} | {id(ph) for ph, _ in lw.by_acc}
-    held = accs | {id(ph) for ph, _ in lw.by_kept} | \
-        {id(ph) for ph, t in lw.fixed if ph.name.startswith(("rt_kept", "rt_lowp"))}
+    held = accs | {id(ph) for ph, _ in lw.by_kept} | {id(ph) for ph, _ in lw.by_sec} | \
+        {id(ph) for ph, t in lw.fixed if ph.name.startswith(("rt_kept", "rt_lowp", "rt_sec"))}
     acc_positions = tuple(i for i, ph in enumerate(order) if id(ph) in accs)
     uncounted = frozenset(n_in + i for i, ph in enumerate(order) if id(ph) in held)
     parked_ids = {id(p[0]) for p in lw.parked}
@@ -605,7 +731,8 @@ def lower(gm: fx.GraphModule, runtime, *, last: bool = True, key: str = "") -> L
         and not waits_for_replicas(gm) else None
     return Lowered(gm=lowered_gm, n_in=n_in, n_out=n_out, extra_inputs=extra_inputs,
                    uncounted=uncounted, transient=transient, park_keys=lw.park_keys,
-                   counts=tuple((k, n, b) for k, (n, b) in sorted(lw.counts.items())),
+                   counts=_by_kind(lw.counts),
+                   group_counts=tuple((g, k, n, b) for (g, k), (n, b) in sorted(lw.counts.items())),
                    acc_positions=acc_positions, last=last, runtime=runtime, settle=settle)
 
 
@@ -622,8 +749,24 @@ def waits_for_replicas(gm: fx.GraphModule) -> bool:
     return waits
 
 
-def _fallback_gather(entries: list[ParamEntry], dtype: torch.dtype):
-    """A gather of `shards` (B's own) in the layout of the parked buffer, done now."""
+def _by_kind(counts: dict[tuple[str, str], list[int]]) -> tuple[tuple[str, int, int], ...]:
+    out: dict[str, list[int]] = {}
+    for (_label, kind), (n, nbytes) in counts.items():
+        c = out.setdefault(kind, [0, 0])
+        c[0] += n
+        c[1] += nbytes
+    return tuple((k, n, b) for k, (n, b) in sorted(out.items()))
+
+
+def _fallback_gather(entries: list[ParamEntry], dtype: torch.dtype, secondary=None):
+    """A gather of `shards` (B's own) in the layout of the parked buffer, done now (`secondary`:
+    a backward's under hpz, from the secondary shards of the parameters they belong to)."""
+    if secondary is not None:
+        def gather_secondary(shards) -> torch.Tensor:
+            return secondary.gather([secondary.entry_by_ptr[s.data_ptr()] for s in shards],
+                                    dtype)
+        return gather_secondary
+
     def gather(shards) -> torch.Tensor:   # a tier-3 shard's own storage is released: its copy
         flat = [(s if e.lowp is None else e.lowp).detach().to(dtype)
                 for s, e in zip(shards, entries)]

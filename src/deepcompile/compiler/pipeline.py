@@ -471,7 +471,8 @@ class Pipeline:
         key = (last, slot.version)
         low = slot.lowered.get(key)
         if low is None:
-            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, key=slot.key)
+            low = slot.lowered[key] = lower(slot.gm, self.runtime, last=last, kind=slot.kind,
+                                            key=slot.key)
             # what one run issues, for the cross-rank fingerprint and its messages
             low.digest = _families.comm_digest(slot.gm, last)
             low.graph_key = slot.key
@@ -658,7 +659,7 @@ class Pipeline:
         if self.config.profile_steps == 0:
             return
         t0 = time.perf_counter()
-        self.cost = calibrate(self.comm, self.device)
+        self.cost = calibrate(self.comm, self.device, layout=self.runtime.layout)
         self.timings["calibration_s"] = time.perf_counter() - t0
 
     def _finish_profile(self) -> None:
@@ -831,7 +832,8 @@ class Pipeline:
         return PassContext(slots=self._planning(), profiles=current, order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
-                           decisions=self.planner.decisions(), fusion=self.fusion)
+                           decisions=self.planner.decisions(), fusion=self.fusion,
+                           layout=self.runtime.layout)
 
     def latest_profiles(self) -> dict[str, GraphProfile]:
         return {k: s.profile for k, s in self.slots.items() if s.profile is not None}

@@ -39,6 +39,8 @@ class PassContext:
     decisions: dict[str, Any]              # pass name -> decisions already taken
     fusion: str = "overlap"                # "overlap" or "cap" ([Note: fusion policy] in
                                            # compiler/autoplan.py)
+    layout: Any = None                     # the data-parallel layout (runtime/mesh.py); None:
+                                           # "shard"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,10 @@ Gather = Collective   # a parameter gather, as the planner sees it
 
 
 def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
-               max_fused_bytes: int = MAX_FUSED_BYTES, policy: str = "overlap") -> dict[str, Any]:
-    """The prefetch plan of one graph; pure (unit-tested on synthetic graphs)."""
+               max_fused_bytes: int = MAX_FUSED_BYTES, policy: str = "overlap",
+               figure: str = "all_gather") -> dict[str, Any]:
+    """The prefetch plan of one graph; pure (unit-tested on synthetic graphs). `figure`: the
+    cost model's figure for its gathers ([Note: a figure per group] in compiler/cost.py)."""
     live = [s.live_bytes for s in steps]
     if (over := unattainable(live, budget)) is not None:
         return {**over, "groups": []}
@@ -63,7 +65,7 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
     reserve = [0] * len(steps)
     for g in gathers:
         reserve[max(g.index - 1, 0)] = max(reserve[max(g.index - 1, 0)], g.nbytes)
-    c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
+    c = lambda nbytes: cost.collective_s(figure, nbytes)  # noqa: E731
     host = launch_s(cost, "all_gather")
 
     def point(k: int) -> int:
@@ -148,14 +150,22 @@ def plan(ctx: PassContext) -> dict[str, Any]:
             entry = lookup(int(node.args[1]))
             gathers.append(Gather(node.name, i, entry.padded_numel * entry.compute_dtype.itemsize,
                                   entry.pid, str(entry.compute_dtype)))
-        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget, policy=ctx.fusion)
+        backward = ctx.slots[key].kind == "bw"
+        decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget, policy=ctx.fusion,
+                              figure="all_gather_bw" if backward else "all_gather")
         if decision["unattainable"]:
             warn_unattainable("prefetch", key, decision, "no prefetching")
         for g in decision["groups"]:
             g["params"] = [lookup(p).name for p in g["pids"]]
         decisions[key] = decision
     steps = {k: steps_of(p) for k, p in ctx.profiles.items()}
+    # a gather started for the next graph is gathered as that graph gathers; under hpz a
+    # forward's and a backward's gathers differ ([Note: secondary shards] in
+    # runtime/secondary.py): no start across that boundary
+    split = ctx.layout is not None and ctx.layout.secondary is not None
     for a, b in successions(ctx.order):
+        if split and ctx.slots[a].kind != ctx.slots[b].kind:
+            continue
         # (a graph whose code has several structures may be followed, or preceded, by another
         # graph in another step: [Note: graph structure] in compiler/families.py)
         if a in steps and b in decisions and not (ctx.slots[a].varies or ctx.slots[b].varies):

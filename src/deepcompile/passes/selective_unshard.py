@@ -81,6 +81,8 @@ class Collective:
     kind: str                      # "all_gather" or "reduce_scatter"
     runs: int                      # runs per optimizer step (of the graph that takes it)
     members: list[tuple[int, int]]  # (pid, bytes on the wire)
+    figure: str = ""               # the cost model's figure for it ("": `kind`; a backward
+                                   # gather's: "all_gather_bw", [Note: a figure per group])
 
     @property
     def nbytes(self) -> int:
@@ -97,8 +99,10 @@ class Candidate:
     refresh_bytes: int     # its bytes in the refresh collective
 
 
-def collectives_of(graphs: dict[str, fx.GraphModule], order: list[str]) -> list[Collective]:
-    """Every gather and reduce collective of `graphs` with its runs per optimizer step."""
+def collectives_of(graphs: dict[str, fx.GraphModule], order: list[str],
+                   backward: frozenset[str] = frozenset()) -> list[Collective]:
+    """Every gather and reduce collective of `graphs` with its runs per optimizer step
+    (`backward`: the keys of the backward graphs)."""
     out = []
     for key in sorted(graphs):
         runs = order.count(key)
@@ -114,7 +118,9 @@ def collectives_of(graphs: dict[str, fx.GraphModule], order: list[str]) -> list[
                 kind, pids = ("all_gather" if t in _GATHER_GROUPS else "reduce_scatter"), node.args[1]
             else:
                 continue
-            out.append(Collective(kind, runs, [(int(p), _wire_bytes(kind, int(p))) for p in pids]))
+            figure = "all_gather_bw" if kind == "all_gather" and key in backward else ""
+            out.append(Collective(kind, runs, [(int(p), _wire_bytes(kind, int(p))) for p in pids],
+                                  figure))
     return out
 
 
@@ -126,9 +132,10 @@ def _wire_bytes(kind: str, pid: int) -> int:
 def _saving(cost, c: Collective, nbytes: int) -> float:
     """Seconds saved by taking `nbytes` out of one run of collective `c` (all of it when it is
     that member's own collective; its bytes' share when fused with others)."""
+    figure = c.figure or c.kind
     if len(c.members) == 1:
-        return cost.collective_s(c.kind, nbytes)
-    return cost.collective_s(c.kind, c.nbytes) - cost.collective_s(c.kind, c.nbytes - nbytes)
+        return cost.collective_s(figure, nbytes)
+    return cost.collective_s(figure, c.nbytes) - cost.collective_s(figure, c.nbytes - nbytes)
 
 
 def options_of(cands: list[Candidate], colls: list[Collective], cost, gas: int,
@@ -239,7 +246,8 @@ def candidate(e, world_size: int) -> bool:
 
 def plan(ctx: PassContext) -> dict[str, Any]:
     graphs = {k: s.gm for k, s in ctx.slots.items()}
-    colls = collectives_of(graphs, ctx.order)
+    colls = collectives_of(graphs, ctx.order,
+                           frozenset(k for k, s in ctx.slots.items() if s.kind == "bw"))
     gas = ctx.runtime.step.gradient_accumulation_steps
     used = {p for c in colls for p, _ in c.members}
     # ZeRO-1/2: parameters are replicated (nothing to keep gathered) and ZeRO-1 already

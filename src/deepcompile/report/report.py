@@ -143,6 +143,8 @@ class Report:
     last_step: dict[str, Any] | None = None   # the last optimizer step, measured
     step_log: list[list] = dataclasses.field(default_factory=list)   # (phase, s) per step
     ranks: list[dict[str, Any]] | None = None  # per-rank data for the plots (save_report)
+    layout: dict[str, Any] | None = None       # the data-parallel layout, and why (mesh.py)
+    comm_by_group: dict[str, Any] | None = None   # `comm` per group: world / intra / inter
 
     @classmethod
     def build(cls, engine) -> "Report":
@@ -188,6 +190,8 @@ class Report:
             step_collectives=step_collectives(engine, profiles, pipe.order),
             last_step=engine._metrics.last_step_record(),
             step_log=[list(x) for x in pipe.step_log],
+            layout=engine._layout.describe(),
+            comm_by_group=engine.comm_stats(by_group=True),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,7 +222,7 @@ class Report:
                if self.parameters.get("replicated") else "") + "; memory budget: "
             + ("unbounded" if self.memory_budget_bytes is None else f"{_mib(self.memory_budget_bytes)} MiB"),
         ]
-        out += self._auto_lines() + [""] + self._graph_lines()
+        out += self._layout_lines() + self._auto_lines() + [""] + self._graph_lines()
         if self.passes:
             out += [""] + self._pass_lines()
         out += [""] + self._collective_lines()
@@ -346,6 +350,24 @@ class Report:
                    + ", ".join(f"{ph} {n}" for ph, n in _phase_counts(self.step_log)))
         out.append("collectives since initialize: " + (", ".join(
             f"{k} {v['count']} ({_mib(v['bytes'])} MiB)" for k, v in self.comm.items()) or "none"))
+        if self.comm_by_group and len(self.comm_by_group) > 1:
+            out.append("  by group: " + "; ".join(
+                f"{g}: " + (", ".join(f"{k} {v['count']} ({_mib(v['bytes'])} MiB)"
+                                      for k, v in kinds.items() if v["count"]) or "none")
+                for g, kinds in self.comm_by_group.items()))
+        return out
+
+    def _layout_lines(self) -> list[str]:
+        lay = self.layout
+        if not lay or (lay["layout"] == "shard" and lay["groups"] == 1):
+            return []
+        out = [f"layout: {lay['layout']}, {lay['groups']} groups of {lay['group_size']} ranks; "
+               f"shards span {lay['shard_ranks']} ranks ({lay['reason']})"]
+        for name, f in (lay.get("alternatives") or {}).items():
+            out.append(f"  {name}: predicted communication {f['comm_s'] * 1e3:.2f} ms per "
+                       f"optimizer step, {_mib(f['crossing_bytes'])} MiB across groups; model "
+                       f"state {_mib(f['state_bytes'])} MiB per rank"
+                       + ("" if f.get("fits", True) else " (does not fit)"))
         return out
 
 

@@ -1,12 +1,16 @@
 """Collectives over one process group, with exact counters.
 
-Counts and bytes are kept per kind; bytes are the size of the full (unsharded, padded) tensor
-of each collective, so they do not depend on the world size's split.
+Counts and bytes are kept per group and kind; bytes are the size of the full (unsharded,
+padded) tensor of each collective, so they do not depend on the world size's split. The
+engine's `Comm` spans every rank ("world"); a hierarchical layout's groups (runtime/mesh.py)
+are `sub` comms ("intra": the ranks of one group, "inter": one rank of each group) that count
+into the same table, so `stats()` sums every group and `stats(by_group=True)` tells them apart.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +19,8 @@ from .. import _compat
 
 
 class Comm:
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, label: str = "world",
+                 stats: dict | None = None) -> None:
         # the group the engine was given (None: the default group); `group` is where its
         # collectives run (on gloo a serial copy of it)
         self.user_group = group if group is not None else dist.group.WORLD
@@ -29,32 +34,55 @@ class Comm:
         self.world = dist.get_world_size(group)
         # the name functional collectives (and Inductor's generated code) resolve the group by
         self.group_name = _compat.group_name(group)
-        self._stats: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        # the group's name in the counters ("world", "intra", "inter"); (label, kind) ->
+        # [count, bytes], shared by the sub comms of one engine
+        self.label = label
+        self._stats: dict[tuple[str, str], list[int]] = \
+            stats if stats is not None else collections.defaultdict(lambda: [0, 0])
+
+    def sub(self, group: dist.ProcessGroup, label: str) -> "Comm":
+        """A comm over `group` (a sub-group of this one's ranks) counting into the same table."""
+        return Comm(group, label=label, stats=self._stats)
 
     def _count(self, kind: str, nbytes: int) -> None:
-        entry = self._stats[kind]
+        entry = self._stats[self.label, kind]
         entry[0] += 1
         entry[1] += nbytes
 
-    def add_counts(self, counts: tuple[tuple[str, int, int], ...]) -> None:
-        """Count the collectives a compiled graph launched in one run ((kind, count, bytes) per
-        kind, known when the graph was lowered): graphs count per run, not per collective."""
-        for kind, n, nbytes in counts:
-            entry = self._stats[kind]
+    def add_counts(self, counts: tuple[tuple[str, str, int, int], ...]) -> None:
+        """Count the collectives a compiled graph launched in one run ((group label, kind,
+        count, bytes), known when the graph was lowered): graphs count per run, not per
+        collective."""
+        for label, kind, n, nbytes in counts:
+            entry = self._stats[label, kind]
             entry[0] += n
             entry[1] += nbytes
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Every kind ever used, and always the three training kinds (zero when unused)."""
-        kinds = sorted(set(self._stats) | {"all_gather", "reduce_scatter", "all_reduce"})
-        return {k: {"count": self._stats[k][0], "bytes": self._stats[k][1]} if k in self._stats
-                else {"count": 0, "bytes": 0} for k in kinds}
+    def stats(self, by_group: bool = False) -> dict[str, dict[str, Any]]:
+        """{kind: {"count", "bytes"}} summed over the groups: every kind ever used, and always
+        the three training kinds (zero when unused). `by_group`: {group label: the same}, for
+        every group counted in."""
+        def table(keys) -> dict[str, dict[str, int]]:
+            out = {k: {"count": 0, "bytes": 0}
+                   for k in ("all_gather", "reduce_scatter", "all_reduce")}
+            for key in keys:
+                n, nbytes = self._stats[key]
+                entry = out.setdefault(key[1], {"count": 0, "bytes": 0})
+                entry["count"] += n
+                entry["bytes"] += nbytes
+            return dict(sorted(out.items()))
+        if not by_group:
+            return table(list(self._stats))
+        labels = sorted({label for label, _ in self._stats} | {self.label})
+        return {label: table([k for k in self._stats if k[0] == label]) for label in labels}
 
     def reset_stats(self) -> None:
         self._stats.clear()
 
     def all_gather(self, shard: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Concatenate every rank's flat shard: returns a new flat tensor of world*numel."""
+        if self.world == 1:
+            return shard.clone()
         out = shard.new_empty(shard.numel() * self.world)
         if count:
             self._count("all_gather", out.numel() * out.element_size())
@@ -80,11 +108,18 @@ class Comm:
         """Average of `full` (flat, world*k elements) over ranks, this rank's k-slice.
 
         gloo has no AVG / PREMUL_SUM reduce-scatter: SUM, then divide."""
+        return self.reduce_scatter_sum(full, count).div_(self.world)
+
+    def reduce_scatter_sum(self, full: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """Sum of `full` (flat, world*k elements) over ranks, this rank's k-slice (new memory;
+        at world size 1 a copy, nothing communicated)."""
+        if self.world == 1:
+            return full.clone()
         out = full.new_empty(full.numel() // self.world)
         if count:
             self._count("reduce_scatter", full.numel() * full.element_size())
         _compat.reduce_scatter_flat(out, full.contiguous(), dist.ReduceOp.SUM, self.group)
-        return out.div_(self.world)
+        return out
 
     def reduce_scatter_async(self, full: torch.Tensor):
         """Launch a SUM reduce-scatter of flat `full`; returns (this rank's slice, work handle).

@@ -89,6 +89,11 @@ class RegatherPlan:
     def __len__(self) -> int:
         return len(self.groups)
 
+    @property
+    def communicates(self) -> bool:
+        """Whether a run gathers over more than one rank."""
+        return self._local is None
+
     def nbytes(self) -> int:
         """Bytes of the gathered buffers of one run (the full, padded tensors)."""
         return sum(sum(g.sizes) * g.comm.world * g.dtype.itemsize for g in self.groups)

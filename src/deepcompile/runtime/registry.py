@@ -1,7 +1,8 @@
 """Parameter registry and sharding.
 
 Each unique `nn.Parameter` (by identity, so tied weights are one parameter) gets a process-wide
-integer id (`pid`) and a flat, padded shard of `ceil(numel / world)` elements on this rank: a leaf
+integer id (`pid`) and a flat, padded shard of `ceil(numel / S)` elements on this rank (S: the
+ranks the layout shards over, every rank or a group's: [Note: layouts] in runtime/mesh.py): a leaf
 `nn.Parameter` that the optimizer updates (the master copy; fp32 under mixed precision), at
 every ZeRO stage.  ZeRO-3: the module's own parameter keeps its shape, stride and dtype (the
 compute dtype) but its storage is freed, so Dynamo traces full-size math and any eager access
@@ -30,6 +31,7 @@ from . import memory
 from .comm import Comm
 
 if TYPE_CHECKING:
+    from .mesh import Layout
     from .runtime import EngineRuntime
 
 _NEXT_PID = itertools.count()
@@ -46,7 +48,8 @@ class ParamEntry:
     shard: nn.Parameter            # this rank's flat padded shard (master)
     compute_dtype: torch.dtype     # dtype of the gathered parameter
     reduce_dtype: torch.dtype      # dtype of the gradient reduce-scatter
-    comm: Comm
+    comm: Comm                     # the ranks the shards span (the layout's `shard`)
+    layout: "Layout"
     zero_stage: int = 3            # 3: param storage freed; 1, 2: param replicated
     runtime: Callable[[], "EngineRuntime | None"] = lambda: None   # weak reference
     # ZeRO-1/2: the replicated parameter's detached alias (same memory), which compiled graphs
@@ -85,7 +88,7 @@ class ParamEntry:
         pad = self.padded_numel - self.numel
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
-        return self.comm.reduce_scatter_avg(flat).to(self.shard.dtype, copy=True)
+        return self.layout.reduce_avg(flat).to(self.shard.dtype, copy=True)
 
     # -- module parameter storage (eager fallback) --
     def is_materialized(self) -> bool:
@@ -120,9 +123,10 @@ def padded_view(t: torch.Tensor, world: int) -> torch.Tensor:
 class ParamRegistry:
     """The sharded parameters of one engine's module."""
 
-    def __init__(self, module: nn.Module, comm: Comm, *, param_dtype: torch.dtype | None,
+    def __init__(self, module: nn.Module, layout: "Layout", *, param_dtype: torch.dtype | None,
                  reduce_dtype: torch.dtype | None, zero_stage: int = 3) -> None:
-        self.comm = comm
+        self.layout = layout
+        self.comm = layout.shard
         self.zero_stage = zero_stage
         self.entries: list[ParamEntry] = []
         self._by_id: dict[int, ParamEntry] = {}
@@ -143,14 +147,14 @@ class ParamRegistry:
             self._add(p, names[key], param_dtype, reduce_dtype)
 
     def _add(self, p: nn.Parameter, names: list[str], param_dtype, reduce_dtype) -> None:
-        comm = self.comm
+        comm, layout = self.comm, self.layout
         compute = param_dtype or p.dtype
         master = torch.float32 if param_dtype is not None and p.dtype.is_floating_point else p.dtype
         shard_numel = math.ceil(p.numel() / comm.world)
         padded = shard_numel * comm.world
         with torch.no_grad():
             full = p.detach().contiguous()
-            comm.broadcast(full, src=0)  # every rank starts from rank 0's weights, as DDP does
+            layout.world.broadcast(full, src=0)   # every rank starts from rank 0's, as DDP does
             flat = full.reshape(-1)
             if padded != flat.numel():
                 flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
@@ -158,7 +162,8 @@ class ParamRegistry:
         entry = ParamEntry(
             pid=next(_NEXT_PID), names=names, param=p, shape=p.shape, numel=p.numel(),
             shard=nn.Parameter(shard, requires_grad=p.requires_grad), compute_dtype=compute,
-            reduce_dtype=reduce_dtype or compute, comm=comm, zero_stage=self.zero_stage)
+            reduce_dtype=reduce_dtype or compute, comm=comm, layout=layout,
+            zero_stage=self.zero_stage)
         if self.zero_stage == 3:
             # Free the module parameter: same shape/stride, compute dtype, zero-size storage.
             p.data = torch.empty(p.shape, dtype=compute, device=p.device)

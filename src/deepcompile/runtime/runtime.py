@@ -10,6 +10,8 @@
 * `parked`: gathers a graph started for the next graph, until that graph takes them;
 * `replicas`: ZeRO-1/2's replicated module parameters and their refresh after the optimizer
   step, which `overlap_refresh` leaves in flight (runtime/replicas.py);
+* `layout`: the data-parallel layout and its groups (runtime/mesh.py), and under "hpz"
+  `secondary`, the secondary shards the forward keeps for the backward (runtime/secondary.py);
 * `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
 * `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py);
 * `activations`: the activations kept on the host between forward and backward
@@ -35,6 +37,7 @@ from .comm import Comm
 from .kept import KeptParams
 from .registry import ParamEntry, ParamRegistry
 from .replicas import Replicas
+from .secondary import SecondaryShards
 from .state import StepState
 
 log = logging.getLogger("deepcompile")
@@ -105,6 +108,9 @@ class EngineRuntime:
         self.accum = GradAccumulators(registry.entries, step, self.entry_by_ptr)
         self.parked = ParkedGathers()
         self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
+        self.layout = registry.layout
+        self.secondary = SecondaryShards(self.entry_by_ptr) \
+            if self.layout.secondary is not None else None
         self.offload: Any = None          # runtime/offload.py, set by the engine
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])
@@ -145,6 +151,8 @@ class EngineRuntime:
             sum(g.untyped_storage().nbytes() for g in self.eager_grads.values())
         if self.replicas is not None:
             total += self.replicas.held_bytes()
+        if self.secondary is not None:
+            total += self.secondary.held_bytes()
         if self.count_offload_bytes and self.offload is not None:
             total += self.offload.held_bytes()
         return total
@@ -174,9 +182,7 @@ class EngineRuntime:
     def after_step_collectives(self) -> list[dict[str, Any]]:
         """The collectives the runtime runs after every optimizer step, outside the graphs:
         ZeRO-1/2's replica refresh and the kept parameters' refresh (one all-gather per fused
-        group, nothing at world size 1)."""
-        if self.comm.world == 1:
-            return []
+        group, nothing where the shards span one rank)."""
         out = []
         if self.replicas is not None and self.replicas.groups is not None:
             groups = self.replicas.groups   # [Note: deferred refresh] in runtime/replicas.py
@@ -188,9 +194,10 @@ class EngineRuntime:
             plans = [("replica refresh", getattr(self.replicas, "plan", None)),
                      ("kept-parameter refresh", self.kept.plan)]
         for what, plan in plans:
-            if plan is not None and len(plan):
+            if plan is not None and len(plan) and plan.communicates:
                 out.append({"where": "after the optimizer step", "what": what,
-                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes()})
+                            "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes(),
+                            "group": self.layout.shard.label})
         return out
 
     # -- around the optimizer step -------------------------------------------------------------

@@ -351,6 +351,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "the runtime's own choice); repeat for several (default: the ladder '', "
                         "prefetch, prefetch,bucket_reduce, +selective_unshard, "
                         "+offload_optimizer, auto)")
+    p.add_argument("--layouts", default=None, metavar="L1,L2",
+                   help="data-parallel layouts side by side: shard (the ladder of pass sets), "
+                        "hsdp, hpz (passes='auto', or the --passes given), auto (which one "
+                        "Config.layout='auto' picks) (default: all of them past one node, "
+                        "shard on one)")
     p.add_argument("--peers", default="fsdp2,fsdp2-compile,ds-z3", metavar="S1,S2",
                    help="peer schedules to compare ('' for none) (default: %(default)s)")
     p.add_argument("--memory-budget", type=_memory, default=None, metavar="X",
@@ -391,7 +396,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                             stage=args.stage, passes=passes,
                             peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
                             memory_budget=args.memory_budget, ac=args.activation_checkpointing,
-                            assume=dict(args.assume), host_profile=args.host_profile)
+                            assume=dict(args.assume), host_profile=args.host_profile,
+                            layouts=None if args.layouts is None else tuple(
+                                x.strip() for x in args.layouts.split(",") if x.strip()))
             plans.append(P.make_plan(pa))
     except P.PlanError as e:
         print(str(e), file=sys.stderr)

@@ -89,8 +89,8 @@ class Fabric:
             return 0.0
         bw = self.busbw()
         frac = (n - 1) / n
-        if kind in ("all_gather", "reduce_scatter"):
-            return self.base_s + self.ring_latency() + frac * nbytes / bw
+        if kind in ("all_gather", "all_gather_bw", "reduce_scatter"):   # (one group: the
+            return self.base_s + self.ring_latency() + frac * nbytes / bw   # same ring)
         if kind == "all_reduce":
             ring = self.base_s + 2 * self.ring_latency() + 2 * frac * nbytes / bw
             tree = self.base_s + self.tree_latency() + 2 * nbytes / (bw * self.tree_bw_factor)
@@ -220,3 +220,52 @@ def interpolate(points: list[tuple[int, float]], nbytes: float) -> float:
     (x0, y0), (x1, y1) = points[-2], points[-1]
     return y1 + (y1 - y0) / (x1 - x0) * (nbytes - x1)
 
+
+
+class LayoutFabric:
+    """[Note: layouts in the plan] The cost model of a data-parallel layout (runtime/mesh.py)
+    on `world`'s cluster, in groups of `group` ranks (a node): each collective costs what its
+    group's fabric says — within a group a node's NVLink ring (`Fabric(1, G)`), across the
+    groups a ring of one rank per node (`Fabric(N, 1)`: one NIC per rank), over every rank
+    `world`. The figures the passes plan with are composed as the runtime's cost model composes
+    its calibrated ones ([Note: a figure per group] in compiler/cost.py): "all_gather" (a
+    forward gather), "all_gather_bw" (a backward re-gather), "reduce_scatter" (a gradient's
+    reduction: under hsdp the reduce-scatter in the group and then the all-reduce across the
+    groups of its 1/G slice). Everything else is `world`'s."""
+
+    def __init__(self, world: Fabric, layout: str, group: int) -> None:
+        self.world, self.layout, self.group = world, layout, group
+        self.fabrics = {"world": world,
+                        "intra": dataclasses.replace(world, nodes=1, gpus_per_node=group),
+                        "inter": dataclasses.replace(world, nodes=world.world // group,
+                                                     gpus_per_node=1)}
+
+    def __getattr__(self, name: str):
+        return getattr(self.world, name)
+
+    def label_of(self, figure: str) -> str:
+        """The group a collective of `figure` runs in ("world", "intra")."""
+        if self.layout == "hsdp" or (self.layout == "hpz" and figure == "all_gather_bw"):
+            return "intra"
+        return "world"
+
+    def group_s(self, label: str, kind: str, nbytes: int) -> float:
+        return self.fabrics[label].collective_s(kind, nbytes)
+
+    def collective_s(self, kind: str, nbytes: int) -> float:
+        if kind in ("all_gather", "all_gather_bw"):
+            return self.group_s(self.label_of(kind), "all_gather", nbytes)
+        if kind == "reduce_scatter":
+            t = self.group_s(self.label_of(kind), kind, nbytes)
+            if self.layout == "hsdp":
+                t += self.group_s("inter", "all_reduce", nbytes // self.group)
+            return t
+        return self.world.collective_s(kind, nbytes)
+
+    def describe(self) -> str:
+        return (self.world.describe() + f"; layout {self.layout} in groups of {self.group} "
+                f"(a node: NVLink ring; across: one NIC per rank, busbw "
+                f"{self.fabrics['inter'].busbw() / 1e9:.0f} GB/s)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.world.to_dict(), "layout": self.layout, "group": self.group}

@@ -103,6 +103,8 @@ class Item:
     ref: Any = None        # collective key (start/wait pairs), node index for compute
     label: str = ""
     nbytes: int = 0        # a collective's bytes
+    group: str = "world"   # the group it runs in ([Note: layouts in the plan] in network.py)
+    all_reduce: int = 0    # hsdp: bytes of the all-reduce across the groups after it
 
 
 @dataclasses.dataclass
@@ -297,25 +299,32 @@ class Plan:
         def live(i):   # bytes live now, with activations as after node i - 1
             return base + act[i] + sum(held.values())
 
-        def emit(kind, name, dur, host, ref, i, label, peak=None, nbytes=0):
+        def emit(kind, name, dur, host, ref, i, label, peak=None, nbytes=0, figure=""):
             lv = live(i)
+            extra = {}
+            if figure:   # a collective: where it runs (hsdp's reductions: and across groups)
+                extra["group"] = s.label_of(figure)
+                if figure == "reduce_scatter" and s.layout == "hsdp":
+                    extra["all_reduce"] = nbytes // s.group
             out.append(Item(kind, name, dur, host, lv, lv if peak is None else max(peak, lv),
-                            ref, label, nbytes))
+                            ref, label, nbytes, **extra))
+
+        ag = "all_gather_bw" if key == "bw" else "all_gather"   # the cost model's figure
 
         def comm_item(entry, i):
             what, k, obj = entry
             if what == "start":
                 held[("grp", k)] = obj.nbytes
-                emit("all_gather_start", f"ag{key}{k}", async_s(cost, "all_gather", obj.nbytes),
+                emit("all_gather_start", f"ag{key}{k}", async_s(cost, ag, obj.nbytes),
                      _launch(cost, "all_gather", obj.nbytes), (key, "grp", k), i,
                      lab[min(i, n - 1)],
-                     nbytes=obj.nbytes)
+                     nbytes=obj.nbytes, figure=ag)
             elif what == "ahead":
                 held[("ahead", k)] = obj.nbytes
-                emit("all_gather_start", f"agbw{k}", async_s(cost, "all_gather", obj.nbytes),
+                emit("all_gather_start", f"agbw{k}", async_s(cost, "all_gather_bw", obj.nbytes),
                      _launch(cost, "all_gather", obj.nbytes), ("bw", "grp", k), i,
                      lab[min(i, n - 1)],
-                     nbytes=obj.nbytes)
+                     nbytes=obj.nbytes, figure="all_gather_bw")
             elif what == "wait":
                 held.pop(("grp", k), None)
                 for p in obj.pids:
@@ -335,9 +344,9 @@ class Plan:
             elif what == "gather":
                 nb = s.gather_bytes(params[k])
                 held[("param", k)] = nb
-                emit("all_gather", f"ag.{params[k].name}", cost.collective_s("all_gather", nb),
+                emit("all_gather", f"ag.{params[k].name}", cost.collective_s(ag, nb),
                      cost.launch_s("all_gather"), (key, "sync", k), i, lab[min(i, n - 1)],
-                     nbytes=nb)
+                     nbytes=nb, figure=ag)
             elif what == "kept":
                 pass   # a graph input: the runtime's kept tensor (counted in persistent())
             elif what == "bwait":
@@ -373,7 +382,7 @@ class Plan:
                     held.pop(("grad", k), None)
                     emit("reduce_scatter", f"rs.{p.name}", cost.collective_s("reduce_scatter", nb),
                          cost.launch_s("reduce_scatter"), (key, "sync", ("rs", k)), i + 1, lab[i],
-                         nbytes=nb)
+                         nbytes=nb, figure="reduce_scatter")
                 elif what == "accumulate":
                     held.pop(("grad", k), None)
                     emit("accumulate", f"acc.{params[k].name}",
@@ -388,7 +397,7 @@ class Plan:
                          async_s(cost, "reduce_scatter", obj.nbytes) + copy,
                          _launch(cost, "reduce_scatter", obj.nbytes), ("bw", "bucket", k), i + 1,
                          lab[i],
-                         nbytes=obj.nbytes)
+                         nbytes=obj.nbytes, figure="reduce_scatter")
         for entry in sorted(before.get(n, []), key=_order):
             comm_item(entry, n)
         return out
@@ -516,18 +525,20 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
         steps[key] = st
         gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
                    for i, it in enumerate(items) if it.kind == "all_gather"]
+        figure = "all_gather_bw" if key == "bw" else "all_gather"
         if forced is None:
             decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget,
-                                                 policy=s.fusion)
+                                                 policy=s.fusion, figure=figure)
             continue
         # replay: each of the run's groups as one gather at its first member's place, placed
         # by the planner, fused with nothing else
         fused = _prefuse(gathers, forced.get(key, []), s, first=True)
         decisions[key] = prefetch.plan_graph(st, fused, s.planner_cost, s.budget,
-                                             max_fused_bytes=0, policy=s.fusion)
+                                             max_fused_bytes=0, policy=s.fusion, figure=figure)
         for g in fused:
             members[key, g.pid] = _MEMBERS[id(g)]
-    prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
+    if s.layout != "hpz":   # hpz: the backward gathers otherwise (as the runtime's pass)
+        prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
     ahead = (decisions["fw"].get("for_next") or [None])[0]
     n_fw = len(plan.model.fw.nodes)
     for key in ("fw", "bw"):
@@ -646,13 +657,15 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
     for key in ("fw", "bw"):
         g = plan.graph(key)
         grouped = {p for grp in plan.groups[key] for p in grp.pids}
+        figure = "all_gather_bw" if key == "bw" else ""
         for grp in plan.groups[key]:
             colls.append(selective_unshard.Collective(
-                "all_gather", s.gas, [(p, s.gather_bytes(params[p])) for p in grp.pids]))
+                "all_gather", s.gas, [(p, s.gather_bytes(params[p])) for p in grp.pids],
+                figure))
         for u in g.uses:
             if u.pid not in grouped and u.pid not in plan.kept:
                 colls.append(selective_unshard.Collective(
-                    "all_gather", s.gas, [(u.pid, s.gather_bytes(params[u.pid]))]))
+                    "all_gather", s.gas, [(u.pid, s.gather_bytes(params[u.pid]))], figure))
     bucketed = {p for b in plan.buckets for p in b.pids}
     for b in plan.buckets:
         colls.append(selective_unshard.Collective(
@@ -1035,9 +1048,10 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
         events.append(Event("wait", "refresh kept.wait", cid=cid[0], live=live + nb))
         events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,
                             live=live, label="refresh"))
-        counter.add("all_gather", nb)
+        counter.add("all_gather", nb, group=s.label_of("all_gather"))
     decisions = {k: v for k, v in pl.decisions.items() if k != "refresh"}
-    return Schedule(name, description, events, counter.counts, decisions)
+    return Schedule(name, description, events, counter.counts, decisions,
+                    group_bytes=counter.groups)
 
 
 def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Counter,
@@ -1051,14 +1065,16 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
         cid[0] += 1
         events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=k))
         events.append(Event("wait", it.name + ".wait", cid=cid[0], live=live))
-        counter.add(k, it.nbytes)
+        counter.add(k, it.nbytes, group=it.group)
     elif k.endswith("_start"):
         cid[0] += 1
         ids[it.ref] = cid[0]
         kind = k.removesuffix("_start")
         events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=kind))
-        counter.add(kind, it.nbytes)
+        counter.add(kind, it.nbytes, group=it.group)
     elif k.endswith("_wait"):
         events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], live=live))
     else:
         raise ValueError(f"unknown item kind {k!r}")
+    if it.all_reduce:
+        counter.add("all_reduce", it.all_reduce, group="inter")

@@ -75,6 +75,11 @@ class PlanArgs:
     ac: bool = False             # activation checkpointing of every decoder layer
     assume: dict[str, float] = dataclasses.field(default_factory=dict)
     host_profile: str | None = None   # CPU: the host profile's JSON (host.py)
+    # data-parallel layouts to plan ([Note: layouts] in runtime/mesh.py): "shard" (the ladder
+    # of pass sets), "hsdp" and "hpz" (passes="auto", or the --passes given), "auto" (which one
+    # the runtime's rule at initialize picks: compiler/layouts.py); None: all of them past one
+    # node, "shard" on one
+    layouts: tuple[str, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -88,10 +93,15 @@ class SystemResult:
     result: simulate.Result
     schedule: Schedule
     fits: bool
+    layout: str = "shard"
 
-    def row(self, tokens: int, flops: float, gas: int, world: int) -> dict[str, Any]:
+    def row(self, tokens: int, flops: float, gas: int, world: int,
+            nodes: int = 1) -> dict[str, Any]:
         r = self.result
+        groups = self.schedule.group_bytes
+        across = groups.get("inter", 0) + (groups.get("world", 0) if nodes > 1 else 0)
         return {"system": self.system, "step_s": r.step_s,
+                "layout": self.layout, "across_nodes_bytes": across,
                 "tokens_per_s": tokens * world / r.step_s if r.step_s else None,
                 "tflops_per_gpu": flops / r.step_s / 1e12 if r.step_s else None,
                 "exposed_comm_s": r.exposed_comm_s, "comm_s": r.comm_s,
@@ -111,11 +121,13 @@ class Plan:
     model: compose.Model
     memory: dict[str, Any]           # fit check
     machine: dict[str, Any]
+    layout_choice: dict[str, Any] | None = None   # layout="auto": the runtime rule's pick
 
     def rows(self) -> list[dict[str, Any]]:
         tokens = self.model.tokens() * self.args.gas
         flops = self.model.model_flops() * self.args.gas
-        return [r.row(tokens, flops, self.args.gas, self.args.world) for r in self.results]
+        return [r.row(tokens, flops, self.args.gas, self.args.world, self.args.nodes)
+                for r in self.results]
 
     def to_dict(self) -> dict[str, Any]:
         a = dataclasses.asdict(self.args)
@@ -123,7 +135,7 @@ class Plan:
                 "tokens_per_step": self.model.tokens() * self.args.gas * self.args.world,
                 "model_flops_per_step_per_gpu": self.model.model_flops() * self.args.gas,
                 "assumed": self.setting, "memory": self.memory, "machine": self.machine,
-                "systems": self.rows()}
+                "layout_choice": self.layout_choice, "systems": self.rows()}
 
 
 # -------------------------------------------------------------------------- overrides
@@ -218,6 +230,7 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
                    tuple(p for p in ps if p in z12))
                   for _, ps in ladder]
         ladder = list(dict(ladder).items())
+    layouts = _layouts(args, cpu)
     for _, ps in ladder:
         unknown = [p for p in ps if p not in ours.PASSES] if ps != ours.AUTO else []
         if unknown:
@@ -283,33 +296,43 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
     budget = _budget(args, device_memory)
     setting_info["memory_budget_bytes"] = budget
 
-    def setting(model, peer: bool = False):
+    def setting(model, peer: bool = False, layout: str = "shard"):
         opt_s = None   # a GPU's: from its memory bandwidth
         if cpu:        # measured: ours steps flat chunks, the peers parameter by parameter
             opt_s = host.peer_optimizer_s if peer else host.optimizer_s
-        return Setting(model, args.world, net, budget, args.gas, mem_bw,
+        cost = net if layout == "shard" else network.LayoutFabric(net, layout, args.gpus_per_node)
+        return Setting(model, args.world, cost, budget, args.gas, mem_bw,
                        gpu.kernel_host_s if gpu else 0.0, gpu.eager_op_host_s if gpu else 0.0,
                        host_is_compute=cpu, optimizer_s=opt_s,
                        stage=args.stage,
                        framework_s=host.framework_s if cpu else gpu.framework_host_s,
                        framework_async_s=host.framework_async_s if cpu else None,
                        plan_cost=host.plan_cost if cpu else None, replay=replay,
-                       fusion=fusion_policy("cpu" if cpu else "cuda")[0])
+                       fusion=fusion_policy("cpu" if cpu else "cuda")[0],
+                       layout=layout, group=args.gpus_per_node if layout != "shard" else 0)
 
     results = []
-    for name, ps_ in ladder:
-        auto = None
-        if ps_ == ours.AUTO:
-            ps_, auto = resolve_auto(setting(model_f), device_memory, cpu)
-            desc = (f"deepcompile ZeRO-{args.stage}, passes='auto' (the runtime's choice and "
-                    f"verdicts, on predictions): " + (" + ".join(ps_) or "insertion only"))
-        else:
-            desc = f"deepcompile ZeRO-{args.stage}" + (f" + {' + '.join(ps_)}" if ps_ else
-                                                       ", insertion only")
-        sch = ours.schedule(setting(model_f), ps_, name, desc)
-        if auto is not None:
-            sch.decisions = {"auto": auto, **sch.decisions}
-        results.append(_run(sch, device_memory, cpu))
+    for layout in [x for x in layouts if x != "auto"]:
+        # the shard layout plans the ladder; the others its "auto" pass set (or the sets given)
+        rungs = ladder if layout == "shard" or args.passes is not None else \
+            [(n, ps) for n, ps in ladder if ps == ours.AUTO]
+        for name, ps_ in rungs:
+            auto = None
+            if layout != "shard":
+                name = f"{name}-{layout}"
+            what = f"deepcompile ZeRO-{args.stage}" + (
+                "" if layout == "shard" else f" {layout} (groups of {args.gpus_per_node})")
+            if ps_ == ours.AUTO:
+                ps_, auto = resolve_auto(setting(model_f, layout=layout), device_memory, cpu)
+                desc = (f"{what}, passes='auto' (the runtime's choice and verdicts, on "
+                        f"predictions): " + (" + ".join(ps_) or "insertion only"))
+            else:
+                desc = what + (f" + {' + '.join(ps_)}" if ps_ else ", insertion only")
+            sch = ours.schedule(setting(model_f, layout=layout), ps_, name, desc)
+            if auto is not None:
+                sch.decisions = {"auto": auto, **sch.decisions}
+            results.append(_run(sch, device_memory, cpu, layout))
+    choice = _layout_choice(model_f, args, net, budget, csize) if "auto" in layouts else None
     if args.stage < 3:
         for peer in PEERS_Z12 if tuple(args.peers) == PEERS else args.peers:
             if peer in ("ddp", "ddp-compile"):
@@ -340,7 +363,46 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
                 raise PlanError(f"deepcompile plan: unknown peer {peer!r}; known: "
                                 f"{', '.join(PEERS)}")
             results.append(_run(sch, device_memory, cpu))
-    return Plan(args, shape, model_f.numel, setting_info, results, model_f, memory, _machine())
+    return Plan(args, shape, model_f.numel, setting_info, results, model_f, memory, _machine(),
+                choice)
+
+
+def _layouts(args: PlanArgs, cpu: bool) -> tuple[str, ...]:
+    known = ("shard", "hsdp", "hpz", "auto")
+    layouts = args.layouts
+    if layouts is None:
+        layouts = known if args.nodes > 1 and not cpu else ("shard",)
+        if args.stage < 3:
+            layouts = tuple(x for x in layouts if x != "hpz")
+    unknown = [x for x in layouts if x not in known]
+    if unknown:
+        raise PlanError(f"deepcompile plan: --layouts {', '.join(unknown)}: known: "
+                        f"{', '.join(known)}")
+    if cpu and set(layouts) != {"shard"}:
+        raise PlanError("deepcompile plan: --gpu cpu plans gloo ranks of one machine: only the "
+                        "'shard' layout (--layouts shard)")
+    if "hpz" in layouts and args.stage < 3:
+        raise PlanError(f"deepcompile plan: --layouts hpz needs --stage 3 (its secondary shards "
+                        f"serve the backward's re-gathers)")
+    if "shard" not in layouts:
+        layouts = ("shard", *layouts)   # the ladder's baselines (ours-z3, the peers' column)
+    return tuple(dict.fromkeys(layouts))
+
+
+def _layout_choice(model: compose.Model, args: PlanArgs, net, budget: float,
+                   csize: int) -> dict[str, Any]:
+    """What Config.layout="auto" picks at initialize on this cluster ([Note: choosing the
+    layout] in compiler/layouts.py): its rule, with the network model's figures per group in
+    place of the measured ones."""
+    from ...compiler.layouts import ParamFacts, choose
+
+    params = [ParamFacts(p.numel, csize, csize, MASTER_BYTES) for p in model.params]
+    fabric = network.LayoutFabric(net, "hsdp", args.gpus_per_node)
+    if args.nodes == 1:
+        return {"layout": "shard", "why": "one node: every layout is 'shard'"}
+    name, why, figures = choose(params, args.world, args.gpus_per_node, args.stage, args.gas,
+                                budget, fabric.group_s)
+    return {"layout": name, "why": why, "figures": figures}
 
 
 def _is_auto(ps) -> bool:
@@ -380,9 +442,10 @@ def _read_host_profile(args: PlanArgs) -> hostprof.HostProfile:
     return hostprof.load(args.host_profile)
 
 
-def _run(sch: Schedule, device_memory: float, cpu: bool) -> SystemResult:
+def _run(sch: Schedule, device_memory: float, cpu: bool, layout: str = "shard") -> SystemResult:
     r = simulate.simulate(sch.events, host_is_compute=cpu)
-    return SystemResult(sch.system, sch.description, r, sch, r.peak_bytes <= device_memory)
+    return SystemResult(sch.system, sch.description, r, sch, r.peak_bytes <= device_memory,
+                        layout)
 
 
 def _does_not_fit(shape, args: PlanArgs, memory: dict[str, Any]) -> str:

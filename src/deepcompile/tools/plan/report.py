@@ -33,17 +33,22 @@ def table(plan) -> str:
         f"GPU, {a.gas} micro-step(s) per optimizer step"
         + (", activation checkpointing" if a.ac else ""),
         "",
-        "| system | step s | tokens/s | TFLOPs/GPU | exposed comm s | peak GiB | fits | "
-        f"collectives/step | vs {ds} | vs ours-z{a.stage} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| system | layout | step s | tokens/s | TFLOPs/GPU | exposed comm s | peak GiB | fits | "
+        f"collectives/step | across nodes GiB/step | vs {ds} | vs ours-z{a.stage} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['system']} | {r['step_s']:.4g} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['system']} | {r.get('layout', 'shard')} | {r['step_s']:.4g} | "
+            f"{r['tokens_per_s']:,.0f} | "
             f"{r['tflops_per_gpu']:.1f} | {r['exposed_comm_s']:.4g} | "
             f"{r['peak_bytes'] / GiB:.2f} | {'yes' if r['fits'] else 'NO'} | "
-            f"{_colls(r['collectives'])} | {_ratio(r['step_s'], base_ds)} | "
-            f"{_ratio(r['step_s'], base_z3)} |")
+            f"{_colls(r['collectives'])} | {r.get('across_nodes_bytes', 0) / GiB:.1f} | "
+            f"{_ratio(r['step_s'], base_ds)} | {_ratio(r['step_s'], base_z3)} |")
+    choice = getattr(plan, "layout_choice", None)
+    if choice:
+        lines += ["", f"layout='auto' (the runtime's rule when the engine is made, "
+                      f"compiler/layouts.py) picks {choice['layout']}: {choice['why']}"]
     lines += ["", "What the passes decided:"]
     for r in rows:
         for name, d in r["decisions"].items():

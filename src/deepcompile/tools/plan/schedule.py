@@ -1,8 +1,9 @@
 """What every schedule shares: the setting (model, ranks, cost model, dtypes, budget), the
 sizes of a parameter's collectives, the persistent per-rank state and the optimizer step.
 
-Sizes follow the runtime (runtime/registry.py): a parameter's flat shard is `ceil(numel / N)`
-elements; a gather moves the padded full tensor in the compute dtype; a gradient is reduced in
+Sizes follow the runtime (runtime/registry.py): a parameter's flat shard is `ceil(numel / S)`
+elements (S: the N ranks, or a group's G under the "hsdp" layout, [Note: layouts] in
+runtime/mesh.py); a gather moves the padded full tensor in the compute dtype; a gradient is reduced in
 the reduce dtype (= the compute dtype, deepcompile's default with `param_dtype`); masters,
 gradient shards and Adam's two moments are fp32 shards (16 bytes per shard element), what
 `offload_optimizer` calls the step's bytes.
@@ -53,6 +54,8 @@ class Setting:
     plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
     replay: dict | None = None     # a run's decisions to replay (ours.py; validation)
     fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
+    layout: str = "shard"          # the data-parallel layout: "shard", "hsdp", "hpz"
+    group: int = 0                 # its group size G (0: every rank)
 
     @property
     def planner_cost(self) -> Cost:
@@ -62,11 +65,21 @@ class Setting:
     def csize(self) -> int:
         return torch.empty((), dtype=self.model.dtype).element_size()
 
+    @property
+    def shards(self) -> int:
+        """The ranks a parameter's shards span."""
+        return self.group if self.layout == "hsdp" else self.world
+
     def shard_numel(self, p: Param) -> int:
-        return -(-p.numel // self.world)
+        return -(-p.numel // self.shards)
 
     def padded(self, p: Param) -> int:
-        return self.shard_numel(p) * self.world
+        return self.shard_numel(p) * self.shards
+
+    def label_of(self, figure: str) -> str:
+        """The group ("world", "intra") a collective of `figure` runs in."""
+        fn = getattr(self.cost, "label_of", None)
+        return fn(figure) if fn is not None else "world"
 
     def gather_bytes(self, p: Param) -> int:
         return self.padded(p) * self.csize
@@ -83,6 +96,8 @@ class Setting:
         per = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * self.shard_elems()
         if self.stage < 3:
             per += sum(self.full_bytes(p) for p in self.model.params)
+        if self.layout == "hpz":   # the secondary shards ([Note: secondary shards])
+            per += sum(self.padded(p) // self.group * self.csize for p in self.model.params)
         return per
 
     def copy_on_device_s(self, nbytes: int) -> float:
@@ -150,15 +165,19 @@ class Schedule:
     collectives: dict[str, dict[str, int]]      # kind -> {"count", "bytes"} per step
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    group_bytes: dict[str, int] = dataclasses.field(default_factory=dict)   # per group, per step
 
 
 class Counter:
-    """Collectives launched per optimizer step."""
+    """Collectives launched per optimizer step, and their bytes per group (as the runtime's
+    `comm_stats(by_group=True)`)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = {}
+        self.groups: dict[str, int] = {}
 
-    def add(self, kind: str, nbytes: int, times: int = 1) -> None:
+    def add(self, kind: str, nbytes: int, times: int = 1, group: str = "world") -> None:
         c = self.counts.setdefault(kind, {"count": 0, "bytes": 0})
         c["count"] += times
         c["bytes"] += nbytes * times
+        self.groups[group] = self.groups.get(group, 0) + nbytes * times

@@ -1,0 +1,155 @@
+"""`Config.layout="auto"`: the data-parallel layout chosen when the engine is made.
+
+[Note: choosing the layout] The layout decides how parameters are sharded, so it is chosen
+before anything is sharded, compiled or profiled: from what is known then, the same on every
+rank:
+
+* the model: every parameter's element count, its compute dtype (`param_dtype`, else its own)
+  and its reduce dtype;
+* the cluster's shape: W ranks in groups of G (runtime/mesh.py);
+* the memory budget (`Config.memory_budget`, agreed over the ranks; unbounded on the CPU);
+* the collectives, measured: all-gather and reduce-scatter over every rank and within a group,
+  all-reduce across the groups (`compiler/cost.py::measure_groups`, the slowest rank's
+  timings, a few milliseconds on GPUs).
+
+Per layout it predicts one optimizer step's communication (`predict`: every parameter's
+collectives under the layout, as the lowering runs them, without overlap: the compute that
+could hide them is not known yet, and is the same under every layout) and the model state per
+rank (masters, gradients, an Adam-like optimizer's two moments per master element, ZeRO-1/2's
+replicated parameters, hpz's secondary shards). It takes the layout of least predicted
+communication among those whose model state fits in half the budget (the other half: the
+activations and the gathered parameters, which no layout changes), "shard" when none fits
+(the least memory). Ties (within `TIE`) go to the layout with less memory. The report states
+the choice and every layout's figures; `deepcompile plan` shows the layouts side by side with
+their simulated steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+TIE = 0.02                  # predicted times within 2% are a tie
+ADAM_STATE = 2              # optimizer state per master element, in master elements (assumed)
+ORDER = ("shard", "hpz", "hsdp")   # least memory first
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamFacts:
+    numel: int
+    compute_bytes: int   # bytes per element of a gathered parameter
+    reduce_bytes: int    # bytes per element of a reduced gradient
+    master_bytes: int    # bytes per element of the master (and of its gradient)
+
+
+def params_of(module: torch.nn.Module, param_dtype, reduce_dtype) -> list[ParamFacts]:
+    seen, out = set(), []
+    for p in module.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        compute = param_dtype or p.dtype
+        master = torch.float32 if param_dtype is not None else p.dtype
+        out.append(ParamFacts(p.numel(), compute.itemsize, (reduce_dtype or compute).itemsize,
+                              master.itemsize))
+    return out
+
+
+def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: int, gas: int,
+            collective_s: Callable[[str, str, int], float]) -> dict[str, Any]:
+    """One optimizer step's communication under layout `name` (seconds from `collective_s(group
+    label, kind, bytes)`; bytes per group label) and the model state per rank."""
+    shards = group if name == "hsdp" else world
+    seconds, nbytes, state = 0.0, {}, 0
+
+    def add(label: str, kind: str, size: int, times: int) -> None:
+        nonlocal seconds
+        seconds += times * collective_s(label, kind, size)
+        nbytes[label] = nbytes.get(label, 0) + times * size
+
+    wide = "world" if world > group else "intra"
+    for p in params:
+        shard = -(-p.numel // shards)
+        padded = shard * shards
+        state += shard * p.master_bytes * (2 + ADAM_STATE)
+        home = "intra" if name == "hsdp" else wide
+        if stage == 3:
+            add(home, "all_gather", padded * p.compute_bytes, gas)        # the forward's
+            bw = "intra" if name in ("hsdp", "hpz") else wide
+            add(bw, "all_gather", padded * p.compute_bytes, gas)          # the backward's
+            if name == "hpz":
+                state += -(-padded // group) * p.compute_bytes           # the secondary shard
+        else:
+            state += p.numel * p.compute_bytes                           # the replica
+            add(home, "all_gather", padded * p.compute_bytes, 1)         # after the step
+        reductions = 1 if stage == 1 else gas
+        add(home, "reduce_scatter", padded * p.reduce_bytes, reductions)
+        if name == "hsdp" and world > group:
+            add("inter", "all_reduce", shard * p.reduce_bytes, reductions)
+    crossing = sum(b for label, b in nbytes.items() if label in ("world", "inter"))
+    return {"comm_s": seconds, "bytes": nbytes, "crossing_bytes": crossing, "state_bytes": state}
+
+
+def choose(params: list[ParamFacts], world: int, group: int, stage: int, gas: int,
+           budget: float, collective_s: Callable[[str, str, int], float],
+           names: tuple[str, ...] = ORDER) -> tuple[str, str, dict[str, Any]]:
+    """[Note: choosing the layout]: (layout, why, every layout's figures)."""
+    figures = {n: predict(n, params, world, group, stage, gas, collective_s)
+               for n in names if not (n == "hpz" and stage != 3)}
+    room = budget / 2
+    fits = [n for n in ORDER if n in figures and figures[n]["state_bytes"] <= room]
+    for n, f in figures.items():
+        f["fits"] = n in fits
+    if not fits:
+        return "shard", ("no layout's model state fits in half the memory budget; 'shard' "
+                         "holds the least"), figures
+    best = min(figures[n]["comm_s"] for n in fits)
+    pick = next(n for n in fits if figures[n]["comm_s"] <= best * (1 + TIE))
+    others = ", ".join(f"{n} {figures[n]['comm_s'] * 1e3:.2f} ms"
+                       + ("" if n in fits else " (does not fit)") for n in figures if n != pick)
+    why = (f"least predicted communication per optimizer step: {figures[pick]['comm_s'] * 1e3:.2f}"
+           f" ms ({others}); model state {figures[pick]['state_bytes'] / 2**20:.1f} MiB per "
+           "rank" + ("" if room == float("inf") else f" of {room / 2**20:.0f} MiB (half the budget)"))
+    return pick, why, figures
+
+
+def collective_time(models: dict[str, Any]) -> Callable[[str, str, int], float]:
+    """`collective_s(label, kind, bytes)` over cost models per group label (compiler/cost.py);
+    a label without a model costs nothing."""
+    def collective_s(label: str, kind: str, nbytes: int) -> float:
+        model = models.get(label)
+        return 0.0 if model is None else model.collective_s(kind, nbytes)
+    return collective_s
+
+
+def auto(candidates: dict[str, Any], module: torch.nn.Module, config, device: torch.device,
+         repeats: int = 3) -> tuple[str, str, dict[str, Any]]:
+    """Config.layout="auto" over the groups of `candidates` (runtime/mesh.py's layouts, one per
+    name, over the same groups): measure each group's collectives, agree them (MAX), choose.
+    Collective: every rank."""
+    from .agree import agreed_budget
+    from .cost import _fit, LinearCostModel, SWEEP_BYTES, measure_groups
+
+    hsdp = candidates["hsdp"]
+    world = hsdp.world
+    groups = [(world, ("all_gather", "reduce_scatter")),
+              (hsdp.shard, ("all_gather", "reduce_scatter")), (hsdp.replicate, ("all_reduce",))]
+    times = measure_groups(groups, device, repeats)
+    keys = list(times)
+    flat = torch.tensor([t for k in keys for t in times[k]], dtype=torch.float64, device=device)
+    world.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, count=False)
+    n = len(SWEEP_BYTES)
+    fitted = {k: _fit(list(zip(SWEEP_BYTES, flat.tolist()[i * n:(i + 1) * n])))
+              for i, k in enumerate(keys)}
+    models: dict[str, LinearCostModel] = {}
+    for key, coeffs in fitted.items():
+        label, _, kind = key.partition(":")
+        models.setdefault(label, LinearCostModel(coeffs={})).coeffs[kind] = coeffs
+    budget = agreed_budget(world, config.memory_budget, device)
+    params = params_of(module, config.param_dtype, config.reduce_dtype)
+    name, why, figures = choose(params, world.world, hsdp.group_size, config.zero_stage,
+                                config.gradient_accumulation_steps, budget,
+                                collective_time(models))
+    return name, f"auto: {why}", figures
