@@ -56,13 +56,16 @@ def _job(rank, world):
     engine = initialize(accelerator, _models.build_model("llama"),
                         optimizer=functools.partial(torch.optim.AdamW, **SC["optim"][1]),
                         config=deepcompile.Config(**SC["config"]))
-    losses = []
+    losses, norms, norm_tensors = [], [], []
     for batch in loader:
         loss = engine(**batch).loss
         engine.backward(loss)
-        engine.step()
+        if engine.step():   # the step's gradient norm, at each optimizer step
+            norms.append(engine.metrics()["grad_norm"])
+            norm_tensors.append(float(engine.grad_norm()))
         losses.append(loss.item())
     return {"id": SC["id"], "rank": rank, "losses": losses, "errors": errors,
+            "grad_norms": norms, "grad_norm_tensors": norm_tensors,
             "state": engine.full_state_dict(), "state_devices": ["cpu"]}
 
 
