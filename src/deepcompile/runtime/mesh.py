@@ -33,6 +33,8 @@ Every rank gathers the facts of every rank (one all-gather of objects) and judge
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import os
 from typing import Any
@@ -154,7 +156,7 @@ def _check(facts: list[dict[str, Any]], world_ranks: list[int], device: torch.de
         if len(mesh["shape"]) == 2:
             _check_mesh_groups(facts)
     else:
-        group_size = first["group_size"] or first["local_world_size"] or world
+        group_size = first["group_size"] or _ranks_per_node(facts) or world
         if first["layout"] in ("hsdp", "hpz") and not (first["group_size"]
                                                       or first["local_world_size"]):
             raise LayoutError(
@@ -167,6 +169,19 @@ def _check(facts: list[dict[str, Any]], world_ranks: list[int], device: torch.de
                 f"{world} ranks; set Config.shard_group_size to a divisor of {world}")
     _check_nodes(facts, group_size, mesh)
     return group_size
+
+
+def _ranks_per_node(facts: list[dict[str, Any]]) -> int | None:
+    """The engine's ranks on each node, where every node holds as many (LOCAL_WORLD_SIZE counts
+    every process of the node: an engine on a subgroup has only some of them there); else
+    LOCAL_WORLD_SIZE; None where nothing says."""
+    local = facts[0]["local_world_size"]
+    if local is None:
+        return None
+    per_node = collections.Counter(f["node"] for f in facts)
+    if None not in per_node and len(set(per_node.values())) == 1:
+        return next(iter(per_node.values()))
+    return local
 
 
 def _check_mesh_groups(facts: list[dict[str, Any]]) -> None:
