@@ -309,13 +309,13 @@ def _kill_job(rank, world, path, expected, point):
         elif point == "rank0-before-commit":
             patches.append(mock.patch.object(checkpoint, "_publish", lambda *a, **k: _kill()))
         elif point == "rank0-before-pointer":
-            real_json = _dcp.write_json_atomic
+            real_json = checkpoint.write_json_atomic
 
-            def write_json(p, obj):
+            def write_json(p, obj, **kw):
                 if Path(p).name == checkpoint.POINTER:
                     _kill()
-                real_json(p, obj)
-            patches.append(mock.patch.object(_dcp, "write_json_atomic", write_json))
+                return real_json(p, obj, **kw)
+            patches.append(mock.patch.object(checkpoint, "write_json_atomic", write_json))
         elif point == "rank0-after-pointer":
             patches.append(mock.patch.object(checkpoint, "_cleanup", lambda *a, **k: _kill()))
     for p in patches:
