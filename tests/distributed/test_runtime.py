@@ -117,6 +117,20 @@ def _opcheck_job(rank, world):
     # re-plan); the tier-2 path runs in tests/engine/test_offload_grads.py
     torch.library.opcheck(offload.grad_to_host, (torch.randn(e.shard.numel()), e.pid))
     out["grad_to_host_accumulated"] = e.shard.grad is not None
+    # the activation copies start copies that a later op completes (an offload's buffer is
+    # valid once its reload waited; a reload consumes its offload and a wait its reload:
+    # runtime/activations.py): the offload passes the schema and fake-tensor checks; opcheck
+    # calls an op more than once, which a single-use reload or wait cannot take, so those two
+    # run once, and the copy through all three is compared
+    from deepcompile.runtime import activations
+
+    x = torch.randn(4, 3)
+    torch.library.opcheck(activations.activation_offload, (x, e.pid),
+                          test_utils=("test_schema", "test_faketensor"))
+    host = activations.activation_offload(x, e.pid)
+    dst = activations.activation_reload(x, host, e.pid, x.device)
+    activations.activation_wait(dst, e.pid)
+    out["activation_copy"] = torch.equal(dst, x)
     out["custom_ops"] = sorted(
         n for n in dir(torch.ops.deepcompile) if not n.startswith("_")
         and isinstance(getattr(torch.ops.deepcompile, n), torch._ops.OpOverloadPacket))
@@ -126,9 +140,11 @@ def _opcheck_job(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_custom_op_passes_opcheck(world):
     for r in run_distributed(_opcheck_job, world, timeout=300):
-        assert r["custom_ops"] == ["allgather_param", "grad_to_host", "reduce_grad",
+        assert r["custom_ops"] == ["activation_offload", "activation_reload", "activation_wait",
+                                   "allgather_param", "grad_to_host", "reduce_grad",
                                    "reload_state"]
         assert r.pop("grad_to_host_accumulated") is True
+        assert r.pop("activation_copy") is True
         assert len([k for k, v in r.items() if v is True]) == 2
 
 
