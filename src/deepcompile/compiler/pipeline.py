@@ -935,7 +935,7 @@ class Pipeline:
     # steps, which would run the graphs as compiled (warm-up and profiling) where the unbroken
     # run ran the planned ones, compiled by Inductor: a pass can change the numerics (a
     # gradient accumulated in full before its reduce-scatter, not after) and Inductor's code
-    # is not FX's. So an engine that has not run a step adopts the plan (`adopt_plan`), the
+    # is not FX's. So an engine that has taken no step adopts the plan (`adopt_plan`), the
     # backend hands it every graph of a Dynamo frame at once (AOTAutograd's backward compiled
     # with the forward, not at the first backward), and as soon as the step's training graphs
     # are all there — at the first graph call — the plan is re-applied and the engine is in
