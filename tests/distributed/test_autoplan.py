@@ -50,6 +50,11 @@ def test_verdict_reverts_only_what_is_worse_with_confidence():
     # overlapping samples: within the noise, kept
     assert verdict(_summary(measured=[0.010, 0.015, 0.012]),
                    _summary(measured=[0.013, 0.011, 0.016]), budget=inf)[0]
+    # one outlier after it: the medians are far apart, but a step after it was no slower
+    # than a step before it, and the reason names those steps rather than the medians
+    ok, why = verdict(_summary(measured=[0.080, 0.0858]), _summary(measured=[0.085, 1.732]),
+                      budget=inf)
+    assert ok and "a step after it (85.00 ms) was no slower than a step before it (85.80 ms)" in why
     # every step slower, but by less than the margin: kept
     assert verdict(_summary(measured=[0.0100, 0.0101, 0.0100]),
                    _summary(measured=[0.0102, 0.0102, 0.0103]), budget=inf)[0]
