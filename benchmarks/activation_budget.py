@@ -66,7 +66,7 @@ def _recompute_flops(engine) -> float:
 
     pipe = engine._pipeline
     total = 0.0
-    for key, slot in pipe._planning().items():
+    for key, slot in pipe.runner.planning().items():
         if not key.endswith(".bw"):
             continue
         fw = pipe.slots.get(key[:-3] + ".fw")

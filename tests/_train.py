@@ -135,7 +135,7 @@ def chunk_bytes(n: int | None):
 
 
 def random_times(seed: int, prof) -> None:
-    """A profile hook (`Pipeline.perturb`): every node's measured time scaled by a factor in
+    """A profile hook (`SlotRunner.perturb`): every node's measured time scaled by a factor in
     [1/30, 30], drawn from (seed, graph, node), the same on every rank. Where the passes place
     their ops depends on the times; a CPU's are one draw of many (a GPU's, a loaded machine's
     are others): seeds make the placements a suite does not meet by chance."""
@@ -358,7 +358,7 @@ def _run_scenario(rank: int, world: int, sc: dict) -> dict:
         engine = deepcompile.initialize(model, optimizer=make_optimizer(sc["optim"]),
                                         config=deepcompile.Config(**cfg))
     if sc.get("profile_seed") is not None:
-        engine._pipeline.perturb = functools.partial(random_times, sc["profile_seed"])
+        engine._pipeline.runner.perturb = functools.partial(random_times, sc["profile_seed"])
     res: dict = {"id": sc["id"], "rank": rank, "world": world, "losses": [],
                  "model_shapes": model_shapes}
     if "memory" in record:

@@ -317,7 +317,7 @@ def aot_module_simplified(gm, example_inputs, *, fw_compiler, bw_compiler, infer
 @contextlib.contextmanager
 def outside_dispatch_modes():
     """The Python dispatch modes in force set aside (AOTAutograd's first call of a compiled
-    forward runs under one: [Note: first call] in compiler/pipeline.py)."""
+    forward runs under one: [Note: first call] in compiler/runner.py)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():

@@ -423,7 +423,7 @@ class Engine:
         seconds, self._work_s = self._work_s + self._clock() - t0, 0.0
         self._pipeline.end_step(seconds, outside)
         self._metrics.end_step()
-        if self._pipeline.tracing is not None:   # engine.trace_next_step()
+        if self._pipeline.runner.tracing is not None:   # engine.trace_next_step()
             self._tracer.stop(self._pipeline.last_step["phase"], self._pipeline.last_step["seconds"])
         self._offload.after_step()    # planned chunks' state leaves the device until the next step
         if steady:

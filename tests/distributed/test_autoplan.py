@@ -379,7 +379,7 @@ def _trial_job(rank, world, cases):
         while pipe.phase is not Phase.STEADY and step < 30:
             _steps(engine, "llama", rank, world, 1, step)
             step += 1
-            if pipe.phase is Phase.MEASURE and pipe._ab["side"] == eval_before:
+            if pipe.phase is Phase.MEASURE and pipe.trial.side == eval_before:
                 with torch.no_grad():
                     engine(**_models.local_batch("llama", 0, rank, world))
                 _NOW[0] += 100.0
@@ -443,7 +443,7 @@ def _auto_job(rank, world, noise_seed, outdir):
                 n.time_s *= rng.uniform(0.8, 1.2)
             prof.total_s *= rng.uniform(0.8, 1.2)
 
-        engine._pipeline.perturb = perturb
+        engine._pipeline.runner.perturb = perturb
         cost = engine._pipeline.cost   # and on the calibrated cost model
         cost.coeffs = {k: (a * rng.uniform(0.8, 1.2), b * rng.uniform(0.8, 1.2))
                        for k, (a, b) in cost.coeffs.items()}

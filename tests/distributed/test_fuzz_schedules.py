@@ -76,7 +76,7 @@ def _budget_job(rank, world, model_name, seed, budget):
                                     config={"compiler": "fx", "warmup_steps": 1,
                                             "passes": _PASSES, "measure_steps": 0,
                                             "memory_budget": budget})
-    engine._pipeline.perturb = functools.partial(random_times, seed)
+    engine._pipeline.runner.perturb = functools.partial(random_times, seed)
     for step in range(8):   # warm-up, profile, then a pass and its re-profile per step
         batch = _models.local_batch(model_name, step, rank, world)
         engine.backward(_models.loss_of(engine(**batch)))

@@ -1050,7 +1050,7 @@ def _drift_run(rank, world, config):
     out = {"losses": losses, "state": engine.full_state_dict(), "phases": phases,
            "plans": [p["decisions"] for p in rep["passes"] if p["pass"] == "offload_optimizer"
                      and p.get("kept", True)],
-           "chosen": engine._pipeline.planner.chosen,
+           "chosen": engine._pipeline.passes.chosen,
            "log": [(p["pass"], p.get("kept"), p.get("verdict")) for p in rep["passes"]],
            "peaks": {s["slot"]: [(p["label"], p["peak_bytes"]) for p in s["profiles"]]
                      for g in rep["graphs"] for s in g["slots"]}}

@@ -84,7 +84,7 @@ def _train(rank, world, model_name, config, steps, *, perturb=None):
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.05),
                                     config=config)
     if perturb is not None:
-        engine._pipeline.perturb = perturb
+        engine._pipeline.runner.perturb = perturb
     per_step = []
     gas = engine.config.gradient_accumulation_steps
     for step in range(steps):
@@ -456,17 +456,17 @@ def test_a_profiled_run_is_issued_behind_a_lead_sized_from_the_last(group, monke
     three times the median of its runs as FX code); the profiler records its host time, and
     ignores the lead on the CPU."""
     import deepcompile
-    from deepcompile.compiler import pipeline
+    from deepcompile.compiler import runner
 
     seen = []
-    real = pipeline.profile_run
+    real = runner.profile_run
 
     def spy(gm, args, **kw):
         out, prof = real(gm, args, **kw)
         seen.append((kw["slot"], kw["lead_s"], prof.host_s, prof.lead_s))
         return out, prof
 
-    monkeypatch.setattr(pipeline, "profile_run", spy)
+    monkeypatch.setattr(runner, "profile_run", spy)
     engine = deepcompile.initialize(_small(), optimizer=_SGD,
                                     config={"compiler": "fx", "passes": (), "warmup_steps": 2,
                                             "profile_steps": 2})
@@ -484,4 +484,4 @@ def test_a_profiled_run_is_issued_behind_a_lead_sized_from_the_last(group, monke
         assert lead0 > 0 and host0 > 0 and host1 > 0
         assert lead1 == pytest.approx(1.5 * host0)
         assert rec0 == rec1 == 0.0   # the CPU: nothing runs ahead
-        assert pipe._profile_host[key] == host1
+        assert pipe.runner.profile_host[key] == host1

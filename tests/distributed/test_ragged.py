@@ -126,12 +126,12 @@ def _ragged_job(rank, world, configs):
 
         for s in pipe.slots.values():   # as their next call would: on the current plan
             if s.rep is not None:
-                pipe._follow(s)
+                pipe.runner.follow(s)
         members = {s.key: {"rep": s.rep.key, "rep_version": s.rep.version,
                            "same_collectives": comm_signature(s.gm) == comm_signature(s.rep.gm)}
                    for s in pipe.slots.values() if s.rep is not None}
         out[name] = {"losses": losses, "evals": evals, "state": engine.full_state_dict(), "comm": comm,
-                     "phase": pipe.phase.value, "reps": sorted(pipe._planning()),
+                     "phase": pipe.phase.value, "reps": sorted(pipe.runner.planning()),
                      "members": members, "passes": [(e["pass"], e["changed"]) for e in pipe.pass_log],
                      "order": list(pipe.order), "warnings": warnings.messages}
         del engine
@@ -313,7 +313,7 @@ def _offload_run(rank, config):
     rep = engine.report().to_dict()
     for s in pipe.slots.values():   # as their next call would: on the current plan
         if s.rep is not None:
-            pipe._follow(s)
+            pipe.runner.follow(s)
 
     def sends(gm):
         return sorted(n.args[1] for n in gm.graph.nodes if n.target is offload.GRAD_TO_HOST)
@@ -379,8 +379,8 @@ def test_ragged_lengths_with_gradients_on_the_host(ragged_offload, passes):
     assert r0["passes"] == r1["passes"] and r0["replans"] == r1["replans"] == 1
     assert [st["phase"] for st in r0["steps"]] == [st["phase"] for st in r1["steps"]]
     assert r0["steps"][DRIFT]["phase"] == "steady"
-    # the re-plan starts over ([Note: a re-plan starts over] in compiler/planner.py): a profile,
-    # then one re-profile after each pass
+    # the re-plan starts over ([Note: a re-plan starts over] in compiler/pass_manager.py): a
+    # profile, then one re-profile after each pass
     settled = DRIFT + 2 + len(passes)
     assert [st["phase"] for st in r0["steps"][DRIFT + 1:]] == \
         ["profile"] * (1 + len(passes)) + ["steady"] * (len(OFFLOAD_LENGTHS) - settled)

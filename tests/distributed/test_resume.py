@@ -79,7 +79,7 @@ def _evaluate(engine, model, rank, world) -> float:
 def _plan(engine) -> list:
     """Each pass, kept or not, and the graphs a kept one changed."""
     return [(e["pass"], e["kept"], e["changed"] if e["kept"] else None)
-            for e in engine._pipeline.planner.current()]
+            for e in engine._pipeline.passes.current()]
 
 
 def _job(rank, world, tmp, names):

@@ -281,7 +281,7 @@ def test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops(gr
     """A re-plan in the steady state (the step drifted: Engine._replan_on_drift, here by hand,
     in the middle of a window) profiles the graphs as the pass plans from them: as compiled,
     without the `grad_to_host` ops of the plan it replaces ([Note: a re-plan starts over] in
-    compiler/planner.py). With them, the gradients of
+    compiler/pass_manager.py). With them, the gradients of
     the chunks that were at tier 2 are accumulated into `shard.grad` as soon as they are made,
     the profile misses them until the graph's end, and the re-plan keeps too little off the
     device (seen with ragged lengths: a re-plan under the same inputs exceeded the budget and

@@ -1,18 +1,22 @@
 """Rank agreement: every figure a decision reads is the same on every rank.
 
 Pure functions over `Comm`: profiles ([Note: agreed node times]), the memory budget (MIN over ranks), measured step times (MAX over
-ranks: a step takes as long as its slowest rank). Ranks that profiled different graphs, or ran
-them in a different order, fail loudly here: their decisions would diverge and hang collectives.
+ranks: a step takes as long as its slowest rank), the passes' decisions. Ranks that profiled
+different graphs, or ran them in a different order, or planned differently, fail loudly here:
+their decisions would diverge and hang collectives.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..runtime import ops
+from ..runtime.guardrails import DivergenceError, digest
 from .profiler import GraphProfile, NodeProfile
 
 
@@ -144,3 +148,36 @@ def agreed_budget(comm, budget: int | float | None, device: torch.device) -> flo
     vec = torch.tensor([float(budget)], dtype=torch.float64, device=device)
     comm.all_reduce(vec, op=dist.ReduceOp.MIN, count=False)
     return vec.item()
+
+
+def agree_decisions(comm, name: str, decisions: Any) -> None:
+    """A pass plans from what every rank holds alike (PassContext): the same decisions on
+    every rank, or the ranks would rewrite their graphs differently. Checked (one small
+    all-gather per pass planned), so that a pass that plans from local timings fails on
+    every rank instead of hanging collectives. Compared: the decisions' structure (groups,
+    positions, names, counts); floats are estimates (predicted seconds) that rewrite
+    nothing."""
+    if comm.world == 1:
+        return
+    mine = digest(json.dumps(_structure(decisions), sort_keys=True, default=str))
+    every = comm.all_gather_object(mine)
+    if len(set(every)) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(every):
+            groups.setdefault(d, []).append(r)
+        raise DivergenceError(
+            f"deepcompile: pass {name!r} planned differently on different ranks (ranks "
+            f"grouped by plan: {sorted(groups.values())}); a pass must plan from the agreed "
+            "profiles and the PassContext only, never from this rank's own timings or state. "
+            "The engine stops on every rank.")
+
+
+def _structure(x: Any) -> Any:
+    """`x` with every float left out (a pass's decisions, for `agree_decisions`)."""
+    if isinstance(x, float):
+        return "<float>"
+    if isinstance(x, dict):
+        return {str(k): _structure(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_structure(v) for v in x]
+    return x

@@ -51,7 +51,7 @@ pass that lowers a peak that is over the budget (`offload_optimizer`: within it,
 where nothing brings it within) is kept however slow: reverting it would raise a peak that
 already runs out of memory (`by_memory`). Otherwise, unless `Config.measure_steps` is 0, it is
 timed against the graphs from before it, in interleaved steps ([Note: interleaved measurement]
-in compiler/pipeline.py), and reverted when it is slower with confidence: every measured step
+in compiler/trial.py), and reverted when it is slower with confidence: every measured step
 after it slower than every step before it (with 3 steps each, a chance of 1 in 20 when nothing
 changed), and the median slower by more than `TIME_MARGIN`. A pass within the noise is kept:
 plans do not flip with the load of the machine. So once one step after it is no slower than

@@ -24,7 +24,7 @@ masters, optimizer state, kept parameters, accumulators: on a GPU, its memory â€
 process ends: a notebook that builds a second engine would run out of memory. So what Dynamo
 and AOTAutograd get holds the engine's objects through one weak reference each (`WeakBackend`,
 the argument swap's `_Swap`, `_WeakSlot`), dereferenced once per call; the engine owns them
-(`Backend.keep`, `Pipeline.slots`). A graph of a released engine that runs again says so.
+(`Backend.keep`, `SlotRunner.slots`). A graph of a released engine that runs again says so.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Backend:
         # [Note: shape families] in compiler/families.py: a recompilation of a frame with the
         # same parameters and structure (a new input shape) joins its family and runs the
         # family's plan; another structure ([Note: graph structure]) is a family of its own
-        family = self.pipeline.family_of(_compat.dynamo_frame_id(gm),
+        family = self.pipeline.runner.family_of(_compat.dynamo_frame_id(gm),
                                          tuple(e.pid for _, e in params),
                                          families.structure_digest(gm))
         record = GraphRecord(index=len(self.records), dynamo_nodes=len(gm.graph.nodes),
@@ -146,8 +146,8 @@ class Backend:
                 for node in piece.graph.nodes:
                     node.meta.pop("recompute", None)
                     node.meta.pop("ac_graph_id", None)
-                slot = alive(backend).pipeline.add_slot(record.family, kind, piece,
-                                                          record.params)
+                slot = alive(backend).pipeline.runner.add_slot(record.family, kind, piece,
+                                                                 record.params)
                 record.slots.append(slot.key)
                 return _WeakSlot(slot)
             return compile_piece

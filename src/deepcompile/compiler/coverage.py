@@ -14,8 +14,8 @@ insertion op of its parameter (`Coverage.of`):
     (a reduction, a member of a bucket, an accumulator), and the graph's output that held the
     parameter's shard gradient holds that reduction's (a gradient sent to the host is the
     reduction's of its own parameter too);
-after every pass that changed the graph (compiler/planner.py), for every plan transplanted onto
-another shape of a graph (compiler/pipeline.py), and at lowering, where every gather and
+after every pass that changed the graph (compiler/pass_manager.py), for every plan transplanted
+onto another shape of a graph (compiler/runner.py), and at lowering, where every gather and
 reduction of the planned graph must have become collectives of the same parameters
 (compiler/lower.py). A violation raises `CoverageError` naming the pass (or the lowering), the
 graph and the parameter, on every rank alike (the passes' decisions are agreed). Cost: one walk

@@ -3,7 +3,7 @@
 The passes plan from profiles of the graphs as they ran. In the steady state the step may
 change under the plan:
   * Dynamo compiles a new graph (a new input shape): it runs with insertion only, and the
-    memory the plan left free was measured without it (`Pipeline.add_slot`);
+    memory the plan left free was measured without it (`SlotRunner.add_slot`);
   * a graph with symbolic sizes (Dynamo's automatic dynamic shapes, e.g. the sequence length)
     is called with sizes larger than any it was profiled with (`SizeWatch`);
   * on CUDA, the offloader's reloads find the device fuller than planned (runtime/offload.py).
@@ -35,7 +35,7 @@ from torch import fx
 class SizeWatch:
     """The largest symbolic sizes (SymInt inputs) a graph was profiled with: with the profiles
     the plan stands on (a re-profile dropped with a reverted pass takes its sizes back:
-    `Pipeline._judge`)."""
+    `SlotRunner.forget_profile`)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

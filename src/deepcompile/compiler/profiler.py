@@ -215,7 +215,7 @@ def profile_run(gm: fx.GraphModule, args: list[Any], *, slot: str, version: int,
             # host, not the kernel — small nodes by far the most, which compiled code fuses.
             # Kept busy first for longer than the host takes to issue the graph, the device
             # finds every node already queued and the events time it alone. The pipeline
-            # sizes the lead from the last run's host time (Pipeline._profile_lead).
+            # sizes the lead from the last run's host time (SlotRunner._profile_lead).
             _compat.cuda_spin(lead_s, next(t.device for t in tensors_in(args) if t.is_cuda))
     t_begin = clock()
     result = None

@@ -4,7 +4,7 @@ AOTAutograd calls the slot in place of a compiled graph. `gm` is the planned gra
 communication IR of runtime/ops.py): passes rewrite it (never its inputs or outputs) and call
 `changed()`, which bumps `version`. What runs is its lowering (compiler/lower.py), made lazily
 for the current version — two variants when the graph accumulates gradients locally — and run
-by the pipeline's `runner` as the phase schedule says: the profiling run, the FX code, or the
+by the slot runner (compiler/runner.py) as the phase schedule says: the profiling run, the FX code, or the
 final compiled code.
 """
 
@@ -47,7 +47,7 @@ class GraphSlot:
         self.following: int | None = None         # the representative version it runs
         # [Note: graph structure] in compiler/families.py: the digest of its structure, the
         # structures of its code (one family each), and whether the ranks agree on the
-        # structure at each of its calls (`Pipeline._checks`)
+        # structure at each of its calls (`SlotRunner._checks`)
         self.structure = 0
         self.structures: "Structures | None" = None
         self.checked = False
@@ -56,7 +56,7 @@ class GraphSlot:
         self.pending: list["GraphProfile"] = []               # runs of the current profile step
         # (variant, version) -> lowered graph (variant `last`: the window's last micro-step),
         # and (variant, version, final) -> compiled code; two versions live side by side while
-        # a pass is measured against the graphs from before it (compiler/pipeline.py)
+        # a pass is measured against the graphs from before it (compiler/trial.py)
         self.lowered: dict[tuple[bool, int], "Lowered"] = {}
         self.compiled: dict[tuple[bool, int, bool], Callable] = {}
         self.variants: bool | None = None  # accumulates gradients locally (None: not known yet)

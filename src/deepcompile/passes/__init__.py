@@ -5,8 +5,8 @@ A pass has two halves so that a cached plan can be re-applied without profiling:
                 depend only on what `ctx` holds (the same on every rank), never on local timing;
   apply(ctx, decisions) -> the keys of the graph slots it changed (empty: nothing to do).
 A re-plan (the step drifted: compiler/drift.py) runs the kept passes again on the graphs as
-compiled ([Note: a re-plan starts over] in compiler/planner.py): a pass never sees its own
-previous rewrite.
+compiled ([Note: a re-plan starts over] in compiler/pass_manager.py): a pass never sees its
+own previous rewrite.
 Passes only schedule: they never change a graph's inputs or outputs, but for
 `activation_budget`, which changes what a forward hands its backward in a saved value's place
 ([Note: activations after partitioning]). A pass is a no-op when its pattern is absent.

@@ -1,5 +1,6 @@
 """What the scheduling passes (`prefetch`, `bucket_reduce`) share: the profiled steps they read,
-the collectives they plan, the fusion rule, and the graph surgery that splits a fused result."""
+the collectives they plan, the fusion rule and the greedy grouping over it, and the graph surgery
+that splits a fused result."""
 
 from __future__ import annotations
 
@@ -77,6 +78,29 @@ def fuses(cost_s: Callable[[int], float], members: list[Collective], nxt: Collec
     if not cost_s(total + nxt.nbytes) < cost_s(total) + cost_s(nxt.nbytes) + launch_s:
         return False
     return policy == "cap" or between_s < split_margin * (cost_s(nxt.nbytes) + launch_s)
+
+
+def fused_groups(collectives: list[Collective], compute: list[float],
+                 cost_s: Callable[[int], float], max_bytes: int, launch_s: float, policy: str,
+                 fits: Callable[[list[Collective], Collective], bool],
+                 ) -> Iterator[list[Collective]]:
+    """The collectives, in their order, grouped greedily: a group takes the next collective
+    while `fuses` says so (`between_s`: the profiled `compute` between the group's first member
+    and the newcomer) and the pass's own condition `fits(members, newcomer)` (memory) holds;
+    else the newcomer starts the next group. Lazy: the caller places each group (spending the
+    memory `fits` reads) before the next one forms."""
+    k = 0
+    while k < len(collectives):
+        members = [collectives[k]]
+        k += 1
+        while k < len(collectives):
+            nxt, first = collectives[k], members[0]
+            if not (fuses(cost_s, members, nxt, sum(compute[first.index:nxt.index]), max_bytes,
+                          launch_s, policy) and fits(members, nxt)):
+                break
+            members.append(nxt)
+            k += 1
+        yield members
 
 
 def launch_s(cost, kind: str) -> float:

@@ -38,9 +38,9 @@ from ..runtime import ops
 from ..runtime.registry import lookup
 from . import Facts, PassContext, register_pass
 from ._common import ONE_RANK
-from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
-                      group_summary, profiled_graphs, replace_with_parts, unattainable,
-                      warn_unattainable)
+from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept,
+                      fused_groups, group_summary, profiled_graphs, replace_with_parts,
+                      unattainable, warn_unattainable)
 
 
 MAX_BUCKET_BYTES = 64 << 20
@@ -70,24 +70,16 @@ def plan_graph(steps: list[Step], reduces: list[Reduce], cost, budget: float,
     def fits(lo: int, hi: int, nbytes: int) -> bool:
         return all(live[j] + extra[j] + nbytes <= budget for j in range(lo, hi))
 
+    def holds(members: list[Reduce], nxt: Reduce) -> bool:
+        first = members[0]
+        # the members' gradients stay alive from where each was produced to the newcomer
+        held = [(m.index, m.grad_bytes) for m in members]
+        return (nxt.accumulated == first.accumulated
+                and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
+                        for j in range(first.index, nxt.index)))
+
     buckets: list[dict[str, Any]] = []
-    k = 0
-    while k < len(reduces):
-        members = [reduces[k]]
-        k += 1
-        while k < len(reduces):
-            nxt, first = reduces[k], members[0]
-            # the members' gradients stay alive from where each was produced to the newcomer
-            held = [(m.index, m.grad_bytes) for m in members]
-            if (nxt.accumulated == first.accumulated
-                    and fuses(c, members, nxt, sum(compute[first.index:nxt.index]),
-                              max_bucket_bytes, host, policy)
-                    and all(live[j] + extra[j] + sum(b for i, b in held if i <= j) <= budget
-                            for j in range(first.index, nxt.index))):
-                members.append(nxt)
-                k += 1
-            else:
-                break
+    for members in fused_groups(reduces, compute, c, max_bucket_bytes, host, policy, holds):
         last = members[-1]
         for m in members[:-1]:
             for j in range(m.index, last.index):

@@ -63,7 +63,7 @@ The plan:
   buffers past it would take the host down, not the device.
 
 Re-planning: a re-plan runs the pass again on the graphs as compiled ([Note: a re-plan starts
-over] in compiler/planner.py), so `apply` never meets a previous plan's ops.
+over] in compiler/pass_manager.py), so `apply` never meets a previous plan's ops.
 
 Order with other passes: passes before this one see the curve with the state off the device
 (provisional) and may spend that memory; this plan then keeps on the device only the state

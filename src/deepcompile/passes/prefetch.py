@@ -38,9 +38,9 @@ from ..runtime import ops
 from ..runtime.registry import lookup
 from . import Facts, PassContext, register_pass
 from ._common import ONE_RANK
-from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept, fuses,
-                      group_summary, profiled_graphs, replace_with_parts, steps_of, unattainable,
-                      warn_unattainable)
+from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept,
+                      fused_groups, group_summary, profiled_graphs, replace_with_parts, steps_of,
+                      unattainable, warn_unattainable)
 
 
 MAX_FUSED_BYTES = 64 << 20
@@ -72,30 +72,21 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         k = max(k, 0)
         return live[k] + extra[k] + reserve[k]
 
+    def holds(members: list[Gather], nxt: Gather) -> bool:
+        first = members[0]
+        total = sum(m.nbytes for m in members)
+        # the newcomer is held from the group's wait to its use, on top of the members fused
+        # before it (each held from the wait to its own use)
+        return (all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:] if j < m.index)
+                    <= budget for j in range(first.index, nxt.index))
+                # where the group's start runs if it cannot move up: the whole group at once
+                and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
+                + total + nxt.nbytes <= budget)
+
     groups: list[dict[str, Any]] = []
     last_start = 0
-    k = 0
-    while k < len(gathers):
-        members = [gathers[k]]
-        k += 1
-        # fuse the following gathers while the cost model favours it and memory allows
-        while k < len(gathers):
-            nxt, first = gathers[k], members[0]
-            total = sum(m.nbytes for m in members)
-            # the newcomer is held from the group's wait to its use, on top of the members
-            # fused before it (each held from the wait to its own use)
-            if (fuses(c, members, nxt, sum(compute[first.index:nxt.index]), max_fused_bytes, host,
-                      policy)
-                    and all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:]
-                                                        if j < m.index) <= budget
-                            for j in range(first.index, nxt.index))
-                    # where the group's start runs if it cannot move up: the whole group at once
-                    and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
-                    + total + nxt.nbytes <= budget):
-                members.append(nxt)
-                k += 1
-            else:
-                break
+    # fuse the following gathers while the cost model favours it and memory allows
+    for members in fused_groups(gathers, compute, c, max_fused_bytes, host, policy, holds):
         first = members[0]
         for m in members:   # planned now: their own checks below replace the reserve
             reserve[max(m.index - 1, 0)] = 0

@@ -166,7 +166,7 @@ class Report:
             passes.append(entry)
         auto = None
         if engine.config.auto_passes:
-            auto = {"chosen": pipe.planner.chosen, "left_out": pipe.planner.left_out}
+            auto = {"chosen": pipe.passes.chosen, "left_out": pipe.passes.left_out}
         auto = {**(auto or {}), "fusion": pipe.fusion, "fusion_reason": pipe.fusion_reason}
         return cls(
             world_size=engine._comm.world,
@@ -180,7 +180,7 @@ class Report:
             graphs=graphs,
             passes=passes,
             step_summary=pipe.step_summary(),
-            cache=dict(pipe.cache_info),
+            cache=dict(pipe.cache.info),
             timings={**pipe.timings, "profiling_overhead_s": pipe.profiling_overhead_s()},
             comm=engine.comm_stats(),
             eager_fallback_gathers=engine._fallback.materializations,

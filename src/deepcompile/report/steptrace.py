@@ -100,7 +100,7 @@ class StepTracer:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._prof = profile(activities=acts)
         self._prof.__enter__()
-        self.pipeline.tracing = []
+        self.pipeline.runner.tracing = []
         return True
 
     def stop(self, phase: str, step_s: float) -> None:
@@ -109,7 +109,8 @@ class StepTracer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._prof.__exit__(None, None, None)
-        runs, self.pipeline.tracing = self.pipeline.tracing, None
+        runner = self.pipeline.runner
+        runs, runner.tracing = runner.tracing, None
         events = _compat.profiler_events(self._prof)
         self._prof = None
         self.result = self._digest(events, runs, phase, step_s)

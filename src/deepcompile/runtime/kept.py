@@ -98,7 +98,7 @@ class KeptParams:
 
     def suspend(self) -> None:
         """No refresh until `resume` (steps that run graphs from before the kept parameters
-        existed: a pass measured against the graphs before it, compiler/pipeline.py)."""
+        existed: a pass measured against the graphs before it, compiler/trial.py)."""
         self._suspended = True
 
     def resume(self) -> None:

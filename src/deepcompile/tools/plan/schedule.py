@@ -12,10 +12,11 @@ gradient shards and Adam's two moments are fp32 shards (16 bytes per shard eleme
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from ...compiler.cost import CostModel
 from .compose import Model, Param
 from .simulate import Event
 
@@ -29,17 +30,11 @@ GRAD_SHARD_BYTES = 4      # shard.grad (fp32)
 ADAMW_TRAFFIC = 80
 
 
-class Cost(Protocol):
-    def collective_s(self, kind: str, nbytes: int) -> float: ...
-    def copy_s(self, nbytes: int) -> float: ...
-    def launch_s(self, kind: str) -> float: ...
-
-
 @dataclasses.dataclass
 class Setting:
     model: Model
     world: int
-    cost: Cost
+    cost: CostModel
     budget: float                  # bytes per rank (planners' memory budget)
     gas: int
     mem_bw: float                  # achievable device memory bandwidth (on-device copies)
@@ -51,14 +46,14 @@ class Setting:
     framework_s: float = 0.0       # host time per micro-step outside the graphs (guards, ...)
     framework_async_s: float | None = None   # the same with asynchronous collectives, where it
                                              # was measured apart (CPU ranks: ours.schedule)
-    plan_cost: Cost | None = None  # the cost model the passes plan with (default: `cost`)
+    plan_cost: CostModel | None = None  # the cost model the passes plan with (default: `cost`)
     replay: dict | None = None     # a run's decisions to replay (ours.py; validation)
     fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
     layout: str = "shard"          # the data-parallel layout: "shard", "hsdp", "hpz"
     group: int = 0                 # its group size G (0: every rank)
 
     @property
-    def planner_cost(self) -> Cost:
+    def planner_cost(self) -> CostModel:
         return self.plan_cost if self.plan_cost is not None else self.cost
 
     @property
@@ -114,19 +109,19 @@ class Setting:
         return ADAMW_TRAFFIC * self.shard_elems() / self.mem_bw
 
 
-def async_s(cost: Cost, kind: str, nbytes: int) -> float:
+def async_s(cost: CostModel, kind: str, nbytes: int) -> float:
     """Lane time of an asynchronous collective (a measured CPU network times them apart)."""
     fn = getattr(cost, "async_s", None)
     return fn(kind, nbytes) if fn is not None else cost.collective_s(kind, nbytes)
 
 
-def wait_s(cost: Cost, kind: str) -> float:
+def wait_s(cost: CostModel, kind: str) -> float:
     """Host time of an asynchronous collective's wait op (0 where the cost model has none)."""
     fn = getattr(cost, "wait_s", None)
     return fn(kind) if fn is not None else 0.0
 
 
-def async_launch_s(cost: Cost, kind: str, nbytes: int) -> float:
+def async_launch_s(cost: CostModel, kind: str, nbytes: int) -> float:
     """Host time of launching an asynchronous collective: the launch, plus the part of the
     collective that cannot overlap the host's compute (a CPU rank: `overlap` < 1; a GPU: 1)."""
     overlap = getattr(cost, "overlap", 1.0)

@@ -50,7 +50,7 @@ class Snapshot:
     runtime: dict[str, Any]
 
 
-class Planner:
+class PassManager:
     def __init__(self, *, slots: dict, runtime, context: Callable[[], PassContext],
                  summarize: Callable[[dict], dict]) -> None:
         self.slots = slots
@@ -100,6 +100,10 @@ class Planner:
         """The log entries of the plan in force: since the last re-plan started over
         (`restart`), or all of them."""
         return self.entries[self._since:]
+
+    def kept(self) -> list[str]:
+        """The passes kept so far in the plan in force, in order."""
+        return [e["pass"] for e in self.current() if e.get("kept", True)]
 
     def decisions(self) -> dict[str, Any]:
         """Decisions of the passes kept so far in the plan in force (what later passes read)."""
