@@ -199,7 +199,7 @@ def test_offload_optimizer_parity_and_budget(nccl, compiler):
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
-    """Offload tier 2 on CUDA ([Note: gradients on the host] in runtime/offload.py): a budget
+    """Offload tier 2 on CUDA ([Note: gradients on the host] in runtime/offload/grads.py): a budget
     below what all the state off the device reaches (halfway to all state and all gradients
     off) sends gradients to the host, from pinned memory on the copy streams, and trains
     bitwise the same within the budget."""
@@ -214,7 +214,7 @@ def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_masters_on_the_host_parity_and_budget(nccl, compiler, monkeypatch):
-    """Offload tier 3 on CUDA ([Note: masters on the host] in runtime/offload.py), bf16 compute:
+    """Offload tier 3 on CUDA ([Note: masters on the host] in offload/masters.py), bf16 compute:
     at the lowest peak the pass can reach, masters go to the host (pinned, on the copy streams),
     the gathers read their bf16 copies, and training is bitwise the same within the budget
     (streamed through the device's step: DEEPCOMPILE_HOST_STEP=never)."""
@@ -230,7 +230,7 @@ def test_masters_on_the_host_parity_and_budget(nccl, compiler, monkeypatch):
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_the_host_step_parity_and_budget(nccl, compiler, monkeypatch):
-    """Offload tier 4 on CUDA ([Note: the host step] in runtime/offload.py): the chunks whose
+    """Offload tier 4 on CUDA ([Note: the host step] in offload/host_step.py): the chunks whose
     masters are on the host step there (torch's CPU kernel, from the pinned buffers after their
     events), their bf16 copies go up on the copy stream; within the budget, training within
     rounding of the device's step."""

@@ -1,7 +1,7 @@
 """Pass `offload_optimizer`: keep on the device only what fits the budget, from the profile.
 
 The unit is a chunk of the flat layout (runtime/flat.py); what moves is its optimizer state
-(tier 1, runtime/offload.py). The plan reads one memory curve over the optimizer step:
+(tier 1, runtime/offload/). The plan reads one memory curve over the optimizer step:
 
 * the profiled graphs in their recorded execution order (every micro-step of the accumulation
   window), each node's live bytes with all state on the device: the measured bytes plus the
@@ -35,13 +35,13 @@ The plan:
   that cannot come back in a graph is streamed through the device during the step;
 * when all state off the device is not enough (the graphs' curve, or the step, stays over the
   budget), the gradients of chunks go too (tier 2, [Note: gradients on the host] in
-  runtime/offload.py): every chunk's state is streamed through the step, and chunks are taken in
+  runtime/offload/): every chunk's state is streamed through the step, and chunks are taken in
   the order their gradients are complete in the backward (the earliest are off the device for
   longest) until the curve — less each taken gradient once its copy out ends (the copies
   queued one after another from the node that makes each: `_all_state_off`) — and the step
   fit. A `grad_to_host` op goes right after each of their gradients;
 * when that is not enough either, the masters of chunks go too (tier 3, [Note: masters on the
-  host] in runtime/offload.py), of chunks whose gradients go, in chunk order, each only where it
+  host] in offload/masters.py), of chunks whose gradients go, in chunk order, each only where it
   lowers the peak (streamed through the step, a master adds to its staging), until the curve
   and the step fit: each saves its master's bytes less the copy in the compute dtype the device
   keeps for the gathers (only with a narrower compute dtype, at ZeRO-3, and not for a chunk with
@@ -50,7 +50,7 @@ The plan:
   free more (a tier-2 gradient frees 4 bytes per parameter for 4 out and 4 in; a master under
   bf16 frees 2 for 4 out and 4 in), so they go first;
 * chunks whose masters go may step on the host instead (tier 4, [Note: the host step] in
-  runtime/offload.py): then the step streams nothing of them (no staging), and only their copy
+  runtime/offload/): then the step streams nothing of them (no staging), and only their copy
   in the compute dtype goes up. The plan takes it where it is predicted faster — per chunk, its
   copies in and out (the two directions at once) plus the device's step, against the host's
   step at the rate the runtime measured (`Offloader.host_step_rate`, agreed over the ranks:
@@ -204,7 +204,7 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
 
 def host_bytes(chunks: list[dict], grads: list[GradItem],
                masters: list[MasterItem]) -> int:
-    """Host bytes a plan keeps (runtime/offload.py's host buffers): each offloaded chunk's
+    """Host bytes a plan keeps (runtime/offload's host buffers): each offloaded chunk's
     state; at tier 2 its flat gradient; at tier 3 its master; at tier 4 its copy's staging."""
     flat = {g.chunk: g.flat_bytes for g in grads}
     master = {m.chunk: m for m in masters}
@@ -352,7 +352,7 @@ def _plan_step(points: list[Point], items: list[Item], step_base: int,
 
 @dataclasses.dataclass
 class HostStep:
-    """What the plan knows of the host step ([Note: the host step] in runtime/offload.py)."""
+    """What the plan knows of the host step ([Note: the host step] in offload/host_step.py)."""
     seconds_per_element: float   # the host's step, measured (`Offloader.host_step_rate`)
     # the device's own step, per element: the same as the host's on the CPU (the same memory
     # and kernels); 0 on a GPU, whose step reads HBM at ~100x PCIe's bandwidth
@@ -600,7 +600,7 @@ def timeline(ctx: PassContext, offset: int = 0) -> list[Point]:
 
 def master_items(ctx: PassContext, points: list[Point]) -> list[MasterItem]:
     """Per chunk whose master may live on the host ([Note: masters on the host] in
-    runtime/offload.py): what that saves the device. Not a chunk with a parameter kept gathered
+    runtime/offload/): what that saves the device. Not a chunk with a parameter kept gathered
     or accumulated locally (`selective_unshard`: their refresh and tables read the shard), or
     whose graph Dynamo reuses (the gathers read the copy as a fixed input).
 
@@ -667,7 +667,7 @@ def items_of(store) -> list[Item]:
 def plan(ctx: PassContext) -> dict[str, Any]:
     store = ctx.runtime.offload
     # the profiles were measured with every chunk's state off the device ([Note: provisional
-    # offload] in runtime/offload.py): add it back
+    # offload] in runtime/offload/__init__.py): add it back
     offset = store.profile_offset()
     points = timeline(ctx, offset)
     mode = store.host_step   # Config.host_step

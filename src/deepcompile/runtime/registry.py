@@ -55,7 +55,7 @@ class ParamEntry:
     # ZeRO-1/2: the replicated parameter's detached alias (same memory), which compiled graphs
     # take in its place ([Note: gradients to shards] in compiler/replicated.py)
     replica: torch.Tensor | None = None
-    # offload tier 3 ([Note: masters on the host] in runtime/offload.py): while the master
+    # offload tier 3 ([Note: masters on the host] in runtime/offload/masters.py): while the master
     # shard lives on the host, the device holds this copy of it in the compute dtype, and
     # every gather reads it instead of `shard` (whose storage is released then)
     lowp: torch.Tensor | None = None
