@@ -58,7 +58,7 @@ from torch import fx
 from ..compiler import graph as G
 from ..runtime import activations as act_ops
 from ..runtime import ops
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import Step, mib, size, steps_of, top
 
 log = logging.getLogger("deepcompile")
@@ -486,17 +486,17 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     if not decisions:
         return changed
     store = act_ops.store_of(ctx.runtime)   # before the re-profile: its buffers are host memory
-    pid = next(iter(ctx.registry.entries)).pid
+    engine = ctx.runtime.handle   # what the ops find the runtime by
     for _, d in sorted(decisions.items()):
         if not d["choices"]:
             continue
         fw_gm, bw_gm = ctx.slots[d["fw"]].gm, ctx.slots[d["bw"]].gm
-        _rewrite(fw_gm, bw_gm, d["choices"], pid, store.device)
+        _rewrite(fw_gm, bw_gm, d["choices"], engine, store.device)
         changed += [d["fw"], d["bw"]]
     return changed
 
 
-def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], pid: int,
+def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], engine: int,
              device: torch.device) -> None:
     """Rewrite the pair for `choices` (the module docstring). Every position is read from the
     graphs as they are before the rewrite starts."""
@@ -537,15 +537,15 @@ def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], 
         val = s.meta["val"]
         if c["action"] == "offload":
             with fw.inserting_after(free_at):
-                host = fw.call_function(act_ops.OFFLOAD, (s, pid))
+                host = fw.call_function(act_ops.OFFLOAD, (s, engine))
             host.meta["val"] = _like(val, device=torch.device("cpu"))
             out_node.args = fx.node.map_arg(out_node.args, lambda a: host if a is s else a)
             anchor = after.next if after is not p else _after_inputs(bw)
             with bw.inserting_before(anchor):
-                dst = bw.call_function(act_ops.RELOAD, (after, p, pid, val.device))
+                dst = bw.call_function(act_ops.RELOAD, (after, p, engine, val.device))
             dst.meta["val"] = val
             with bw.inserting_before(first):
-                wait = bw.call_function(act_ops.WAIT, (dst, pid))
+                wait = bw.call_function(act_ops.WAIT, (dst, engine))
             wait.meta["val"] = None
             p.replace_all_uses_with(dst, delete_user_cb=lambda u: u is not dst)
             p.meta["val"] = host.meta["val"]

@@ -84,7 +84,7 @@ from torch import fx
 
 from ..compiler.agree import agree_max
 from ..runtime import offload, ops
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import mib
 
 log = logging.getLogger("deepcompile")
@@ -695,14 +695,14 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     changed: set[str] = set()
     store.set_plan({c["chunk"]: c["tier"] for c in decisions["chunks"]},
                    ctx.memory_budget)
-    any_pid = next(iter(ctx.registry)).pid
+    any_pid, engine = next(iter(ctx.registry)).pid, ctx.runtime.handle
     for r in decisions["reloads"]:
         graph = ctx.slots[r["slot"]].gm.graph
         node = next(n for n in graph.nodes if n.name == r["after"])
         group = store.add_reload_group(r["chunks"])
         with graph.inserting_after(node):
             op = graph.call_function(offload.RELOAD_STATE,
-                                     (_order_input(graph, node), [any_pid], group))
+                                     (_order_input(graph, node), [any_pid], group, engine))
         op.meta["val"] = None
         graph.lint()
         changed.add(r["slot"])
@@ -716,7 +716,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
             for node, pid in grad_outputs(graph):
                 if chunk_of[pid].index in to_host:
                     with graph.inserting_after(node):
-                        op = graph.call_function(offload.GRAD_TO_HOST, (node, pid))
+                        op = graph.call_function(offload.GRAD_TO_HOST, (node, pid, engine))
                     op.meta["val"] = None
                     changed.add(key)
             graph.lint()

@@ -21,12 +21,16 @@ The lowered graphs take what they need from here as extra inputs, looked up once
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
 `shards_changed` around the optimizer step (the flat step calls `stepped` as it updates each
 chunk), and `settle` where nothing may be left in flight. Nothing here is global: two engines
-in one process have two runtimes.
+in one process have two runtimes. An op outside the lowered graphs' inputs (offload's, the
+activations') names its engine by an integer handle (`EngineRuntime.handle`), which `runtime_of`
+resolves; the table holds the runtimes weakly, so a released engine is freed.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -41,6 +45,14 @@ from .secondary import SecondaryShards
 from .state import StepState
 
 log = logging.getLogger("deepcompile")
+
+_NEXT_HANDLE = itertools.count()
+_RUNTIMES: "weakref.WeakValueDictionary[int, EngineRuntime]" = weakref.WeakValueDictionary()
+
+
+def runtime_of(handle: int) -> "EngineRuntime | None":
+    """The runtime of the engine whose handle is `handle`; None once that engine is released."""
+    return _RUNTIMES.get(handle)
 
 
 class ParkedGathers:
@@ -123,7 +135,8 @@ class EngineRuntime:
         # shards ([Note: masters on the host] in runtime/offload/masters.py)
         self.epoch = 0
         self._warned_unused = False
-        registry.bind(self)
+        self.handle = next(_NEXT_HANDLE)   # what ops name this engine by (`runtime_of`)
+        _RUNTIMES[self.handle] = self
 
     @property
     def defers_reduce(self) -> bool:

@@ -1,7 +1,8 @@
 """The ops `offload_optimizer` inserts into backward graphs: `reload_state` and `grad_to_host`.
 
 Neither has an output: both are registered as side-effecting (FX and Inductor keep them), and as
-host<->device copies, not collectives (ops.register_comm_op).
+host<->device copies, not collectives (ops.register_comm_op). Each names its engine by the
+runtime's handle (`engine`: `runtime_of` in runtime/runtime.py).
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ import torch
 from torch.profiler import record_function
 
 from .. import ops
-from ..registry import lookup
+from ..runtime import runtime_of
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::reload_state", mutates_args=())
-def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
+def reload_state(after: torch.Tensor, pids: list[int], group: int, engine: int) -> None:
     """Start copying reload group `group` (the optimizer state of chunks registered by the pass
-    with `add_reload_group`; `pids` name a parameter of the engine) back to the device, in the
-    last micro-step of the accumulation window only (the state is needed at the optimizer
-    step). `after` orders the op after the node that produced it."""
-    runtime = lookup(pids[0]).runtime()
+    with `add_reload_group`) back to the device, in the last micro-step of the accumulation
+    window only (the state is needed at the optimizer step). `after` orders the op after the
+    node that produced it; `pids` name a parameter of the engine (what the graph's
+    communication signature shows: compiler/families.py)."""
+    runtime = runtime_of(engine)
     if runtime is None or not runtime.step.last_micro_step:
         return
     with record_function("deepcompile.reload_state"):
@@ -27,7 +29,7 @@ def reload_state(after: torch.Tensor, pids: list[int], group: int) -> None:
 
 
 @reload_state.register_fake
-def _(after, pids, group):
+def _(after, pids, group, engine):
     return None
 
 
@@ -38,12 +40,12 @@ ops.ORDER_ONLY.add(RELOAD_STATE)
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::grad_to_host", mutates_args=())
-def grad_to_host(grad: torch.Tensor, pid: int) -> None:
+def grad_to_host(grad: torch.Tensor, pid: int, engine: int) -> None:
     """Send the shard gradient `grad` of parameter `pid` to its chunk's host buffer ([Note:
     gradients on the host]): placed right after the node that produces it; the lowered graph
     returns None in its place. A follower (ops.FOLLOWERS: a pass that moves the gradient's node
     moves it too)."""
-    runtime = lookup(pid).runtime()
+    runtime = runtime_of(engine)
     if runtime is None:
         raise RuntimeError("deepcompile: a gradient to send to the host belongs to an engine "
                            "that was released")
@@ -52,7 +54,7 @@ def grad_to_host(grad: torch.Tensor, pid: int) -> None:
 
 
 @grad_to_host.register_fake
-def _(grad, pid):
+def _(grad, pid, engine):
     return None
 
 
