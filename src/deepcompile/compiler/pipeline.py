@@ -68,6 +68,7 @@ from . import cache as _cache
 from . import families as _families
 from .agree import agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .host import HostFigures, host_needs, measure_host
 from .coverage import Coverage
 from .drift import SizeWatch
 from .lower import Lowered, fold_profile, lower, needs_variants
@@ -656,10 +657,12 @@ class Pipeline:
             self._enter(Phase.STEADY)
 
     def _calibrate_if_needed(self) -> None:
+        self.host = HostFigures()
         if self.config.profile_steps == 0:
             return
         t0 = time.perf_counter()
         self.cost = calibrate(self.comm, self.device, layout=self.runtime.layout)
+        self.host = measure_host(self.runtime, host_needs(self.config), self.device)
         self.timings["calibration_s"] = time.perf_counter() - t0
 
     def _finish_profile(self) -> None:
@@ -833,7 +836,8 @@ class Pipeline:
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
                            decisions=self.planner.decisions(), fusion=self.fusion,
-                           layout=self.runtime.layout)
+                           layout=self.runtime.layout, host_step_rate=self.host.step_rate,
+                           host_capacity=self.host.capacity)
 
     def latest_profiles(self) -> dict[str, GraphProfile]:
         return {k: s.profile for k, s in self.slots.items() if s.profile is not None}

@@ -466,19 +466,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
 
 
 def _host_room(ctx: PassContext) -> float:
-    """Pinned host bytes the activations may take on every rank: what the node has available
-    now, shared by its local ranks (`Offloader.host_capacity` less the optimizer offload's own
-    buffers, which that already counts), plus this engine's activation buffers already made
-    (a plan reuses them); the MIN over ranks."""
-    from ..compiler.agree import agree_max
-
-    store = ctx.runtime.offload
-    room = store.host_capacity() - store.host_buffer_bytes() + \
-        act_ops.store_of(ctx.runtime).held_host_bytes()
-    if ctx.world_size > 1:
-        (neg,) = agree_max(ctx.runtime.comm, [-room], ctx.runtime.device)
-        room = -neg
-    return room
+    """Pinned host bytes the activations may take on every rank: the engine's host memory
+    (`PassContext.host_capacity`, measured at start-up before any host buffer was made, so this
+    engine's activation buffers already made count as room: a plan reuses them) less the
+    optimizer offload's host buffers."""
+    return ctx.host_capacity - ctx.runtime.offload.host_buffer_bytes()
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
@@ -635,4 +627,4 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("activation_budget", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=5, choose=auto)
+              order=5, choose=auto, needs={"host_memory"})

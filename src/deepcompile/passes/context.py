@@ -31,6 +31,12 @@ class PassContext:
                                            # compiler/autoplan.py)
     layout: Any = None                     # the data-parallel layout (runtime/mesh.py); None:
                                            # "shard"
+    # what is measured of the host at start-up for the passes that need it (`Pass.needs`),
+    # agreed over the ranks (compiler/host.py): seconds per element of the optimizer's step on
+    # the host, the slowest rank's (None: not measured); host bytes this engine's plans may
+    # keep, the smallest rank's (inf: unknown, or not measured)
+    host_step_rate: float | None = None
+    host_capacity: float = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,9 @@ class Pass:
     # its collectives run asynchronously (the planner models the framework's async overhead)
     asynchronous: bool = False
     # what it requires: "elementwise_optimizer" (the flat step over chunks), "warmup_steps"
-    # (state that exists after the first optimizer step)
+    # (state that exists after the first optimizer step), "host_step" and "host_memory" (the
+    # host's step rate and its memory, measured at start-up: `PassContext.host_step_rate`,
+    # `host_capacity`)
     needs: frozenset[str] = frozenset()
     # it holds the optimizer state under the memory budget: the engine re-plans it when the
     # step drifts in steady state (compiler/drift.py), and counts that state in the budget

@@ -78,7 +78,6 @@ class Offloader:
         self._counts = self._zero_counts()
         self.step_starts: list[int] = []   # CUDA: device bytes at profiled steps' start, no state
         self.host_seconds = 0.0            # wall time of the host steps (tier 4), all steps
-        self._host_rate: float | None = None   # `host_step_rate`, once measured
         # tier 2: where each parameter's gradient goes, and the factor the engine decided for
         # the host gradients (loss scale, clipping; None: 1)
         self._where = {e.pid: (s, i) for s in self.slots for i, e in enumerate(s.chunk.entries)}
@@ -471,18 +470,16 @@ class Offloader:
 
     def host_step_rate(self) -> float:
         """Seconds per element of the host step on this rank ([Note: the host step]), measured
-        once per engine on the largest chunk's size (at most 16 M elements: past the host's
-        caches, as the step's chunks are). Local: the pass agrees it over the ranks."""
-        if self._host_rate is None:
-            numel = max((c.numel for c in self.flat.chunks), default=0)
-            self._host_rate = host_step_seconds(self.flat, numel) / numel if numel else float("inf")
-        return self._host_rate
+        on the largest chunk's size (at most 16 M elements: past the host's caches, as the
+        step's chunks are). Local: agreed over the ranks at start-up (compiler/host.py)."""
+        numel = max((c.numel for c in self.flat.chunks), default=0)
+        return host_step_seconds(self.flat, numel) / numel if numel else float("inf")
 
     def host_capacity(self) -> float:
         """Host bytes this rank's plan may keep: what the node has available now
         (`/proc/meminfo`'s MemAvailable; inf where there is none), shared by its local ranks
         (`LOCAL_WORLD_SIZE`), plus this engine's host buffers already made (a plan reuses
-        them). Local: the pass agrees it over the ranks."""
+        them). Local: agreed over the ranks at start-up (compiler/host.py)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         return mem_available() / max(local, 1) + self.host_buffer_bytes()
 

@@ -5,9 +5,9 @@
 ZeRO-Offload does with its CPU Adam: per step its gradient goes down (during the backward, as
 at tier 2) and its copy in the compute dtype goes up (2 bytes per parameter under bf16), where
 streaming it through the device moves master, state and gradient in and master and state out.
-Which is faster depends on the host's cores against PCIe: the host step's rate is measured
-once per engine (`host_step_seconds`) and the plan compares (passes/offload_optimizer.py). A
-step (`step_on_host`):
+Which is faster depends on the host's cores against PCIe: the host step's rate is measured at
+start-up (`host_step_seconds`, compiler/host.py) and the plan compares (passes/
+offload_optimizer.py). A step (`step_on_host`):
   * waits on the host for the chunk's copies out (gradient, state, master);
   * makes the gradient what the device's fold would have made (gaps and unwritten shards zero,
     times the engine's factor `grad_scale`, brought to the host once per step);
