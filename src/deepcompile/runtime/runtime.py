@@ -51,7 +51,7 @@ _RUNTIMES: "weakref.WeakValueDictionary[int, EngineRuntime]" = weakref.WeakValue
 
 
 def runtime_of(handle: int) -> "EngineRuntime | None":
-    """The runtime of the engine whose handle is `handle`; None once that engine is released."""
+    """The runtime of the engine whose handle is `handle`; None once it is released."""
     return _RUNTIMES.get(handle)
 
 
