@@ -7,7 +7,7 @@ there, if that is faster: measure)"). Run on the GPU machine before building a h
 Both ways run for real over `--params` fp32 parameters in chunks of `--chunk-mib` MiB of
 masters (the flat layout's chunk, runtime/flat.py), AdamW with torch's fused kernels:
 
-  streamed   what the runtime does (runtime/offload.py, tier 2): per chunk, its Adam moments
+  streamed   what the runtime does (runtime/offload/, tier 2): per chunk, its Adam moments
              and its gradient copied from pinned host memory to the GPU on one copy stream,
              stepped there, the moments copied back on another; the next chunk's copy in runs
              while this one steps (LOOKAHEAD 1). Masters on the GPU.
@@ -145,7 +145,7 @@ def cuda_figures(sizes: list[int], repeats: int) -> dict:
     chunks = _host_state(sizes, cuda=True)
     masters = [torch.zeros(m.numel(), device=dev) for m, _ in chunks]
     # the device's optimizers (the runtime's inner one): their state tensors are swapped for
-    # the chunk's staged ones before each step, as runtime/offload.py does
+    # the chunk's staged ones before each step, as runtime/offload/ does
     placeholder = torch.empty(0, device=dev)
     device_opts = []
     for master in masters:

@@ -380,7 +380,7 @@ class Engine:
             flat.fold_grads(self._offload.device_grad_chunks())
             grads = flat.grads()
             # gradients on the host (offload tier 2) are checked by their norms, and scaled as
-            # they come back for the step ([Note: gradients on the host] in runtime/offload.py):
+            # they come back for the step ([Note: gradients on the host] in offload/grads.py):
             # by the inverse loss scale (read before the check updates the scale) and the
             # clipping coefficient
             host_sq = self._offload.host_grad_sumsq()
@@ -400,7 +400,7 @@ class Engine:
                 for hook in pre:   # the user's hooks on engine.optimizer, as its step would
                     hook(self.optimizer, (), {})
                 flat.sync_hyperparameters()
-                self._offload.run_step()   # offloaded state streamed in and out (runtime/offload.py)
+                self._offload.run_step()   # offloaded state streamed in and out (runtime/offload/)
                 for hook in post:
                     hook(self.optimizer, (), {})
                 # what the LR scheduler's wrapper of `optimizer.step` records (it is not called)
@@ -602,7 +602,7 @@ class Engine:
         """{parameter fqn: full tensor on CPU} in master dtype, gathered; the same on every rank.
         Collective: call it on every rank (docs/guide/collectives.md)."""
         out: dict[str, torch.Tensor] = {}
-        with self._offload.masters_home():   # [Note: masters on the host] in runtime/offload.py
+        with self._offload.masters_home():   # [Note: masters on the host] in offload/masters.py
             for entry in self._registry:
                 full = entry.comm.all_gather(entry.shard.detach())[: entry.numel]
                 full = full.view(entry.shape).to("cpu", copy=True)

@@ -12,7 +12,7 @@ so not in the default run:
 `DEEPCOMPILE_FUZZ=N` runs N seeds per case (1 counts as 3); `DEEPCOMPILE_FUZZ_MODELS=a,b`
 fuzzes the scheduling passes on those models only (default: all of MODELS).
 
-And `offload_optimizer` with gradients on the host (tier 2, runtime/offload.py) first, then the
+And `offload_optimizer` with gradients on the host (tier 2, runtime/offload/) first, then the
 other three in auto's order, under a budget halfway between what all the state off the device
 and all the gradients too reach: parity, the plan within the budget, and every measured profile.
 """

@@ -1,4 +1,4 @@
-"""Pass `offload_optimizer` and its run time (runtime/offload.py) on flat chunks.
+"""Pass `offload_optimizer` and its run time (runtime/offload/) on flat chunks.
 
 Unit tests of the planner on synthetic step curves (the budget held at every node and at the
 step of the curve recomputed here independently; a budget that fits half the state offloads

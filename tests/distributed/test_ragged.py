@@ -228,7 +228,7 @@ def test_an_order_only_argument_the_member_lacks_becomes_the_node_before_it(mark
     planned = copy.deepcopy(rep)
     alias = next(n for n in planned.graph.nodes if n.name == "alias")
     target, args = ((ops.ALLGATHER_FOR_NEXT, (alias, [7], torch.float32))
-                    if marker == "allgather_for_next" else (offload.RELOAD_STATE, (alias, [7], 0)))
+                    if marker == "allgather_for_next" else (offload.RELOAD_STATE, (alias, [7], 0, 0)))
     with planned.graph.inserting_after(alias):
         planned.graph.call_function(target, args)
     out, _ = families.transplant(rep, planned, member)

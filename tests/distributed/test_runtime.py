@@ -112,10 +112,11 @@ def _opcheck_job(rank, world):
         out[e.name] = True
     group = engine._offload.add_reload_group([])
     e = next(iter(engine._registry))
-    torch.library.opcheck(offload.reload_state, (e.shard.detach(), [e.pid], group))
+    handle = engine._runtime.handle
+    torch.library.opcheck(offload.reload_state, (e.shard.detach(), [e.pid], group, handle))
     # at tier 0 the gradient goes to `shard.grad` (a graph planned for tier 2, run after a
     # re-plan); the tier-2 path runs in tests/engine/test_offload_grads.py
-    torch.library.opcheck(offload.grad_to_host, (torch.randn(e.shard.numel()), e.pid))
+    torch.library.opcheck(offload.grad_to_host, (torch.randn(e.shard.numel()), e.pid, handle))
     out["grad_to_host_accumulated"] = e.shard.grad is not None
     # the activation copies start copies that a later op completes (an offload's buffer is
     # valid once its reload waited; a reload consumes its offload and a wait its reload:
@@ -125,11 +126,11 @@ def _opcheck_job(rank, world):
     from deepcompile.runtime import activations
 
     x = torch.randn(4, 3)
-    torch.library.opcheck(activations.activation_offload, (x, e.pid),
+    torch.library.opcheck(activations.activation_offload, (x, handle),
                           test_utils=("test_schema", "test_faketensor"))
-    host = activations.activation_offload(x, e.pid)
-    dst = activations.activation_reload(x, host, e.pid, x.device)
-    activations.activation_wait(dst, e.pid)
+    host = activations.activation_offload(x, handle)
+    dst = activations.activation_reload(x, host, handle, x.device)
+    activations.activation_wait(dst, handle)
     out["activation_copy"] = torch.equal(dst, x)
     out["custom_ops"] = sorted(
         n for n in dir(torch.ops.deepcompile) if not n.startswith("_")

@@ -1,4 +1,4 @@
-"""Gradients on the host (offload tier 2, [Note: gradients on the host] in runtime/offload.py),
+"""Gradients on the host (offload tier 2, [Note: gradients on the host] in offload/grads.py),
 in-process at world size 1 (the multi-rank runs are in tests/distributed/test_offload.py):
 
 * the runtime alone (tiers set by hand, no graph ops: every gradient reaches `shard.grad` and
@@ -213,7 +213,7 @@ def test_copies_back_still_under_way_finish_before_the_state_moves_again(group, 
 
 
 def test_the_state_of_an_offloaded_chunk_reads_as_meta_not_as_released_memory(group):
-    """[Note: optimizer state access] in runtime/offload.py: between steps an offloaded chunk's
+    """[Note: optimizer state access] in runtime/offload/slot.py: between steps an offloaded chunk's
     per-parameter state in `engine.optimizer.state` is meta tensors of the right shapes —
     printing them works, reading their values raises — where a view of the released device
     storage crashed the process on any read (a segfault; on CUDA an illegal memory access).

@@ -1,4 +1,4 @@
-"""Masters on the host (offload tier 3, [Note: masters on the host] in runtime/offload.py),
+"""Masters on the host (offload tier 3, [Note: masters on the host] in runtime/offload/masters.py),
 in-process at world size 1, bf16 compute under fp32 masters (a 2-rank run is in
 tests/distributed/test_offload.py):
 

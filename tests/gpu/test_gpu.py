@@ -139,17 +139,18 @@ def _offload_decisions(engine, last=False):
     return plans[-1 if last else 0]["decisions"]
 
 
-def _offload_under(compiler, own_budget, dtype=None, exact=True):
+def _offload_under(compiler, own_budget, dtype=None, exact=True, host_step="auto"):
     """Train without the pass, unbounded with it, then under the budget `own_budget(decisions of
     the unbounded run)` (in that run's terms) read in this process's terms: `memory_allocated`
     counts everything the process holds (the first GPU run derived a budget from an earlier
     engine's figures while that engine, and the one before, were still alive: unattainable,
     nothing offloaded). Checks the plan holds, training is bitwise the same, and the measured
     profiles after planning stay within the budget; returns (decisions, report's offload).
-    `exact=False`: training within rounding (the host step runs torch's CPU kernel)."""
+    `exact=False`: training within rounding (the host step runs torch's CPU kernel);
+    `host_step`: Config.host_step of the runs with the pass."""
     torch.backends.cuda.matmul.allow_tf32 = False
     base = {"compiler": compiler, "warmup_steps": 1, "passes": ("offload_optimizer",),
-            "measure_steps": 0}
+            "measure_steps": 0, "host_step": host_step}
     plain, plain_losses, _ = _train({"compiler": compiler, "warmup_steps": 1, "passes": ()},
                                     chunk=CHUNK, dtype=dtype)
     ref = plain.full_state_dict()
@@ -199,7 +200,7 @@ def test_offload_optimizer_parity_and_budget(nccl, compiler):
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
 def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
-    """Offload tier 2 on CUDA ([Note: gradients on the host] in runtime/offload.py): a budget
+    """Offload tier 2 on CUDA ([Note: gradients on the host] in runtime/offload/grads.py): a budget
     below what all the state off the device reaches (halfway to all state and all gradients
     off) sends gradients to the host, from pinned memory on the copy streams, and trains
     bitwise the same within the budget."""
@@ -213,15 +214,15 @@ def test_gradients_on_the_host_parity_and_budget(nccl, compiler):
 
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
-def test_masters_on_the_host_parity_and_budget(nccl, compiler, monkeypatch):
-    """Offload tier 3 on CUDA ([Note: masters on the host] in runtime/offload.py), bf16 compute:
+def test_masters_on_the_host_parity_and_budget(nccl, compiler):
+    """Offload tier 3 on CUDA ([Note: masters on the host] in offload/masters.py), bf16 compute:
     at the lowest peak the pass can reach, masters go to the host (pinned, on the copy streams),
     the gathers read their bf16 copies, and training is bitwise the same within the budget
-    (streamed through the device's step: DEEPCOMPILE_HOST_STEP=never)."""
+    (streamed through the device's step: Config.host_step="never")."""
     from deepcompile.runtime import offload
 
-    monkeypatch.setenv("DEEPCOMPILE_HOST_STEP", "never")
-    d, off = _offload_under(compiler, lambda d: d["lowest_peak_bytes"], dtype=torch.bfloat16)
+    d, off = _offload_under(compiler, lambda d: d["lowest_peak_bytes"], dtype=torch.bfloat16,
+                            host_step="never")
     assert any(c["tier"] == offload.MASTERS for c in d["chunks"])
     assert off["offloaded_master_bytes"] == d["offloaded_master_bytes"] > 0
     last = off["last_step"]
@@ -229,16 +230,15 @@ def test_masters_on_the_host_parity_and_budget(nccl, compiler, monkeypatch):
 
 
 @pytest.mark.parametrize("compiler", ["fx", "inductor"])
-def test_the_host_step_parity_and_budget(nccl, compiler, monkeypatch):
-    """Offload tier 4 on CUDA ([Note: the host step] in runtime/offload.py): the chunks whose
+def test_the_host_step_parity_and_budget(nccl, compiler):
+    """Offload tier 4 on CUDA ([Note: the host step] in offload/host_step.py): the chunks whose
     masters are on the host step there (torch's CPU kernel, from the pinned buffers after their
     events), their bf16 copies go up on the copy stream; within the budget, training within
     rounding of the device's step."""
     from deepcompile.runtime import offload
 
-    monkeypatch.setenv("DEEPCOMPILE_HOST_STEP", "always")
     d, off = _offload_under(compiler, lambda d: d["lowest_peak_bytes"], dtype=torch.bfloat16,
-                            exact=False)
+                            exact=False, host_step="always")
     host = [c for c in d["chunks"] if c["tier"] == offload.HOST]
     assert host and d["host_step"]["chosen"], d["host_step"]
     last = off["last_step"]

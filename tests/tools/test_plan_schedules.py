@@ -163,7 +163,7 @@ def test_offload_when_the_state_does_not_fit():
 
 def test_streamed_state_is_not_on_the_device_at_once():
     """World size 1, a budget no graph can reload in: the offloaded chunks stream through the
-    optimizer step (runtime/offload.py `run_step`: two on the device at a time). The simulated
+    optimizer step (runtime/offload/ `run_step`: two on the device at a time). The simulated
     step holds what is resident plus the staging, not all the state (it held all of it, and a
     plan that fits was reported as not fitting), and waits for the copies in."""
     m = synthetic(layers=6)
@@ -184,7 +184,7 @@ def test_streamed_state_is_not_on_the_device_at_once():
 
 
 def test_chunks_step_on_the_host_where_that_is_faster_or_only_it_fits():
-    """Offload tier 4 ([Note: the host step] in runtime/offload.py) as the planner plans it with
+    """Offload tier 4 ([Note: the host step] in offload/host_step.py) as the planner plans it with
     the pass's `plan_step`: at the host's assumed rate (`net.host_step_ns`) against streaming;
     a hosted chunk stages nothing on the device, the device's optimizer step covers the rest,
     and the host's step is host time before its copies' way up."""

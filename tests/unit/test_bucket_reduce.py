@@ -214,7 +214,7 @@ def test_a_gradient_sent_to_the_host_is_bucketed_and_its_op_follows_the_wait(mon
     graph = gm.graph
     ra = next(n for n in graph.nodes if n.name == "ra")
     with graph.inserting_after(ra):
-        graph.call_function(offload.GRAD_TO_HOST, (ra, 1))
+        graph.call_function(offload.GRAD_TO_HOST, (ra, 1, 0))
     assert not B._used_in_graph(ra)
     assert B.apply(ctx, decisions) == ["g0.bw"]
     graph.lint()

@@ -25,18 +25,6 @@ ENTRY_POINTS = {"deepcompile.__main__"}   # the command, outside tools/ so that 
 # Circles the code has today, each to be opened by a later change (then removed from here):
 # this list only shrinks.
 KNOWN_CIRCLES: list[set[str]] = [
-    # registry.py's type-only import of EngineRuntime (`ParamEntry.runtime`, the back-pointer two
-    # offload ops use to find their engine); runtime.py imports the other four, which import
-    # registry.py
-    {"deepcompile.runtime.runtime", "deepcompile.runtime.registry",
-     "deepcompile.runtime.accumulators", "deepcompile.runtime.kept",
-     "deepcompile.runtime.regather", "deepcompile.runtime.replicas"},
-    # passes/__init__.py imports the built-in passes to register them, and they import
-    # PassContext and register_pass back from it
-    {"deepcompile.passes", "deepcompile.passes._common", "deepcompile.passes.activation_budget",
-     "deepcompile.passes.bucket_reduce", "deepcompile.passes.offload_optimizer",
-     "deepcompile.passes.overlap_refresh",
-     "deepcompile.passes.prefetch", "deepcompile.passes.selective_unshard"},
     # engine.py imports __version__ from the package, which imports initialize and Engine
     # (lazily, and in its TYPE_CHECKING block)
     {"deepcompile", "deepcompile._api", "deepcompile.engine"},

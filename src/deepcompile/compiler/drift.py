@@ -6,7 +6,7 @@ change under the plan:
     memory the plan left free was measured without it (`SlotRunner.add_slot`);
   * a graph with symbolic sizes (Dynamo's automatic dynamic shapes, e.g. the sequence length)
     is called with sizes larger than any it was profiled with (`SizeWatch`);
-  * on CUDA, the offloader's reloads find the device fuller than planned (runtime/offload.py).
+  * on CUDA, the offloader's reloads find the device fuller than planned (runtime/offload/).
 The pipeline hands each to its `on_drift` listeners (the engine re-plans the passes that hold
 memory under the budget: `offload_optimizer`); a size check is a C-level comparison per graph
 call, and only for graphs with symbolic sizes.

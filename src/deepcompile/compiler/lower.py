@@ -216,7 +216,7 @@ class _Lowering:
     def source(self, shard: fx.Node, e: ParamEntry) -> fx.Node:
         """What a gather of `e` reads: its shard, or while its master is on the host (offload
         tier 3) the shard's device copy in the compute dtype, a fixed extra input ([Note:
-        masters on the host] in runtime/offload.py); a backward gather under hpz: its
+        masters on the host] in runtime/offload/masters.py); a backward gather under hpz: its
         secondary shard."""
         if self.secondary:
             return self.secondary_input(shard, e)

@@ -54,6 +54,7 @@ from . import autoplan
 from . import cache as _cache
 from .agree import agree_decisions, agree_max, agree_profiles, agreed_budget
 from .cost import CostModel, LinearCostModel, calibrate
+from .host import HostFigures, host_needs, measure_host
 from .pass_manager import PassManager
 from .phases import Phase
 from .profiler import GraphProfile
@@ -136,6 +137,7 @@ class Pipeline:
         self.outside_s = 0.0
         self._step_order: list[str] = []
         self.cost: CostModel | None = None
+        self.host: HostFigures | None = None   # measured with the cost model
         self.memory_budget = agreed_budget(self.comm, config.memory_budget, device)
         self.fusion, self.fusion_reason = autoplan.fusion_policy(device.type)
         self.passes = PassManager(slots=self.slots, runtime=runtime, context=self._context,
@@ -324,7 +326,11 @@ class Pipeline:
             return
         t0 = time.perf_counter()
         self.cost = calibrate(self.comm, self.device, layout=self.runtime.layout)
+        self.host = self._measure_host()
         self.timings["calibration_s"] = time.perf_counter() - t0
+
+    def _measure_host(self) -> HostFigures:
+        return measure_host(self.runtime, host_needs(self.config), self.device)
 
     def _finish_profile(self) -> None:
         self.order = list(self._step_order)  # one step's execution order
@@ -412,13 +418,16 @@ class Pipeline:
         # the profiles of the graphs as they are: a graph a pass rewrote whose structure did not
         # run in the re-profile that followed ([Note: graph structure] in compiler/families.py)
         # has none, and the later passes leave it as it is
+        if self.host is None:   # a plan loaded from the cache skipped the calibration
+            self.host = self._measure_host()
         current = {k: p for k, p in self.latest_profiles().items()
                    if p.version == self.slots[k].version}
         return PassContext(slots=self.runner.planning(), profiles=current, order=self.order,
                            registry=self.registry, runtime=self.runtime, cost=self.cost,
                            memory_budget=self.memory_budget, world_size=self.comm.world,
                            decisions=self.passes.decisions(), fusion=self.fusion,
-                           layout=self.runtime.layout)
+                           layout=self.runtime.layout, host_step_rate=self.host.step_rate,
+                           host_capacity=self.host.capacity)
 
     def latest_profiles(self) -> dict[str, GraphProfile]:
         return {k: s.profile for k, s in self.slots.items() if s.profile is not None}

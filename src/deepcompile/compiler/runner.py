@@ -333,7 +333,7 @@ class SlotRunner:
 
     def _check_epoch(self, slot: GraphSlot) -> None:
         """Code lowered in an earlier epoch of the runtime is made anew ([Note: masters on the
-        host] in runtime/offload.py)."""
+        host] in runtime/offload/masters.py)."""
         if slot.epoch != self.runtime.epoch:
             slot.lowered.clear()
             slot.compiled.clear()

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 from torch import fx
 
 from ..runtime import ops
-from . import PassContext
+from .context import PassContext
 
 log = logging.getLogger("deepcompile")
 

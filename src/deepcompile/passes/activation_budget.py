@@ -58,7 +58,7 @@ from torch import fx
 from ..compiler import graph as G
 from ..runtime import activations as act_ops
 from ..runtime import ops
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import Step, mib, size, steps_of, top
 
 log = logging.getLogger("deepcompile")
@@ -466,19 +466,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
 
 
 def _host_room(ctx: PassContext) -> float:
-    """Pinned host bytes the activations may take on every rank: what the node has available
-    now, shared by its local ranks (`Offloader.host_capacity` less the optimizer offload's own
-    buffers, which that already counts), plus this engine's activation buffers already made
-    (a plan reuses them); the MIN over ranks."""
-    from ..compiler.agree import agree_max
-
-    store = ctx.runtime.offload
-    room = store.host_capacity() - store.host_buffer_bytes() + \
-        act_ops.store_of(ctx.runtime).held_host_bytes()
-    if ctx.world_size > 1:
-        (neg,) = agree_max(ctx.runtime.comm, [-room], ctx.runtime.device)
-        room = -neg
-    return room
+    """Pinned host bytes the activations may take on every rank: the engine's host memory
+    (`PassContext.host_capacity`, measured at start-up before any host buffer was made, so this
+    engine's activation buffers already made count as room: a plan reuses them) less the
+    optimizer offload's host buffers."""
+    return ctx.host_capacity - ctx.runtime.offload.host_buffer_bytes()
 
 
 def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
@@ -486,17 +478,17 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     if not decisions:
         return changed
     store = act_ops.store_of(ctx.runtime)   # before the re-profile: its buffers are host memory
-    pid = next(iter(ctx.registry.entries)).pid
+    engine = ctx.runtime.handle   # what the ops find the runtime by
     for _, d in sorted(decisions.items()):
         if not d["choices"]:
             continue
         fw_gm, bw_gm = ctx.slots[d["fw"]].gm, ctx.slots[d["bw"]].gm
-        _rewrite(fw_gm, bw_gm, d["choices"], pid, store.device)
+        _rewrite(fw_gm, bw_gm, d["choices"], engine, store.device)
         changed += [d["fw"], d["bw"]]
     return changed
 
 
-def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], pid: int,
+def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], engine: int,
              device: torch.device) -> None:
     """Rewrite the pair for `choices` (the module docstring). Every position is read from the
     graphs as they are before the rewrite starts."""
@@ -537,15 +529,15 @@ def _rewrite(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, choices: list[dict], 
         val = s.meta["val"]
         if c["action"] == "offload":
             with fw.inserting_after(free_at):
-                host = fw.call_function(act_ops.OFFLOAD, (s, pid))
+                host = fw.call_function(act_ops.OFFLOAD, (s, engine))
             host.meta["val"] = _like(val, device=torch.device("cpu"))
             out_node.args = fx.node.map_arg(out_node.args, lambda a: host if a is s else a)
             anchor = after.next if after is not p else _after_inputs(bw)
             with bw.inserting_before(anchor):
-                dst = bw.call_function(act_ops.RELOAD, (after, p, pid, val.device))
+                dst = bw.call_function(act_ops.RELOAD, (after, p, engine, val.device))
             dst.meta["val"] = val
             with bw.inserting_before(first):
-                wait = bw.call_function(act_ops.WAIT, (dst, pid))
+                wait = bw.call_function(act_ops.WAIT, (dst, engine))
             wait.meta["val"] = None
             p.replace_all_uses_with(dst, delete_user_cb=lambda u: u is not dst)
             p.meta["val"] = host.meta["val"]
@@ -635,4 +627,4 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("activation_budget", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=5, choose=auto)
+              order=5, choose=auto, needs={"host_memory"})

@@ -43,7 +43,7 @@ from typing import Any
 from torch import fx
 
 from ..runtime import ops
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import ONE_RANK, Collective, fuses, launch_s, mib, module_of, size
 
 log = logging.getLogger("deepcompile")

@@ -36,7 +36,7 @@ from torch import fx
 
 from ..runtime import ops
 from ..runtime.registry import lookup
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import ONE_RANK
 from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, first_kept,
                       fused_groups, group_summary, profiled_graphs, replace_with_parts, steps_of,

@@ -61,7 +61,7 @@ from torch import fx
 from ..runtime import kept as _kept, ops
 from ..runtime.accumulators import accumulator_bytes
 from ..runtime.registry import lookup
-from . import Facts, PassContext, register_pass
+from .context import Facts, PassContext, register_pass
 from ._common import mib
 
 log = logging.getLogger("deepcompile")

@@ -5,17 +5,17 @@ backward leaves the device after its last forward use, and the backward graph so
 comes back ahead of its first backward use. Three ops carry it, each one Python call per
 activation per graph run:
 
-  forward    `activation_offload(x, pid) -> host`: a pinned host buffer, being filled from `x`;
+  forward    `activation_offload(x, engine) -> host`: a pinned host buffer, being filled from `x`;
              the forward returns it in `x`'s place (AOTAutograd saves whatever the forward
              returns there and hands it to the backward);
-  backward   `activation_reload(after, host, pid, device) -> dst`: a fresh device tensor in the
+  backward   `activation_reload(after, host, engine, device) -> dst`: a fresh device tensor in the
              host buffer's layout, being filled from it (`after` orders the op: where the plan
              starts the copy);
-             `activation_wait(dst, pid)`: the compute stream waits for that copy, then `dst`
+             `activation_wait(dst, engine)`: the compute stream waits for that copy, then `dst`
              holds the value (declared as mutating `dst`: every reader comes after it).
 
-`pid` names a parameter of the engine, through which the op finds the engine's runtime (as
-offload's `reload_state` does); it is no communication.
+`engine` is the engine's handle, through which the op finds its runtime (`runtime_of` in
+runtime/runtime.py, as offload's ops do); none of them is communication.
 
 [Note: activation copies] The copies run through the optimizer offload's copier (runtime/
 offload.py, [Note: offload streams]): on CUDA its two copy streams, ordered by events, on the
@@ -45,7 +45,7 @@ import torch
 from torch.profiler import record_function
 
 from . import ops
-from .registry import lookup
+from .runtime import runtime_of
 
 
 class ActivationStore:
@@ -142,8 +142,8 @@ def store_of(runtime) -> ActivationStore:
     return runtime.activations
 
 
-def _store(pid: int) -> ActivationStore:
-    runtime = lookup(pid).runtime()
+def _store(engine: int) -> ActivationStore:
+    runtime = runtime_of(engine)
     if runtime is None:
         raise RuntimeError("deepcompile: an activation copy belongs to an engine that was released")
     return store_of(runtime)
@@ -151,41 +151,41 @@ def _store(pid: int) -> ActivationStore:
 
 # -- the ops the pass inserts -----------------------------------------------------------------
 @torch.library.custom_op(f"{ops.NAMESPACE}::activation_offload", mutates_args=())
-def activation_offload(x: torch.Tensor, pid: int) -> torch.Tensor:
+def activation_offload(x: torch.Tensor, engine: int) -> torch.Tensor:
     """Start copying `x` to a pinned host buffer; returns the buffer ([Note: activation
     copies])."""
     with record_function("deepcompile.activation_offload"):
-        return _store(pid).offload(x)
+        return _store(engine).offload(x)
 
 
 @activation_offload.register_fake
-def _(x, pid):
+def _(x, engine):
     return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::activation_reload", mutates_args=())
-def activation_reload(after: torch.Tensor, host: torch.Tensor, pid: int,
+def activation_reload(after: torch.Tensor, host: torch.Tensor, engine: int,
                       device: torch.device) -> torch.Tensor:
     """Start copying `host` back into a new tensor on `device` in its layout; returns it, valid
     once `activation_wait` ran. `after` only orders the op (ops.ORDER_ONLY)."""
     with record_function("deepcompile.activation_reload"):
-        return _store(pid).reload(host)
+        return _store(engine).reload(host)
 
 
 @activation_reload.register_fake
-def _(after, host, pid, device):
+def _(after, host, engine, device):
     return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
 
 
 @torch.library.custom_op(f"{ops.NAMESPACE}::activation_wait", mutates_args=("dst",))
-def activation_wait(dst: torch.Tensor, pid: int) -> None:
+def activation_wait(dst: torch.Tensor, engine: int) -> None:
     """The compute stream waits for the copy into `dst` ([Note: activation copies])."""
     with record_function("deepcompile.activation_wait"):
-        _store(pid).wait(dst)
+        _store(engine).wait(dst)
 
 
 @activation_wait.register_fake
-def _(dst, pid):
+def _(dst, engine):
     return None
 
 

@@ -31,7 +31,7 @@ kernel rounds differently from an eager run there). An implementation the user c
     scheduler drives the facade);
   * steps chunks (`step(chunks)`): the inner optimizer steps exactly the chunks whose flat
     parameter has a gradient, so the offloader can step resident chunks in one call and
-    stream the others in (runtime/offload.py).
+    stream the others in (runtime/offload/).
 Python runs per chunk and per group, never per parameter.
 
 [Note: steps without a gradient] torch's optimizers skip a parameter whose `.grad` is None:
@@ -479,7 +479,7 @@ class FlatState:
     def _view_state(self, c: Chunk) -> None:
         """The facade's per-shard state: views of its unit's state, the unit's scalars; none
         for a shard never stepped (as torch's optimizer has none). (Views of offloaded state:
-        runtime/offload.py shows the facade meta tensors in their place.)"""
+        runtime/offload/ shows the facade meta tensors in their place.)"""
         with _allocated(list(c.state_tensors(self.inner).values())):
             self._view_units(c)
         self._viewed.add(c.index)

@@ -114,7 +114,7 @@ class GradCheck:
         """1.0 when a gradient of this rank holds an inf/NaN, else 0.0 (a device tensor): the
         shards' gradients, or the flat step's gradients (`flat_grads`: the shards' were folded
         into them, runtime/flat.py), and the gradients on the host by their squared norm
-        (`host_sq`, runtime/offload.py: inf/NaN if one of them is, or if it overflows).
+        (`host_sq`, runtime/offload/: inf/NaN if one of them is, or if it overflows).
         Without a loss scale, by their 2-norms ([Note: the check reads 2-norms]); `norms`:
         those of the flat gradients, already computed (`grad_norms`, shared with the clip)."""
         found = self.found.zero_()

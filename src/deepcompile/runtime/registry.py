@@ -11,9 +11,9 @@ parameter stays materialized, replicated on every rank in the compute dtype, in 
 (`padded_numel` elements, the parameter a view of its head) so that the refresh after each
 optimizer step copies every rank's shard straight into it (`runtime/replicas.py`).
 
-`lookup(pid)` is the one process-wide table: it resolves the pid a graph's insertion ops carry
-to its entry, and through `entry.runtime()` to the engine's runtime state (one per engine,
-`runtime/runtime.py`). Nothing else is keyed by pid across engines.
+`lookup(pid)` is the one process-wide table of parameters: it resolves the pid a graph's
+insertion ops carry to its entry. Nothing else is keyed by pid across engines (an op that needs
+its engine's runtime state names it by its handle: `runtime_of` in runtime/runtime.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from .comm import Comm
 
 if TYPE_CHECKING:
     from .mesh import Layout
-    from .runtime import EngineRuntime
 
 _NEXT_PID = itertools.count()
 _ENTRIES: "weakref.WeakValueDictionary[int, ParamEntry]" = weakref.WeakValueDictionary()
@@ -51,11 +50,10 @@ class ParamEntry:
     comm: Comm                     # the ranks the shards span (the layout's `shard`)
     layout: "Layout"
     zero_stage: int = 3            # 3: param storage freed; 1, 2: param replicated
-    runtime: Callable[[], "EngineRuntime | None"] = lambda: None   # weak reference
     # ZeRO-1/2: the replicated parameter's detached alias (same memory), which compiled graphs
     # take in its place ([Note: gradients to shards] in compiler/replicated.py)
     replica: torch.Tensor | None = None
-    # offload tier 3 ([Note: masters on the host] in runtime/offload.py): while the master
+    # offload tier 3 ([Note: masters on the host] in runtime/offload/masters.py): while the master
     # shard lives on the host, the device holds this copy of it in the compute dtype, and
     # every gather reads it instead of `shard` (whose storage is released then)
     lowp: torch.Tensor | None = None
@@ -178,11 +176,6 @@ class ParamRegistry:
         _ENTRIES[entry.pid] = entry
         self.entries.append(entry)
         self._by_id[id(p)] = entry
-
-    def bind(self, runtime: "EngineRuntime") -> None:
-        ref = weakref.ref(runtime)
-        for e in self.entries:
-            e.runtime = ref
 
     def entry_for(self, tensor: object) -> ParamEntry | None:
         """The entry whose module parameter *is* `tensor` (identity), else None."""

@@ -12,7 +12,7 @@
   step, which `overlap_refresh` leaves in flight (runtime/replicas.py);
 * `layout`: the data-parallel layout and its groups (runtime/mesh.py), and under "hpz"
   `secondary`, the secondary shards the forward keeps for the backward (runtime/secondary.py);
-* `offload`: the optimizer state kept on the host (runtime/offload.py), when the pass is on;
+* `offload`: the optimizer state kept on the host (runtime/offload/), when the pass is on;
 * `eager_grads`: gradients eager code made, held until the optimizer step (runtime/eager.py);
 * `activations`: the activations kept on the host between forward and backward
   (runtime/activations.py), made on first use by `activation_budget`'s ops.
@@ -21,12 +21,16 @@ The lowered graphs take what they need from here as extra inputs, looked up once
 ([Note: runtime inputs] in compiler/lower.py); the engine calls `before_optimizer_step` and
 `shards_changed` around the optimizer step (the flat step calls `stepped` as it updates each
 chunk), and `settle` where nothing may be left in flight. Nothing here is global: two engines
-in one process have two runtimes.
+in one process have two runtimes. An op outside the lowered graphs' inputs (offload's, the
+activations') names its engine by an integer handle (`EngineRuntime.handle`), which `runtime_of`
+resolves; the table holds the runtimes weakly, so a released engine is freed.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -41,6 +45,14 @@ from .secondary import SecondaryShards
 from .state import StepState
 
 log = logging.getLogger("deepcompile")
+
+_NEXT_HANDLE = itertools.count()
+_RUNTIMES: "weakref.WeakValueDictionary[int, EngineRuntime]" = weakref.WeakValueDictionary()
+
+
+def runtime_of(handle: int) -> "EngineRuntime | None":
+    """The runtime of the engine whose handle is `handle`; None once it is released."""
+    return _RUNTIMES.get(handle)
 
 
 class ParkedGathers:
@@ -111,7 +123,7 @@ class EngineRuntime:
         self.layout = registry.layout
         self.secondary = SecondaryShards(self.entry_by_ptr) \
             if self.layout.secondary is not None else None
-        self.offload: Any = None          # runtime/offload.py, set by the engine
+        self.offload: Any = None          # runtime/offload/, set by the engine
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])
         self.activations: Any = None      # runtime/activations.py (`store_of`)
@@ -120,10 +132,11 @@ class EngineRuntime:
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
         self.flat_masters: list[torch.Tensor] = []   # the chunks' flat masters (runtime/flat.py)
         # bumped when what the lowered graphs read changes: offload tier 3's copies of the
-        # shards ([Note: masters on the host] in runtime/offload.py)
+        # shards ([Note: masters on the host] in runtime/offload/masters.py)
         self.epoch = 0
         self._warned_unused = False
-        registry.bind(self)
+        self.handle = next(_NEXT_HANDLE)   # what ops name this engine by (`runtime_of`)
+        _RUNTIMES[self.handle] = self
 
     @property
     def defers_reduce(self) -> bool:
@@ -136,7 +149,7 @@ class EngineRuntime:
     def flat_storages(self) -> frozenset[int]:
         """The data pointers of the flat masters' allocated storages, which the CPU memory model
         splits by view (compiler/profiler.py); read when a graph is profiled (a tier-3 master's
-        storage moves at every step: [Note: masters on the host] in runtime/offload.py)."""
+        storage moves at every step: [Note: masters on the host] in runtime/offload/masters.py)."""
         return frozenset(p for t in self.flat_masters if (p := t.untyped_storage().data_ptr()))
 
     def host_storages(self) -> set[int] | frozenset[int]:
@@ -219,9 +232,9 @@ class EngineRuntime:
 
     @property
     def step_segments(self) -> int:
-        """Calls the optimizer step of the resident chunks is split into (runtime/offload.py's
-        `run_step`): more than one only where the deferred refresh gathers the chunks stepped
-        first while the next ones step."""
+        """Calls the optimizer step of the resident chunks is split into (`Offloader.run_step`
+        in runtime/offload/): more than one only where the deferred refresh gathers the chunks
+        stepped first while the next ones step."""
         replicas = self.replicas
         return replicas.segments if replicas is not None and replicas.deferred else 1
 
