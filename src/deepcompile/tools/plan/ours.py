@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from ...passes import offload_optimizer, passes_with
-from .ours_model import Item, _grads_absent, _tier2_copies
+from .ours_model import ON_DEVICE, Item, _grads_absent, _tier2_copies
 from .ours_passes import plan
 from .schedule import Counter, Schedule, Setting, framework_event, node_host, optimizer_events
 from .simulate import Event
@@ -158,9 +158,17 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
                back: int) -> None:
     k = it.kind
     live, peak = it.live + back, it.peak + back
-    if k in ("compute", "copy", "accumulate"):
+    if k == "compute" or k in ON_DEVICE:
         events.append(Event("compute", it.name, it.dur, it.host, live=live, peak=peak,
                             label=it.label))
+    elif k in ("d2h_start", "h2d_start"):   # activation_budget's copies, on the copy lanes
+        cid[0] += 1
+        ids[it.ref] = cid[0]
+        events.append(Event("start", it.name, it.dur, it.host, cid[0], k[:3], live,
+                            label="activations"))
+    elif k == "h2d_wait":
+        events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], lane="h2d",
+                            live=live))
     elif k in ("all_gather", "reduce_scatter"):
         cid[0] += 1
         events.append(Event("start", it.name, it.dur, it.host, cid[0], "comm", live, label=k))

@@ -33,6 +33,7 @@ import dataclasses
 from typing import Any
 
 from ...passes._common import Step
+from ...passes.activation_budget import HOST_OP_S
 from .compose import Graph, Model
 from .schedule import GRAD_SHARD_BYTES, MASTER_BYTES, Setting, node_host
 from .schedule import async_launch_s as _launch
@@ -58,11 +59,38 @@ class Bucket:
     accumulated: bool = False   # gradients accumulated locally: launched on the last micro-step
 
 
+# items the device runs as compute (a profile's compute steps; the compute lane's events)
+ON_DEVICE = ("copy", "accumulate", "recompute")
+
+
+@dataclasses.dataclass
+class ActMove:
+    """A saved activation `activation_budget` recomputes or offloads ([Note: activations at
+    scale] in ours_activations.py). Positions are node indices of the composed graphs."""
+    name: str
+    action: str            # "recompute" | "offload"
+    nbytes: int
+    fw_free: int           # the forward node after which it leaves the device
+    first: int             # its first backward reader
+    last: int              # its last backward reader
+    reload: int | None     # offload: the backward node after which its copy back starts
+                           # (-1: at the top of the backward)
+    time_s: float          # recompute: its nodes' time; offload: one copy's
+    extra: int = 0         # recompute: what its intermediates hold beyond the value
+
+    @property
+    def back(self) -> int:
+        """The first index of the backward's live-bytes array (after node `back - 1`) that
+        holds it again."""
+        return self.first + 1 if self.action == "recompute" else self.reload + 1
+
+
 @dataclasses.dataclass
 class Item:
     kind: str              # compute | all_gather | all_gather_start | all_gather_wait |
                            # reduce_scatter | reduce_scatter_start | reduce_scatter_wait |
-                           # copy (device copy) | accumulate
+                           # copy (device copy) | accumulate | recompute |
+                           # d2h_start | h2d_start | h2d_wait (activation copies)
     name: str
     dur: float
     host: float
@@ -123,6 +151,7 @@ class Plan:
     # tier 4 ([Note: the host step]): chunk -> (elements, copy bytes) of chunks stepping on the
     # host; their masters are in `masters_saved`, not in `masters_off` (nothing is streamed)
     hosted: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    acts: list[ActMove] = dataclasses.field(default_factory=list)   # activation_budget's
     decisions: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # -- sizes ------------------------------------------------------------------------
@@ -261,6 +290,7 @@ class Plan:
         act[0] = 0 if key == "fw" else s.model.fw.nodes[-1].live
         for i, node in enumerate(g.nodes):
             act[i + 1] = node.live
+        moved = _moved_activations(self.acts, key, act)
         out: list[Item] = []
         lab = _labels(s.model, g)
 
@@ -325,9 +355,26 @@ class Plan:
                     emit("copy", f"rs{k}.copy_out", s.copy_on_device_s(obj.inflight - obj.nbytes),
                          node_host(s, len(obj.pids), False), None, i, lab[min(i, n - 1)])
 
+        def act_item(where, i, label):   # activation_budget's recomputes and copies
+            for a in moved.get((where, i), ()):
+                if where == "after":        # a copy out (forward) or back (backward) starts
+                    emit("d2h_start" if key == "fw" else "h2d_start",
+                         f"{'offload' if key == 'fw' else 'reload'}.{a.name}", a.time_s,
+                         HOST_OP_S, ("act", a.name), i + 1, label, nbytes=a.nbytes)
+                elif a.action == "offload":   # the first reader waits for the copy back
+                    emit("h2d_wait", f"reload.{a.name}.wait", 0.0, HOST_OP_S, ("act", a.name),
+                         i, label)
+                else:   # the recompute, its intermediates held while it runs
+                    held[("act", a.name)] = a.nbytes
+                    emit("recompute", f"recompute.{a.name}", a.time_s, node_host(s, 1, False),
+                         None, i, label, peak=live(i) + a.extra)
+                    held.pop(("act", a.name))
+
+        act_item("after", -1, lab[0] if n else "")
         for i, node in enumerate(g.nodes):
             for entry in sorted(before.get(i, []), key=_order):
                 comm_item(entry, i)
+            act_item("before", i, lab[i])
             during = live(i + 1)
             for p in frees.get(i, ()):
                 held.pop(("param", p), None)
@@ -366,6 +413,7 @@ class Plan:
                          _launch(cost, "reduce_scatter", obj.nbytes), ("bw", "bucket", k), i + 1,
                          lab[i],
                          nbytes=obj.nbytes, figure="reduce_scatter")
+            act_item("after", i, lab[i])
         for entry in sorted(before.get(n, []), key=_order):
             comm_item(entry, n)
         return out
@@ -375,8 +423,8 @@ class Plan:
         (compute time on compute nodes and copies; live bytes after each); the items; and,
         per step name, the node before which something placed at that step runs."""
         items = self.items(key)
-        steps = [Step(it.name, "compute" if it.kind in ("copy", "accumulate") else it.kind,
-                      it.dur if it.kind in ("compute", "copy", "accumulate") else 0.0, it.live)
+        steps = [Step(it.name, "compute" if it.kind in ON_DEVICE else it.kind,
+                      it.dur if it.kind == "compute" or it.kind in ON_DEVICE else 0.0, it.live)
                  for it in items]
         where: dict[str, int] = {}
         pending: list[str] = []
@@ -394,6 +442,30 @@ class Plan:
 
     def peak(self) -> int:
         return max((it.peak for key in ("fw", "bw") for it in self.items(key)), default=0)
+
+
+def _moved_activations(acts: list[ActMove], key: str,
+                       act: list[int]) -> dict[tuple[str, int], list[ActMove]]:
+    """[Note: activations at scale] in ours_activations.py, on graph `key`'s live activation
+    bytes `act` (index i: after node i - 1), in place: a moved value leaves after its last
+    forward reader and is held again in the backward from `ActMove.back` to its last reader,
+    as compose's model holds a value. Returns where each one's items go: ("before", node) and
+    ("after", node; -1: the top of the graph)."""
+    out: dict[tuple[str, int], list[ActMove]] = {}
+    for a in acts:
+        if key == "fw":
+            for k in range(a.fw_free + 1, len(act)):
+                act[k] -= a.nbytes
+            if a.action == "offload":
+                out.setdefault(("after", a.fw_free), []).append(a)
+            continue
+        for k in range(0, a.last + 1):
+            if k < a.back:
+                act[k] -= a.nbytes
+        out.setdefault(("before", a.first), []).append(a)
+        if a.action == "offload":
+            out.setdefault(("after", a.reload), []).append(a)
+    return out
 
 
 def _grad_bytes(s: Setting, pid: int) -> int:

@@ -4,7 +4,8 @@
 synchronous gather before the first use of each parameter in each graph, a synchronous reduce
 right after each gradient is complete. Then each configured pass plans, in the order given,
 with its real planner (`prefetch.plan_graph` / `plan_across`, `bucket_reduce.plan_graph`,
-`selective_unshard.options_of` / `choose`, `offload_optimizer.plan_step`) on `Step` lists built
+`selective_unshard.options_of` / `choose`, `offload_optimizer.plan_step`,
+`activation_budget.analyse` / `plan_pair`: ours_activations.py) on `Step` lists built
 here from the current plan, with the memory budget and the cost model the runtime would give
 them (`Setting.planner_cost`: the network model on a GPU cluster; on this machine the
 runtime's own calibration): what the passes see in a run, where the profile after each pass
@@ -23,11 +24,13 @@ from ...passes import (bucket_reduce, offload_optimizer, overlap_refresh, prefet
 from ...passes._common import Step
 from ...runtime import flat, offload, regather
 from ...runtime import kept as _kept
+from .ours_activations import plan_activations
 from .ours_model import Bucket, GradOff, Group, Plan, _grad_bytes, reduced_at
 from .schedule import ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Setting
 
 PASSES = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer",
-          "overlap_refresh")
+          "overlap_refresh", "activation_budget")
+COLLECTIVE_FREE = ("offload_optimizer", "activation_budget")   # plan at world size 1 too
 AUTO = "auto"   # passes="auto": the runtime's choice (auto_choice), its verdicts (plan.py)
 REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective per 256 MiB
 
@@ -382,7 +385,7 @@ def _overlap_refresh(plan: Plan) -> dict[str, Any]:
 
 _RUN = {"prefetch": _prefetch, "bucket_reduce": _bucket_reduce,
         "selective_unshard": _selective_unshard, "offload_optimizer": _offload,
-        "overlap_refresh": _overlap_refresh}
+        "overlap_refresh": _overlap_refresh, "activation_budget": plan_activations}
 
 
 def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
@@ -400,14 +403,15 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         entries = [_Entry(s.padded(p), s.model.dtype) for p in s.model.params]
         pl.decisions["refresh"] = [sum(e.padded_numel * _itemsize(e.compute_dtype) for e in grp)
                                    for grp in regather.groups(entries, REPLICA_REFRESH_BYTES)]
-        passes = tuple(p for p in passes if p in ("bucket_reduce", "overlap_refresh"))
+        passes = tuple(p for p in passes
+                       if p in ("bucket_reduce", "overlap_refresh", "activation_budget"))
     if s.world == 1:
         # nothing is communicated: the passes that schedule collectives plan nothing (theirs
         # return empty decisions at world size 1); ZeRO-1 does not defer a reduction
         for name in passes:
-            if name != "offload_optimizer":
+            if name not in COLLECTIVE_FREE:
                 pl.decisions[name] = {"skipped": "world size 1: nothing is communicated"}
-        passes = tuple(p for p in passes if p == "offload_optimizer")
+        passes = tuple(p for p in passes if p in COLLECTIVE_FREE)
         pl.accumulated = set()
     if "offload_optimizer" in passes:
         pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
