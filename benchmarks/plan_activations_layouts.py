@@ -5,7 +5,7 @@
 activations: Llama-3-70B and Mixtral-8x7B on 4 x 8 H100, batch 1 per GPU, seq 1024 and 4096,
 GAS 1: ZeRO-3 with every decoder layer checkpointed (`--activation-checkpointing`, insertion
 only, and with every pass), ZeRO-3 with nothing, ZeRO-3 + `activation_budget`, and every pass
-with `activation_budget`; then the micro-batch doubled while the peak of every pass + the
+with `activation_budget` (last, as `auto` orders it, and first); then the micro-batch doubled while the peak of every pass + the
 activation pass (and of every pass + checkpointing) fits in the GPU's memory.
 
 layouts: the same models on 4 x 8 (seq 1024, GAS 1, 4, 16) and 16 x 8 (GAS 1), passes="auto",
@@ -81,11 +81,12 @@ def activations(out: Path) -> list[dict]:
             rs = plan.rows()
             rows += [_row(plan, rs[0], "ZeRO-3 + full checkpointing", cmd),
                      _row(plan, rs[1], "every pass + full checkpointing", cmd)]
-            plan, cmd = _plan(batch=1, passes=[(), ACTS, EVERY + ACTS], **base)
+            plan, cmd = _plan(batch=1, passes=[(), ACTS, EVERY + ACTS, ACTS + EVERY], **base)
             rs = plan.rows()
             rows += [_row(plan, rs[0], "ZeRO-3", cmd),
                      _row(plan, rs[1], "ZeRO-3 + activation pass", cmd),
-                     _row(plan, rs[2], "every pass + activation pass", cmd)]
+                     _row(plan, rs[2], "every pass + activation pass", cmd),
+                     _row(plan, rs[3], "activation pass, then every pass", cmd)]
             for ac, passes, what in ((False, EVERY + ACTS, "every pass + activation pass"),
                                      (True, EVERY, "every pass + full checkpointing")):
                 batch = 2

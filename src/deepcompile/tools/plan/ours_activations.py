@@ -30,10 +30,13 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import fx
 
 from ...passes import activation_budget
 from ...passes._common import Step
+from ...runtime import ops
 from .ours_model import ActMove, Plan
+from .trace import PieceGraphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +62,20 @@ def candidates(plan: Plan) -> list[Candidate]:
         if not blocks.get(piece):
             continue
         first = blocks[piece][0]
-        fw_nodes = _nodes(pg.fw)
-        bw_nodes = _nodes(pg.bw)
-        fw_steps = [Step(n.name, "compute", model.fw.nodes[fw_at[f"F{first}.{n.name}"]].time_s, 0)
-                    for n in fw_nodes]
-        bw_steps = [Step(n.name, "compute", model.bw.nodes[bw_at[f"B{first}.{n.name}"]].time_s, 0)
-                    for n in bw_nodes]
-        out_bytes = {n.name: _nbytes(n.meta.get("val")) for n in fw_nodes}
-        pair = activation_budget.analyse("fw", "bw", pg.fw, pg.bw, fw_steps, bw_steps, out_bytes)
+        fw_gm, bw_gm = _gathered(pg)
+        fw_nodes, bw_nodes = _nodes(fw_gm), _nodes(bw_gm)
+
+        def time_of(name, at, nodes):   # a gather's: none here (the schedule times gathers)
+            return nodes[at[name]].time_s if name in at else 0.0
+
+        fw_steps = [Step(n.name, "compute", time_of(f"F{first}.{n.name}", fw_at, model.fw.nodes),
+                         0) for n in fw_nodes]
+        bw_steps = [Step(n.name, "compute", time_of(f"B{first}.{n.name}", bw_at, model.bw.nodes),
+                         0) for n in bw_nodes]
+        # a gathered parameter counts nothing, as in compose's activations
+        out_bytes = {n.name: 0 if n.target is ops.ALLGATHER else _nbytes(n.meta.get("val"))
+                     for n in fw_nodes}
+        pair = activation_budget.analyse("fw", "bw", fw_gm, bw_gm, fw_steps, bw_steps, out_bytes)
         for b in blocks[piece]:
             for a in pair.acts:
                 out.append(Candidate(dataclasses.replace(
@@ -76,6 +85,35 @@ def candidates(plan: Plan) -> list[Candidate]:
                     bw_last=bw_at[f"B{b}.{bw_nodes[a.bw_last].name}"],
                     leaves=tuple(f"F{b}.{x}" for x in a.leaves)), pair.flops.get(a.name, 0)))
     return out
+
+
+def _gathered(pg: PieceGraphs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Copies of a piece's graphs as deepcompile's insertion leaves them for the pass: the
+    forward reads each parameter through a gather, and the backward receives the shard (the
+    backend tags gathers MUST_RECOMPUTE: trace.py), so a recompute may gather it again. The
+    gathers are never run; the saved outputs stay as traced."""
+    fw, bw = fx.Graph(), fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = fw.graph_copy(pg.fw.graph, env)
+    fw.output(out)
+    params = [n for n in pg.fw.graph.nodes if n.op == "placeholder"][:pg.n_params]
+    last = [n for n in fw.nodes if n.op == "placeholder"][-1]
+    for p in params:
+        q = env[p]
+        with fw.inserting_after(last):
+            g = fw.call_function(ops.ALLGATHER, (q,))
+        g.meta["val"] = q.meta.get("val")
+        q.replace_all_uses_with(g, delete_user_cb=lambda u: u is not g and u.op != "output")
+    env = {}
+    out = bw.graph_copy(pg.bw.graph, env)
+    bw.output(out)
+    have = {n.name for n in bw.nodes if n.op == "placeholder"}
+    first = next(n for n in bw.nodes if n.op != "placeholder")
+    for p in params:
+        if p.name not in have:
+            with bw.inserting_before(first):
+                bw.placeholder(p.name)
+    return fx.GraphModule(pg.fw, fw), fx.GraphModule(pg.bw, bw)
 
 
 def _nodes(gm) -> list:
