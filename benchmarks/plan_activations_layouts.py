@@ -5,8 +5,9 @@
 activations: Llama-3-70B and Mixtral-8x7B on 4 x 8 H100, batch 1 per GPU, seq 1024 and 4096,
 GAS 1: ZeRO-3 with every decoder layer checkpointed (`--activation-checkpointing`, insertion
 only, and with every pass), ZeRO-3 with nothing, ZeRO-3 + `activation_budget`, and every pass
-with `activation_budget` (last, as `auto` orders it, and first); then the micro-batch doubled while the peak of every pass + the
-activation pass (and of every pass + checkpointing) fits in the GPU's memory.
+with `activation_budget` (last, as `auto` orders it, and first); then the micro-batch doubled
+while the peak of every pass + the activation pass fits in the GPU's memory, and every pass +
+checkpointing at the largest micro-batch that fits.
 
 layouts: the same models on 4 x 8 (seq 1024, GAS 1, 4, 16) and 16 x 8 (GAS 1), passes="auto",
 every layout (shard, hsdp, hpz) and the one `Config.layout="auto"` picks.
@@ -87,20 +88,21 @@ def activations(out: Path) -> list[dict]:
                      _row(plan, rs[1], "ZeRO-3 + activation pass", cmd),
                      _row(plan, rs[2], "every pass + activation pass", cmd),
                      _row(plan, rs[3], "activation pass, then every pass", cmd)]
-            for ac, passes, what in ((False, EVERY + ACTS, "every pass + activation pass"),
-                                     (True, EVERY, "every pass + full checkpointing")):
-                batch = 2
-                while batch <= MAX_BATCH:   # the micro-batch doubled while the peak fits
-                    try:
-                        plan, cmd = _plan(batch=batch, ac=ac, passes=[passes], **base)
-                    except PlanError as e:   # the fit check refuses it
-                        print(f"  batch {batch}: {e}", flush=True)
-                        break
-                    r = plan.rows()[0]
-                    rows.append(_row(plan, r, what, cmd))
-                    if not r["fits"]:
-                        break
-                    batch *= 2
+            batch, fits = 2, 1
+            while batch <= MAX_BATCH:   # the micro-batch doubled while the peak fits
+                plan, cmd = _plan(batch=batch, passes=[EVERY + ACTS], **base)
+                r = plan.rows()[0]
+                rows.append(_row(plan, r, "every pass + activation pass", cmd))
+                if not r["fits"]:
+                    break
+                batch, fits = batch * 2, batch
+            if fits > 1:   # full checkpointing at the same micro-batch
+                try:
+                    plan, cmd = _plan(batch=fits, ac=True, passes=[EVERY], **base)
+                    rows.append(_row(plan, plan.rows()[0], "every pass + full checkpointing",
+                                     cmd))
+                except PlanError as e:   # the fit check refuses it
+                    print(f"  batch {fits}: {e}", flush=True)
             _write(out, "activations", rows, _activations_md(rows))
     return rows
 

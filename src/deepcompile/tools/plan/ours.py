@@ -165,7 +165,7 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
         cid[0] += 1
         ids[it.ref] = cid[0]
         events.append(Event("start", it.name, it.dur, it.host, cid[0], k[:3], live,
-                            label="activations"))
+                            label="offload"))
     elif k == "h2d_wait":
         events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], lane="h2d",
                             live=live))

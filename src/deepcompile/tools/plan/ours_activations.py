@@ -18,7 +18,10 @@ streams, which the optimizer offload shares) and the first reader waits for the 
 What differs from a run: the pass's curve keeps the backward's inputs to the end of the
 backward (the runtime profiler's model) where compose frees a value after its last reader, so
 the pass may count on memory a choice frees after the last reader that the planner's curve had
-freed already: the simulated peak, not the pass's prediction, is the plan's. A piece's inputs
+freed already: the simulated peak, not the pass's prediction, is the plan's. The pass prices
+each copy alone; the simulation runs them one after another on their lane, so copies that
+together outlast the compute they hide behind are exposed there (a copy back may start before
+its own copy out ends: the simulator orders no lane after another). A piece's inputs
 (the hidden states between layers) are no candidates here (the runtime's one graph could move
 them too), and with `ac` (every layer checkpointed) the layers save nothing: only the
 embedding's and the head's values are candidates.
