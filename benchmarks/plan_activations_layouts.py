@@ -32,6 +32,7 @@ EVERY = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 ACTS = ("activation_budget",)
 ASSUME = {"net.host_step_ns": 2.0}   # the target host's optimizer step (not this machine's)
 MAX_BATCH = 8
+RUNS = tuple((nodes, gas, MODELS) for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)))
 GiB = 2**30
 
 
@@ -124,10 +125,10 @@ def _activations_md(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def layouts(out: Path) -> list[dict]:
+def layouts(out: Path, runs=RUNS) -> list[dict]:
     rows = []
-    for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)):
-        for model in MODELS:
+    for nodes, gas, models in runs:
+        for model in models:
             if True:
                 plan, cmd = _plan(model=model, nodes=nodes, gpus_per_node=8, seq=1024, batch=1,
                                   gas=gas, passes=["auto"])
@@ -171,12 +172,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["activations", "layouts"],
                     choices=["activations", "layouts"])
+    ap.add_argument("--runs", nargs="+", default=None, metavar="NODES:GAS[:MODEL]",
+                    help="layouts: these (nodes, GAS[, model]) only (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    runs = RUNS if args.runs is None else tuple(
+        (int(r.split(":")[0]), int(r.split(":")[1]),
+         tuple(r.split(":")[2:]) or MODELS) for r in args.runs)
     out = Path(args.out or Path(__file__).parent / "results" /
                f"{datetime.date.today().isoformat()}-plan-activations-layouts")
     for part in args.parts:
-        rows = {"activations": activations, "layouts": layouts}[part](out)
+        rows = activations(out) if part == "activations" else layouts(out, runs)
         print((_activations_md if part == "activations" else _layouts_md)(rows), flush=True)
     return 0
 
