@@ -459,9 +459,8 @@ def _moved_activations(acts: list[ActMove], key: str,
             if a.action == "offload":
                 out.setdefault(("after", a.fw_free), []).append(a)
             continue
-        for k in range(0, a.last + 1):
-            if k < a.back:
-                act[k] -= a.nbytes
+        for k in range(min(a.back, a.last + 1)):
+            act[k] -= a.nbytes
         out.setdefault(("before", a.first), []).append(a)
         if a.action == "offload":
             out.setdefault(("after", a.reload), []).append(a)

@@ -223,9 +223,10 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
         ("ours-z3" + "".join(f"+{p}" for p in ps) if ps else "ours-z3", tuple(ps))
         for ps in args.passes]
     if args.stage < 3:   # what applies at ZeRO-1/2 of each pass set, and overlap_refresh
-        z12 = ("bucket_reduce", "overlap_refresh", "activation_budget")
+        z12 = ("bucket_reduce", "overlap_refresh")
         if args.passes is None:
             ladder = ladder[:-1] + [("", z12)] + ladder[-1:]
+        z12 += ("activation_budget",)
         ladder = [(f"ours-z{args.stage}-auto", ours_passes.AUTO) if ps == ours_passes.AUTO else
                   (f"ours-z{args.stage}" + "".join(f"+{p}" for p in ps if p in z12),
                    tuple(p for p in ps if p in z12))
