@@ -32,6 +32,7 @@ EVERY = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 ACTS = ("activation_budget",)
 ASSUME = {"net.host_step_ns": 2.0}   # the target host's optimizer step (not this machine's)
 MAX_BATCH = 8
+SEQS = (1024, 4096)
 RUNS = tuple((nodes, gas, MODELS) for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)))
 GiB = 2**30
 
@@ -72,12 +73,12 @@ def _row(plan, r: dict, what: str, command: str) -> dict:
             "decisions": r["decisions"], "command": command}
 
 
-def activations(out: Path) -> list[dict]:
+def activations(out: Path, seqs=SEQS, models=MODELS) -> list[dict]:
     from deepcompile.tools.plan.plan import PlanError
 
     rows = []
-    for seq in (1024, 4096):
-        for model in MODELS:
+    for seq in seqs:
+        for model in models:
             base = dict(model=model, nodes=4, gpus_per_node=8, seq=seq, gas=1, layouts=("shard",))
             plan, cmd = _plan(batch=1, ac=True, passes=[(), EVERY], **base)
             rs = plan.rows()
@@ -174,6 +175,8 @@ def main(argv=None) -> int:
                     choices=["activations", "layouts"])
     ap.add_argument("--runs", nargs="+", default=None, metavar="NODES:GAS[:MODEL]",
                     help="layouts: these (nodes, GAS[, model]) only (default: all)")
+    ap.add_argument("--seqs", nargs="+", type=int, default=SEQS, help="activations: sequences")
+    ap.add_argument("--models", nargs="+", default=MODELS, help="activations: models")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = RUNS if args.runs is None else tuple(
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
     out = Path(args.out or Path(__file__).parent / "results" /
                f"{datetime.date.today().isoformat()}-plan-activations-layouts")
     for part in args.parts:
-        rows = activations(out) if part == "activations" else layouts(out, runs)
+        rows = activations(out, args.seqs, args.models) if part == "activations" else \
+            layouts(out, runs)
         print((_activations_md if part == "activations" else _layouts_md)(rows), flush=True)
     return 0
 
