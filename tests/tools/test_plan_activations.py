@@ -36,9 +36,9 @@ def tiny() -> compose.Model:
     return compose.compose(graphs, 2, times, name="tiny", batch=2, seq=64, dtype=torch.bfloat16)
 
 
-def setting(model, budget) -> Setting:
+def setting(model, budget, gas=1) -> Setting:
     net = Fabric(1, 8, nvlink_bw=450e9, nic_bw=50e9, pcie_bw=55e9)
-    return Setting(model, 8, net, budget, 1, mem_bw=2.68e12, kernel_host_s=0.0,
+    return Setting(model, 8, net, budget, gas, mem_bw=2.68e12, kernel_host_s=0.0,
                    eager_op_host_s=0.0, optimizer_s=1e-3)
 
 
@@ -87,11 +87,16 @@ def test_a_tight_budget_moves_saved_values_and_the_curve_shows_each(tiny):
         back, wait = names.index(f"reload.{a.name}"), names.index(f"reload.{a.name}.wait")
         assert back < wait < first and bw[back].nbytes == a.nbytes
         assert a.reload == -1 or bw[back - 1].ref == a.reload
-    # the recomputes run on the compute lane: the simulated compute grows by their time
-    a = simulate(ours.schedule(setting(tiny, budget), (), "x", "").events)
-    b = simulate(ours.schedule(setting(tiny, budget), ACTS, "x", "").events)
-    assert b.compute_s - a.compute_s == pytest.approx(d["recompute_s"], rel=1e-9, abs=1e-12)
-    assert b.peak_bytes == pl.peak()
+    # the recomputes run on the compute lane, in every micro-step: the simulated compute grows
+    # by their time
+    for gas in (1, 2):
+        pg = ours_passes.plan(setting(tiny, budget, gas), ACTS)
+        a = simulate(ours.schedule(setting(tiny, budget, gas), (), "x", "").events)
+        b = simulate(ours.schedule(setting(tiny, budget, gas), ACTS, "x", "").events)
+        rec = pg.decisions["activation_budget"]["recompute_s"]
+        assert rec > 0
+        assert b.compute_s - a.compute_s == pytest.approx(gas * rec, rel=1e-9, abs=1e-12)
+        assert b.peak_bytes == pg.peak()
 
 
 def test_auto_chooses_it_and_the_planner_models_it(tiny):
