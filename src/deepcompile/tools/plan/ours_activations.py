@@ -67,14 +67,10 @@ def candidates(plan: Plan) -> list[Candidate]:
         first = blocks[piece][0]
         fw_gm, bw_gm = _gathered(pg)
         fw_nodes, bw_nodes = _nodes(fw_gm), _nodes(bw_gm)
-
-        def time_of(name, at, nodes):   # a gather's: none here (the schedule times gathers)
-            return nodes[at[name]].time_s if name in at else 0.0
-
-        fw_steps = [Step(n.name, "compute", time_of(f"F{first}.{n.name}", fw_at, model.fw.nodes),
-                         0) for n in fw_nodes]
-        bw_steps = [Step(n.name, "compute", time_of(f"B{first}.{n.name}", bw_at, model.bw.nodes),
-                         0) for n in bw_nodes]
+        fw_steps = [Step(n.name, "compute", _time(model.fw, fw_at, f"F{first}.{n.name}"), 0)
+                    for n in fw_nodes]
+        bw_steps = [Step(n.name, "compute", _time(model.bw, bw_at, f"B{first}.{n.name}"), 0)
+                    for n in bw_nodes]
         # a gathered parameter counts nothing, as in compose's activations
         out_bytes = {n.name: 0 if n.target is ops.ALLGATHER else _nbytes(n.meta.get("val"))
                      for n in fw_nodes}
@@ -117,6 +113,11 @@ def _gathered(pg: PieceGraphs) -> tuple[fx.GraphModule, fx.GraphModule]:
             with bw.inserting_before(first):
                 bw.placeholder(p.name)
     return fx.GraphModule(pg.fw, fw), fx.GraphModule(pg.bw, bw)
+
+
+def _time(graph, at: dict[str, int], name: str) -> float:
+    """A composed node's time; a gather's is none here (the schedule times the gathers)."""
+    return graph.nodes[at[name]].time_s if name in at else 0.0
 
 
 def _nodes(gm) -> list:
