@@ -73,39 +73,42 @@ def _row(plan, r: dict, what: str, command: str) -> dict:
             "decisions": r["decisions"], "command": command}
 
 
-def activations(out: Path, seqs=SEQS, models=MODELS) -> list[dict]:
+def activations(out: Path, seqs=SEQS, models=MODELS, max_batch=MAX_BATCH) -> list[dict]:
     from deepcompile.tools.plan.plan import PlanError
 
-    rows = []
+    rows: list[dict] = []
+
+    def add(*new):
+        rows.extend(new)
+        _write(out, "activations", rows, _activations_md(rows))
+
     for seq in seqs:
         for model in models:
             base = dict(model=model, nodes=4, gpus_per_node=8, seq=seq, gas=1, layouts=("shard",))
             plan, cmd = _plan(batch=1, ac=True, passes=[(), EVERY], **base)
             rs = plan.rows()
-            rows += [_row(plan, rs[0], "ZeRO-3 + full checkpointing", cmd),
-                     _row(plan, rs[1], "every pass + full checkpointing", cmd)]
+            add(_row(plan, rs[0], "ZeRO-3 + full checkpointing", cmd),
+                _row(plan, rs[1], "every pass + full checkpointing", cmd))
             plan, cmd = _plan(batch=1, passes=[(), ACTS, EVERY + ACTS, ACTS + EVERY], **base)
             rs = plan.rows()
-            rows += [_row(plan, rs[0], "ZeRO-3", cmd),
-                     _row(plan, rs[1], "ZeRO-3 + activation pass", cmd),
-                     _row(plan, rs[2], "every pass + activation pass", cmd),
-                     _row(plan, rs[3], "activation pass, then every pass", cmd)]
+            add(_row(plan, rs[0], "ZeRO-3", cmd),
+                _row(plan, rs[1], "ZeRO-3 + activation pass", cmd),
+                _row(plan, rs[2], "every pass + activation pass", cmd),
+                _row(plan, rs[3], "activation pass, then every pass", cmd))
             batch, fits = 2, 1
-            while batch <= MAX_BATCH:   # the micro-batch doubled while the peak fits
+            while batch <= max_batch:   # the micro-batch doubled while the peak fits
                 plan, cmd = _plan(batch=batch, passes=[EVERY + ACTS], **base)
                 r = plan.rows()[0]
-                rows.append(_row(plan, r, "every pass + activation pass", cmd))
+                add(_row(plan, r, "every pass + activation pass", cmd))
                 if not r["fits"]:
                     break
                 batch, fits = batch * 2, batch
             if fits > 1:   # full checkpointing at the same micro-batch
                 try:
                     plan, cmd = _plan(batch=fits, ac=True, passes=[EVERY], **base)
-                    rows.append(_row(plan, plan.rows()[0], "every pass + full checkpointing",
-                                     cmd))
+                    add(_row(plan, plan.rows()[0], "every pass + full checkpointing", cmd))
                 except PlanError as e:   # the fit check refuses it
                     print(f"  batch {fits}: {e}", flush=True)
-            _write(out, "activations", rows, _activations_md(rows))
     return rows
 
 
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
                     help="layouts: these (nodes, GAS[, model]) only (default: all)")
     ap.add_argument("--seqs", nargs="+", type=int, default=SEQS, help="activations: sequences")
     ap.add_argument("--models", nargs="+", default=MODELS, help="activations: models")
+    ap.add_argument("--max-batch", type=int, default=MAX_BATCH, help="activations: the largest "
+                    "micro-batch tried (default: %(default)s)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = RUNS if args.runs is None else tuple(
@@ -185,8 +190,10 @@ def main(argv=None) -> int:
     out = Path(args.out or Path(__file__).parent / "results" /
                f"{datetime.date.today().isoformat()}-plan-activations-layouts")
     for part in args.parts:
-        rows = activations(out, args.seqs, args.models) if part == "activations" else \
-            layouts(out, runs)
+        if part == "activations":
+            rows = activations(out, args.seqs, args.models, args.max_batch)
+        else:
+            rows = layouts(out, runs)
         print((_activations_md if part == "activations" else _layouts_md)(rows), flush=True)
     return 0
 
