@@ -1,4 +1,4 @@
-"""Schedules on synthetic composed graphs (tools/plan/ours.py, peers.py): deepcompile's passes
+"""Schedules on synthetic composed graphs (tools/plan/ours*.py, peers.py): deepcompile's passes
 planned by their own planners, FSDP2's and DeepSpeed's schedules, simulated."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from deepcompile.tools.plan import ours, peers
+from deepcompile.tools.plan import ours, ours_passes, peers
 from deepcompile.tools.plan.compose import Graph, Grad, Model, Node, Param, Use
 from deepcompile.tools.plan.network import Fabric
 from deepcompile.tools.plan.schedule import Setting
@@ -102,7 +102,7 @@ def test_prefetch_respects_the_memory_budget():
     sch, r = run(tight, ("prefetch",))
     assert r.peak_bytes <= budget < r_loose.peak_bytes
     # below the insertion-only peak the budget is unattainable: nothing is moved
-    pl = ours.plan(loose, ())
+    pl = ours_passes.plan(loose, ())
     low = min(max(it.live for it in pl.items(k)) for k in ("fw", "bw")) - 1
     sch, r = run(setting(m, budget=low), ("prefetch",))
     assert sch.decisions["prefetch"]["fw"]["unattainable"]
@@ -205,7 +205,7 @@ def test_chunks_step_on_the_host_where_that_is_faster_or_only_it_fits():
     assert d["stepped_on_host"] > 0 and r.peak_bytes <= fast["lowest_peak_bytes"]
     [host] = [e for e in sch.events if e.name == "host step"]
     elems = sum(s.shard_numel(p) for p in m.params)
-    hosted = sum(n for n, _ in ours.plan(s, ("offload_optimizer",)).hosted.values())
+    hosted = sum(n for n, _ in ours_passes.plan(s, ("offload_optimizer",)).hosted.values())
     assert hosted == elems   # every chunk here
     # on the host: Adam's moments, the fp32 gradient and master, the bf16 copy's staging
     assert d["host_bytes"] == elems * (8 + 4 + 4 + 2)
@@ -281,14 +281,14 @@ def test_replaying_a_runs_decisions_reproduces_them():
     m = synthetic(node_s=0.02 * MS)
     s = setting(m, gas=2)
     passes = ("prefetch", "bucket_reduce", "selective_unshard")
-    pl = ours.plan(s, passes)
+    pl = ours_passes.plan(s, passes)
     name = {p.pid: p.name for p in m.params}
     replay = {"prefetch": {k: [[name[p] for p in g.pids] for g in pl.groups[k]]
                            for k in ("fw", "bw")},
               "bucket_reduce": [[name[p] for p in b.pids] for b in pl.buckets],
               "selective_unshard": {"keep": [name[p] for p in pl.kept],
                                     "accumulate": [name[p] for p in pl.accumulated]}}
-    again = ours.plan(dataclasses.replace(s, replay=replay), passes)
+    again = ours_passes.plan(dataclasses.replace(s, replay=replay), passes)
     for k in ("fw", "bw"):
         assert [g.pids for g in again.groups[k]] == [g.pids for g in pl.groups[k]]
     assert [b.pids for b in again.buckets] == [b.pids for b in pl.buckets]
@@ -298,7 +298,7 @@ def test_replaying_a_runs_decisions_reproduces_them():
     assert r2.step_s == pytest.approx(r1.step_s, rel=0.05)
     # a replayed grouping the planner would not choose: every gather alone
     alone = {"prefetch": {k: [[p.name] for p in m.params] for k in ("fw", "bw")}}
-    pl1 = ours.plan(dataclasses.replace(s, replay=alone), ("prefetch",))
+    pl1 = ours_passes.plan(dataclasses.replace(s, replay=alone), ("prefetch",))
     assert all(len(g.pids) == 1 for k in ("fw", "bw") for g in pl1.groups[k])
 
 
@@ -322,17 +322,17 @@ def test_auto_chooses_as_the_runtime_does():
     from deepcompile.tools.plan.plan import resolve_auto
 
     m = synthetic()
-    chosen, out = ours.auto_choice(setting(m))
+    chosen, out = ours_passes.auto_choice(setting(m))
     assert chosen == ["selective_unshard", "prefetch", "bucket_reduce"]
     assert "offload_optimizer" in out
     # world size 1: a gather casts each bf16 use of an fp32 master, so a kept copy pays (the
     # runtime's rule); in fp32 a gather is a view and nothing is chosen
-    assert ours.auto_choice(setting(m, world=1))[0] == ["selective_unshard"]
+    assert ours_passes.auto_choice(setting(m, world=1))[0] == ["selective_unshard"]
     fp32 = dataclasses.replace(m, dtype=torch.float32)
-    assert ours.auto_choice(setting(fp32, world=1))[0] == []
+    assert ours_passes.auto_choice(setting(fp32, world=1))[0] == []
     base = simulate(ours.schedule(setting(m), (), "x", "").events)
     tight = setting(m, budget=base.peak_bytes - 1)   # the step over the budget: offload first
-    assert ours.auto_choice(tight)[0][0] == "offload_optimizer"
+    assert ours_passes.auto_choice(tight)[0][0] == "offload_optimizer"
     kept, d = resolve_auto(setting(m, gas=4), float("inf"), False)
     assert set(d["verdicts"]) == set(d["chosen"]) and list(kept) == d["passes"]
     assert all(v.startswith(("kept", "reverted")) for v in d["verdicts"].values())
@@ -382,11 +382,11 @@ def test_selective_unshard_takes_accumulated_members_out_of_buckets_together():
     s0 = setting(m, gas=4)
     _, lo = run(s0, passes[:2])
     _, hi = run(s0, passes)
-    before = ours.plan(s0, passes[:2]).buckets
+    before = ours_passes.plan(s0, passes[:2]).buckets
     together = 0
     for frac in (0.5, 0.6, 0.7, 0.8, 0.9):
         s = setting(m, gas=4, budget=lo.peak_bytes + frac * (hi.peak_bytes - lo.peak_bytes))
-        pl = ours.plan(s, passes)
+        pl = ours_passes.plan(s, passes)
         acc = pl.accumulated
         if not 0 < len(acc) < len(m.params):
             continue
@@ -454,7 +454,7 @@ def test_gradients_go_to_the_host_when_all_state_off_is_not_enough(gas, world, l
     assert 0 < grads < sum(m.params[i].numel for i in range(len(m.params))) * 4
     assert max(e.live for e in sch.events) <= budget < hi
     assert d["peak_after"] <= budget
-    tier2 = ours.plan(setting(m, world=world, gas=gas, budget=budget),
+    tier2 = ours_passes.plan(setting(m, world=world, gas=gas, budget=budget),
                       passes).grads_off
     assert sum(g.nbytes for g in tier2) == grads
     starts = [e for e in sch.events if e.kind == "start"]
@@ -499,9 +499,10 @@ def test_tier2_gradients_stay_on_the_device_until_their_copies_end(gas):
 
 @pytest.mark.parametrize("system", ["ours", "fsdp2"])
 def test_gradient_shards_exist_from_their_reduction_to_the_step(system):
-    """[Note: gradient lifetime] in tools/plan/ours.py: zero_grad sets the shard gradients to None
-    after each step (ours and FSDP2), so the first micro-step's forward holds none of them and
-    its backward gains each where it is reduced; the second micro-step and the step hold all."""
+    """[Note: gradient lifetime] in tools/plan/ours_model.py: zero_grad sets the shard gradients
+    to None after each step (ours and FSDP2), so the first micro-step's forward holds none of
+    them and its backward gains each where it is reduced; the second micro-step and the step
+    hold all."""
     m = synthetic()
     s = setting(m, gas=2)
     grads = sum(4 * s.shard_numel(p) for p in m.params)

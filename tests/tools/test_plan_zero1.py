@@ -1,11 +1,11 @@
-"""The planner at ZeRO-1/2 (tools/plan/ours.py, peers.py): `overlap_refresh`'s refresh in flight
+"""The planner at ZeRO-1/2 (tools/plan/ours*.py, peers.py): `overlap_refresh`'s refresh in flight
 under the next forward, and the peers beside it, DDP and DeepSpeed ZeRO-1, on synthetic graphs."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepcompile.tools.plan import ours, peers
+from deepcompile.tools.plan import ours, ours_passes, peers
 from deepcompile.tools.plan.schedule import Setting
 from deepcompile.tools.plan.simulate import simulate
 from test_plan_schedules import MS, NUMEL, setting, synthetic
@@ -49,9 +49,9 @@ def test_world_size_one_and_zero3_plan_no_refresh():
 
 def test_auto_chooses_the_refresh_overlap_at_zero1():
     m = synthetic()
-    chosen, out = ours.auto_choice(_z(1, m))
+    chosen, out = ours_passes.auto_choice(_z(1, m))
     assert chosen == ["bucket_reduce", "overlap_refresh"]
-    assert "overlap_refresh" in ours.auto_choice(setting(m))[1]   # ZeRO-3
+    assert "overlap_refresh" in ours_passes.auto_choice(setting(m))[1]   # ZeRO-3
 
 
 def test_ddp_all_reduces_in_the_backward_and_steps_every_parameter():

@@ -89,7 +89,7 @@ def plan_groups(members: list[Member], cost, policy: str, forward_s: float,
                 max_bytes: int = MAX_GROUP_BYTES) -> list[dict[str, Any]]:
     """The refresh's launches: consecutive members of one chunk, fused while `fuses` says so
     (the compute between the group's first read and the newcomer's is what its own gather
-    could hide behind); pure (the planner at scale runs it too: tools/plan/ours.py)."""
+    could hide behind); pure (the planner at scale runs it too: tools/plan/ours_passes.py)."""
     c = lambda nbytes: cost.collective_s("all_gather", nbytes)  # noqa: E731
     host = launch_s(cost, "all_gather")
     at = lambda m: m.read_at if m.read_at is not None else forward_s  # noqa: E731

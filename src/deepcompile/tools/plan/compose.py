@@ -93,6 +93,10 @@ class Model:
     fw: Graph
     bw: Graph
     base_bytes: int       # token ids, labels, rotary tables: alive over the whole micro-step
+    # the pieces' traced graphs it is composed of (trace.py; None: a model built otherwise),
+    # where `activation_budget` finds its candidates (ours_activations.py)
+    graphs: dict[str, PieceGraphs] | None = dataclasses.field(default=None, repr=False,
+                                                               compare=False)
 
     @property
     def numel(self) -> int:
@@ -286,7 +290,7 @@ def compose(graphs: dict[str, PieceGraphs], layers: int, times: Times, *, name: 
                sorted(grad_list, key=lambda g: (g.at, g.pid)))
     base = sum(walk.size[r] for (r,) in (glob["ids"], glob["cos"], glob["sin"], glob["labels"]))
     return Model(name, layers, batch, seq, dtype, ac, sorted(params.values(), key=lambda p: p.pid),
-                 fw, bw, base)
+                 fw, bw, base, graphs)
 
 
 def _uses(walk: _Walk, phase: str, offset: int) -> list[Use]:

@@ -58,7 +58,7 @@ class Fabric:
     tree_bw_factor: float = 0.9    # a tree's bus bandwidth relative to a ring's
     algorithm: str = "auto"        # all-reduce: "ring", "tree" or "auto"
     # the host's optimizer step per parameter (offload tier 4, [Note: the host step] in
-    # runtime/offload.py): plan.py measures this machine's (torch's fused CPU AdamW, fp32);
+    # runtime/offload/host_step.py): plan.py measures this machine's (torch's fused CPU AdamW, fp32);
     # 0: no host step
     host_step_ns: float = 0.0
 

@@ -53,7 +53,8 @@ import dataclasses
 from typing import Any
 
 from .compose import Graph, Model
-from .ours import Item, _events_of, _labels
+from .ours import _events_of
+from .ours_model import Item, _labels
 from .schedule import async_launch_s as _launch
 from .schedule import async_s
 from .schedule import GRAD_SHARD_BYTES, Counter, Schedule, Setting, node_host, optimizer_events
@@ -109,7 +110,7 @@ def _walk(s: Setting, key: str, units: list[_Unit], issue: dict[str, int],
     persistent bytes; else a reduce-scatter holds its input and output until its wait.
     `grads_absent` (FSDP2's first micro-step): the gradient shards `persistent` counts do not
     exist yet; each reduce-scatter's appear at its wait ([Note: gradient lifetime] in
-    ours.py: zero_grad sets them to None after the step). `reduce_kind`: the gradients'
+    ours_model.py: zero_grad sets them to None after the step). `reduce_kind`: the gradients'
     collective ("all_reduce": DDP's buckets); `blocking`: each one runs on the compute stream,
     waited for at once (DeepSpeed's `overlap_comm` off)."""
     g = s.model.fw if key == "fw" else s.model.bw
@@ -297,7 +298,7 @@ def deepspeed(s: Setting, costs: PeerCosts, *, name: str, description: str) -> S
             groups.setdefault(_module_of(p.name), []).append(p.pid)
     # its gradient partitions are one flat buffer allocated up front (ZeRO-3's
     # grad_partitions_flat_buffer, on the device without offloading): persistent, unlike
-    # FSDP2's and ours ([Note: gradient lifetime] in ours.py)
+    # FSDP2's and ours ([Note: gradient lifetime] in ours_model.py)
     persistent = s.persistent_bytes() + m.base_bytes + sum(
         s.full_bytes(m.params[p]) for p in persist) + 2 * DS_REDUCE_BUCKET * s.csize
     plans = {}

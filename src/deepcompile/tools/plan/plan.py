@@ -2,7 +2,7 @@
 
     profile (pieces.py, trace.py; roofline.py, or host.py: a measured host profile)
       -> compose the full model's graphs (compose.py)
-      -> per system, a schedule (ours.py: the passes' own planners; peers.py: FSDP2, DeepSpeed)
+      -> per system, a schedule (ours*.py: the passes' own planners; peers.py: FSDP2, DeepSpeed)
       -> simulate one optimizer step (simulate.py) -> table, JSON, picture (report.py)
 
 Assumed figures, all printed with a plan and overridable with `--assume key=value`:
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from . import compose, network, ours, peers, pieces, roofline, shapes, simulate, trace
+from . import (compose, network, ours, ours_passes, peers, pieces, roofline, shapes, simulate,
+               trace)
 from . import host as hostprof
 from ...compiler.autoplan import fusion_policy
 from .schedule import (ADAM_BYTES, GRAD_SHARD_BYTES, MASTER_BYTES, Schedule, Setting)
@@ -48,7 +49,7 @@ OURS = (("ours-z3", ()),
         ("ours-z3+overlap", ("prefetch", "bucket_reduce")),
         ("ours-z3+overlap+unshard", ("prefetch", "bucket_reduce", "selective_unshard")),
         ("ours-z3-all", ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")),
-        ("ours-z3-auto", ours.AUTO))
+        ("ours-z3-auto", ours_passes.AUTO))
 PEERS = ("fsdp2", "fsdp2-compile", "ds-z3")
 PEERS_Z12 = ("ddp", "ddp-compile", "ds-z1")   # beside ZeRO-1/2 (the default at --stage 1, 2)
 
@@ -69,7 +70,7 @@ class PlanArgs:
     gas: int = 1
     stage: int = 3
     passes: list[tuple[str, ...] | str] | None = None   # None: the OURS ladder; "auto": the
-                                                        # runtime's choice (ours.auto_choice)
+                                                        # runtime's choice (ours_passes.auto_choice)
     peers: tuple[str, ...] = PEERS
     memory_budget: float | None = None   # bytes, a fraction (<= 1) of GPU memory, or None (0.9)
     ac: bool = False             # activation checkpointing of every decoder layer
@@ -218,24 +219,25 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
     shape = shapes.load(args.model)
     cpu = args.gpu == "cpu"
     ladder = list(OURS) if args.passes is None else [
-        ("ours-z3-auto", ours.AUTO) if _is_auto(ps) else
+        ("ours-z3-auto", ours_passes.AUTO) if _is_auto(ps) else
         ("ours-z3" + "".join(f"+{p}" for p in ps) if ps else "ours-z3", tuple(ps))
         for ps in args.passes]
     if args.stage < 3:   # what applies at ZeRO-1/2 of each pass set, and overlap_refresh
         z12 = ("bucket_reduce", "overlap_refresh")
         if args.passes is None:
             ladder = ladder[:-1] + [("", z12)] + ladder[-1:]
-        ladder = [(f"ours-z{args.stage}-auto", ours.AUTO) if ps == ours.AUTO else
+        z12 += ("activation_budget",)
+        ladder = [(f"ours-z{args.stage}-auto", ours_passes.AUTO) if ps == ours_passes.AUTO else
                   (f"ours-z{args.stage}" + "".join(f"+{p}" for p in ps if p in z12),
                    tuple(p for p in ps if p in z12))
                   for _, ps in ladder]
         ladder = list(dict(ladder).items())
     layouts = _layouts(args, cpu)
     for _, ps in ladder:
-        unknown = [p for p in ps if p not in ours.PASSES] if ps != ours.AUTO else []
+        unknown = [p for p in ps if p not in ours_passes.PASSES] if ps != ours_passes.AUTO else []
         if unknown:
             raise PlanError(f"deepcompile plan: unknown pass(es) {', '.join(unknown)}; known: "
-                            f"{', '.join(ours.PASSES)}")
+                            f"{', '.join(ours_passes.PASSES)}")
     if cpu:
         try:
             if host is None:
@@ -291,7 +293,10 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
         dtype=dtype, ac=args.ac)
     csize = torch.empty((), dtype=dtype).element_size()
     memory = fit_check(model_f, args, device_memory, csize)
-    if not memory["fits_with_offload"] and args.stage == 3:
+    # a pass set with the activation pass lowers the activations the fit check counts: the
+    # plans say what fits
+    acts = any(ps != ours_passes.AUTO and "activation_budget" in ps for _, ps in ladder)
+    if not memory["fits_with_offload"] and args.stage == 3 and not acts:
         raise PlanError(_does_not_fit(shape, args, memory))
     budget = _budget(args, device_memory)
     setting_info["memory_budget_bytes"] = budget
@@ -315,14 +320,14 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
     for layout in [x for x in layouts if x != "auto"]:
         # the shard layout plans the ladder; the others its "auto" pass set (or the sets given)
         rungs = ladder if layout == "shard" or args.passes is not None else \
-            [(n, ps) for n, ps in ladder if ps == ours.AUTO]
+            [(n, ps) for n, ps in ladder if ps == ours_passes.AUTO]
         for name, ps_ in rungs:
             auto = None
             if layout != "shard":
                 name = f"{name}-{layout}"
             what = f"deepcompile ZeRO-{args.stage}" + (
                 "" if layout == "shard" else f" {layout} (groups of {args.gpus_per_node})")
-            if ps_ == ours.AUTO:
+            if ps_ == ours_passes.AUTO:
                 ps_, auto = resolve_auto(setting(model_f, layout=layout), device_memory, cpu)
                 desc = (f"{what}, passes='auto' (the runtime's choice and verdicts, on "
                         f"predictions): " + (" + ".join(ps_) or "insertion only"))
@@ -406,17 +411,17 @@ def _layout_choice(model: compose.Model, args: PlanArgs, net, budget: float,
 
 
 def _is_auto(ps) -> bool:
-    return ps == ours.AUTO or tuple(ps) == (ours.AUTO,)
+    return ps == ours_passes.AUTO or tuple(ps) == (ours_passes.AUTO,)
 
 
 def resolve_auto(s: Setting, device_memory: float, cpu: bool) -> tuple[tuple[str, ...], dict]:
     """`passes="auto"` as the runtime runs it ([Note: choosing passes] and [Note: keeping a
-    pass] in compiler/autoplan.py): the passes `ours.auto_choice` chooses, in order, each kept
-    or reverted by the runtime's own rule (`autoplan.verdict`), with the simulated step and
-    peak in place of the measured steps and the re-profile."""
+    pass] in compiler/autoplan.py): the passes `ours_passes.auto_choice` chooses, in order,
+    each kept or reverted by the runtime's own rule (`autoplan.verdict`), with the simulated step
+    and peak in place of the measured steps and the re-profile."""
     from ...compiler.autoplan import verdict
 
-    chosen, left_out = ours.auto_choice(s)
+    chosen, left_out = ours_passes.auto_choice(s)
     kept: tuple[str, ...] = ()
     prev = _run(ours.schedule(s, kept, "auto", ""), device_memory, cpu).result
     verdicts = {}

@@ -133,6 +133,16 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
                 f"in the backward {d['predicted_copy_s'] * 1e3:.1f} ms (exposed "
                 f"{d['predicted_exposed_s'] * 1e3:.1f} ms), streamed through the step "
                 f"{d.get('predicted_streamed_s', 0.0) * 1e3:.1f} ms (in and out){grads}")
+    if name == "activation_budget":
+        if d["peak_before"] <= d["budget_bytes"]:
+            return f"nothing moved: peak {gb(d['peak_before'])} within the budget"
+        return (f"peak {gb(d['peak_before'])} -> {gb(d['peak_after'])}"
+                + (" (unattainable: the lowest the pass reaches)" if d["unattainable"] else "")
+                + f"; of {d['candidates']} saved values ({gb(d['candidate_bytes'])}) "
+                f"{d['recomputed']} recomputed ({gb(d['recomputed_bytes'])}, "
+                f"{d['recompute_flops'] / 1e12:.1f} TFLOP, {d['recompute_s'] * 1e3:.1f} ms), "
+                f"{d['offloaded']} offloaded ({gb(d['offloaded_bytes'])}); predicted "
+                f"+{d['added_s'] * 1e3:.1f} ms a step")
     return json.dumps(d)[:200]
 
 

@@ -47,7 +47,7 @@ class Setting:
     framework_async_s: float | None = None   # the same with asynchronous collectives, where it
                                              # was measured apart (CPU ranks: ours.schedule)
     plan_cost: CostModel | None = None  # the cost model the passes plan with (default: `cost`)
-    replay: dict | None = None     # a run's decisions to replay (ours.py; validation)
+    replay: dict | None = None     # a run's decisions to replay (ours_passes.py; validation)
     fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
     layout: str = "shard"          # the data-parallel layout: "shard", "hsdp", "hpz"
     group: int = 0                 # its group size G (0: every rank)

@@ -1,0 +1,131 @@
+"""`activation_budget` in the planner (tools/plan/ours_activations.py): its decisions on composed
+graphs, what they do to the plan's memory and time, and the built-in shapes on 8 H100s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from deepcompile.tools.plan import compose, ours, ours_passes, pieces, roofline  # noqa: E402
+from deepcompile.tools.plan import shapes, trace  # noqa: E402
+from deepcompile.tools.plan import plan as P  # noqa: E402
+from deepcompile.tools.plan.network import Fabric  # noqa: E402
+from deepcompile.tools.plan.roofline import NodeCost  # noqa: E402
+from deepcompile.tools.plan.schedule import Setting  # noqa: E402
+from deepcompile.tools.plan.simulate import simulate  # noqa: E402
+
+ACTS = ("activation_budget",)
+NODE_S = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny() -> compose.Model:
+    """tiny-llama with two layers, bf16, traced on fake tensors; every node 10 us."""
+    s = shapes.load("tiny-llama")
+    shape = shapes.ModelShape(s.name, s.arch, dict(s.config, num_hidden_layers=2))
+    ps = pieces.build(shape, batch=2, seq=64, dtype=torch.bfloat16, fake=True)
+    graphs = trace.trace_all(ps)
+
+    def times(piece, phase):
+        gm = getattr(graphs[piece], phase)
+        return {n.name: NodeCost(NODE_S, roofline.flops(n)[1], 1)
+                for n in gm.graph.nodes if n.op == "call_function"}
+
+    return compose.compose(graphs, 2, times, name="tiny", batch=2, seq=64, dtype=torch.bfloat16)
+
+
+def setting(model, budget, gas=1) -> Setting:
+    net = Fabric(1, 8, nvlink_bw=450e9, nic_bw=50e9, pcie_bw=55e9)
+    return Setting(model, 8, net, budget, gas, mem_bw=2.68e12, kernel_host_s=0.0,
+                   eager_op_host_s=0.0, optimizer_s=1e-3)
+
+
+def tight(model, fraction=0.8) -> float:
+    """A budget `fraction` of the way from the persistent state to the insertion-only peak."""
+    base = ours_passes.plan(setting(model, float("inf")), ())
+    return base.persistent() + fraction * (base.peak() - base.persistent())
+
+
+def test_unbounded_or_ample_memory_moves_nothing(tiny):
+    assert ours_passes.plan(setting(tiny, float("inf")), ACTS).decisions[
+        "activation_budget"]["skipped"].startswith("memory budget unbounded")
+    peak = ours_passes.plan(setting(tiny, float("inf")), ()).peak()
+    pl = ours_passes.plan(setting(tiny, peak), ACTS)
+    d = pl.decisions["activation_budget"]
+    assert pl.acts == [] and d["recomputed"] == d["offloaded"] == 0 and d["peak_before"] == peak
+    a = simulate(ours.schedule(setting(tiny, peak), (), "x", "").events)
+    b = simulate(ours.schedule(setting(tiny, peak), ACTS, "x", "").events)
+    assert (a.step_s, a.peak_bytes) == (b.step_s, b.peak_bytes)
+
+
+def test_a_tight_budget_moves_saved_values_and_the_curve_shows_each(tiny):
+    budget = tight(tiny)
+    base = ours_passes.plan(setting(tiny, float("inf")), ())
+    pl = ours_passes.plan(setting(tiny, budget), ACTS)
+    d = pl.decisions["activation_budget"]
+    assert pl.acts and d["recomputed"] + d["offloaded"] == len(pl.acts)
+    assert not d["unattainable"] and pl.peak() <= budget < base.peak()
+    moved = sum(a.nbytes for a in pl.acts)
+    assert d["recomputed_bytes"] + d["offloaded_bytes"] == moved
+    # the end of the forward holds the moved values no more; the backward ends as without
+    # the pass (every value freed after its last reader)
+    assert base.items("fw")[-1].live - pl.items("fw")[-1].live == moved
+    assert base.items("bw")[-1].live == pl.items("bw")[-1].live
+    fw, bw = pl.items("fw"), pl.items("bw")
+    names = [it.name for it in bw]
+    for a in pl.acts:
+        first = next(j for j, it in enumerate(bw) if it.kind == "compute" and it.ref == a.first)
+        if a.action == "recompute":   # its nodes' time, right before its first reader
+            j = names.index(f"recompute.{a.name}")
+            assert bw[j].dur == a.time_s and j < first
+            assert all(it.kind != "compute" for it in bw[j + 1:first])
+            continue
+        out = next(j for j, it in enumerate(fw) if it.name == f"offload.{a.name}")
+        assert fw[out - 1].kind == "compute" and fw[out - 1].ref == a.fw_free
+        back, wait = names.index(f"reload.{a.name}"), names.index(f"reload.{a.name}.wait")
+        assert back < wait < first and bw[back].nbytes == a.nbytes
+        assert a.reload == -1 or bw[back - 1].ref == a.reload
+    # the recomputes run on the compute lane, in every micro-step: the simulated compute grows
+    # by their time
+    for gas in (1, 2):
+        pg = ours_passes.plan(setting(tiny, budget, gas), ACTS)
+        a = simulate(ours.schedule(setting(tiny, budget, gas), (), "x", "").events)
+        b = simulate(ours.schedule(setting(tiny, budget, gas), ACTS, "x", "").events)
+        rec = pg.decisions["activation_budget"]["recompute_s"]
+        assert rec > 0
+        assert b.compute_s - a.compute_s == pytest.approx(gas * rec, rel=1e-9, abs=1e-12)
+        assert b.peak_bytes == pg.peak()
+
+
+def test_auto_chooses_it_and_the_planner_models_it(tiny):
+    chosen, left = ours_passes.auto_choice(setting(tiny, tight(tiny)))
+    assert "activation_budget" in chosen
+    assert not any("not modelled" in why for why in left.values())
+
+
+# -- built-in shapes: Llama-3-8B on 8 H100s ---------------------------------------------------
+def _plan(**kw):
+    args = P.PlanArgs(model="llama-3-8b", nodes=1, gpus_per_node=8, peers=(),
+                      assume={"net.host_step_ns": 2.0}, **kw)
+    return P.make_plan(args)
+
+
+def test_llama_8b_at_seq_4096_fits_with_it_and_beats_full_checkpointing():
+    plan = _plan(seq=4096, batch=4, passes=[(), ACTS])
+    plain, acts = plan.rows()
+    budget = plan.setting["memory_budget_bytes"]
+    assert plain["peak_bytes"] > 80e9 and not plain["fits"]
+    assert acts["fits"] and acts["peak_bytes"] <= budget
+    d = acts["decisions"]["activation_budget"]
+    assert d["peak_before"] > budget >= d["peak_after"] and d["recomputed"] + d["offloaded"] > 0
+    (ac,) = _plan(seq=4096, batch=4, passes=[()], ac=True).rows()
+    assert ac["fits"] and acts["step_s"] <= ac["step_s"]
+
+
+def test_llama_8b_at_seq_1024_plans_nothing():
+    plain, acts = _plan(seq=1024, batch=1, passes=[(), ACTS]).rows()
+    assert acts["decisions"]["activation_budget"]["offloaded"] == 0
+    assert acts["decisions"]["activation_budget"]["recomputed"] == 0
+    assert (acts["step_s"], acts["peak_bytes"]) == (plain["step_s"], plain["peak_bytes"])
