@@ -7,6 +7,8 @@ The tests are in layers, one folder each, marked by it and run in this order:
   distributed  several gloo ranks on the CPU (tests/_dist.py launches them)
   gpu     CUDA only (skipped without a GPU)
 `pytest tests/unit` is the quick subset; `pytest -m "not distributed"` leaves out the ranks.
+Tests marked `extended` run only with DEEPCOMPILE_FULL_TESTS=1 ([Note: the core matrix] in
+tests/_train.py).
 
 Also a summary of the parity deviations measured by the distributed tests (tests/_train.py
 fills `_train.DEVIATIONS`; each entry is also appended to build/test-deviations.jsonl)."""
@@ -25,10 +27,14 @@ def _layer(item) -> str | None:
 
 
 def pytest_collection_modifyitems(session, config, items):
+    full_only = pytest.mark.skip(reason="in the full suite only (DEEPCOMPILE_FULL_TESTS=1): "
+                                        "[Note: the core matrix] in tests/_train.py")
     for item in items:
         layer = _layer(item)
         if layer is not None:
             item.add_marker(layer)
+        if not _train.FULL and item.get_closest_marker("extended") is not None:
+            item.add_marker(full_only)
     # the layers in order (a failure in a lower one shows first); within one, as collected
     rank = {layer: i for i, layer in enumerate(LAYERS)}
     items.sort(key=lambda item: rank.get(_layer(item), len(rank)))

@@ -371,7 +371,7 @@ JOBS = Jobs({
     "fx2": (2, [_sc("llama", 372_000, 2), _sc("mixtral", 553_000, 2),
                 _sc("llama_tied", 380_000, 2), _sc("mixtral_eager", 275_000, 2),
                 _sc("llama", 450_000, 2, passes="auto", tag="-auto", steps=10)]),
-    "inductor2": (2, [_sc("llama", 400_000, 2, compiler="inductor")]),
+    "inductor2": (2, [_sc("llama", 400_000, 2, compiler="inductor", core=True)]),
 }, timeout=1500)
 
 

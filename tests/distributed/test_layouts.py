@@ -60,8 +60,8 @@ _FX = [
         memory_budget=18000, chunk_bytes=256, record=("report",), tags=("offload",)),
     _sc("2x2", "hsdp", "disabled", "sgd", extended=True),
     _sc("2x2", "auto", "mlp", record=("report",)),
-    _sc("4x1", "hsdp", "llama", record=("comm_groups",)),
-    _sc("4x1", "hpz", "llama", "sgd", record=("comm_groups",)),
+    _sc("4x1", "hsdp", "mlp", record=("comm_groups",)),
+    _sc("4x1", "hpz", "mlp", "sgd", record=("comm_groups",)),
     _sc("4x1", "hsdp", "mlp", stage=2, passes=("bucket_reduce",), extended=True),
     _sc("1x4", "hsdp", "mlp", record=("report",)),
 ] + _COUNTS
@@ -128,12 +128,12 @@ def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
     parameter per micro-step across the 4 groups; clipping's norm is the rank's own, its
     shards being whole parameters); hpz keeps the whole parameter as its secondary shard (no
     backward gather at all)."""
-    model = _models.build_model("llama")
+    model = _models.build_model("mlp")
     params, numel = len(list(model.parameters())), sum(p.numel() for p in model.parameters())
-    hsdp = _groups("fx4", "4x1-hsdp-z3-llama-adamw-gas2-clip")
+    hsdp = _groups("fx4", "4x1-hsdp-z3-mlp-adamw-gas2-clip")
     assert hsdp == {"inter": {"all_reduce": (2 * params, 2 * 4 * numel)}}
-    hpz = _groups("fx4", "4x1-hpz-z3-llama-sgd-gas2-clip")
-    padded = 2 * 4 * _padded(4, "llama")   # 2 micro-steps, fp32
+    hpz = _groups("fx4", "4x1-hpz-z3-mlp-sgd-gas2-clip")
+    padded = 2 * 4 * _padded(4, "mlp")   # 2 micro-steps, fp32
     assert set(hpz) == {"world"}, hpz
     assert hpz["world"]["reduce_scatter"][1] == padded
     assert hpz["world"]["all_gather"][1] == padded   # the forward's only

@@ -50,7 +50,7 @@ _FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",)),
         _sc("llama", "sgd", 2, CLIP),
         _sc("llama", "adamw", 1, None)]
 # Inductor: the MLP's shards are padded at 2 ranks too (37 and 29 wide layers)
-_INDUCTOR = [_sc("llama", "adamw", 2, CLIP, compiler="inductor", record=("comm",)),
+_INDUCTOR = [_sc("llama", "adamw", 2, CLIP, compiler="inductor", record=("comm",), core=True),
              _sc("mlp", "sgd", 1, None, compiler="inductor")]
 
 JOBS = Jobs({

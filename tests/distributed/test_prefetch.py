@@ -258,9 +258,12 @@ JOBS = Jobs({
                  record=("comm",), warmup_steps=1),
         scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, **_BOTH),
     ]),
-    "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, **_BOTH)]),
+    "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, extended=True,
+                         **_BOTH)]),
     # Inductor: prefetch with bucket_reduce and selective_unshard on 2 ranks is
-    # tests/distributed/test_selective_unshard.py's Inductor scenario (one cold Inductor job for both)
+    # tests/distributed/test_selective_unshard.py's Inductor scenario (one cold Inductor job for
+    # both; the full suite's), and the order of Inductor's code is
+    # test_inductor_code_keeps_starts_before_the_compute_they_overlap
     # Where the passes place their ops depends on the profiled times: seeded random times
     # (`random_times`) give the placements this machine's times do not (the CI failure of
     # stop 22 came from one such placement)

@@ -368,7 +368,7 @@ JOBS = Jobs({
     ]),
     "fx4": (4, [scenario("llama-sgd-gas2-clip-unshard-prefetch", "llama", "sgd", 0.1, gas=2,
                          clip=0.1, record=_REC, passes=("selective_unshard", "prefetch"),
-                         warmup_steps=1),
+                         warmup_steps=1, extended=True),
                 {**FITS_ALL, "id": FITS_ALL["id"] + "-4ranks"}]),
     # every scheduling pass under Inductor, on 2 ranks (tests/distributed/test_prefetch.py's Inductor
     # coverage too: one cold Inductor job instead of two)
