@@ -18,7 +18,7 @@ from .compiler.pipeline import Phase
 from .config import Config
 from .report import Report
 from .runtime.flat import _grad_of, _is_not_none
-from .runtime.guardrails import DistributedError, NonFiniteError, UsageError, is_comm_error
+from .runtime.errors import DistributedError, NonFiniteError, UsageError, is_comm_error
 from .runtime.loss_scale import grad_norms, nonfinite_ranks
 from .runtime.registry import ParamEntry
 
@@ -38,7 +38,7 @@ _EAGER_PARAMETER_READ = (
 def _collective(method: Callable) -> Callable:
     """An engine method that communicates outside the training step: on every rank, or a
     CollectiveCallError on the ranks that called it ([Note: collective calls] in
-    runtime/guardrails.py); a collective failing inside it is a DistributedError naming what the
+    runtime/collective_calls.py); a collective failing inside it is a DistributedError naming what the
     other ranks reported. One entry for nested calls (plot writes the trace)."""
     name = method.__name__
 
