@@ -17,6 +17,9 @@ the host instead, and need no room at all.
   masters.py    tier 3: masters on the host ([Note: masters on the host])
   host_step.py  tier 4: the host step and the host optimizer ([Note: the host step])
   ops.py        the `reload_state` and `grad_to_host` ops the pass puts in backward graphs
+
+`Offloader` is one class, and this module is that class: every mechanism above reads and changes
+the placement it keeps (tiers, reload groups, the copies in flight).
 """
 
 from __future__ import annotations
