@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
+
 __all__ = ["initialize", "Config", "Engine", "verify", "register_pass", "PassContext"]
-__version__ = "0.1.0"
 
 _LAZY = {
     "initialize": "._api",

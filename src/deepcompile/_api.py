@@ -25,7 +25,7 @@ def initialize(model: nn.Module, optimizer: OptimizerFactory | None = None,
     The default process group is used; if there is none, it is initialized from torchrun's
     environment (nccl for CUDA models, gloo otherwise).
     """
-    from .engine import _ensure_process_group, _model_device
+    from ._assemble import _ensure_process_group, _model_device
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")

@@ -109,7 +109,7 @@ class Config:
     divergence_check_every: every this many optimizer steps (0: never), the ranks compare a
         fingerprint of the collectives each ran (which graphs, which parameters, in which order,
         how many micro-steps) and all stop with the first difference if they disagree.
-        Default 1 (measured cost in runtime/guardrails.py). The steps between checks still
+        Default 1 (measured cost in runtime/divergence.py). The steps between checks still
         compare the step number and agree whether any rank holds gradients of eager code, in
         one reduction of a few integers (runtime/eager.py).
     on_nonfinite: what an optimizer step does when a loss or a gradient is inf/NaN on any

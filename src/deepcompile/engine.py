@@ -6,32 +6,21 @@ import functools
 import logging
 import os
 import time
-import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _compat
-from .compiler.backend import Backend, WeakBackend
-from .compiler.layouts import auto as choose_layout
-from .compiler.pipeline import Phase, Pipeline
+from ._assemble import OptimizerFactory, assemble
+from .compiler.pipeline import Phase
 from .config import Config
-from .guard import ModelGuard
-from .passes import needs_of, passes_with
 from .report import Report
-from .runtime.comm import Comm
-from .runtime.eager import EagerFallback
-from .runtime.flat import FlatState, _grad_of, _is_not_none
-from .runtime.guardrails import (DistributedError, Guardrails, NonFiniteError, UsageError,
-                                 is_comm_error)
-from .runtime.loss_scale import GradCheck, grad_norms, nonfinite_ranks
-from .runtime.mesh import build as build_layout
-from .runtime.offload import Offloader
-from .runtime.registry import ParamEntry, ParamRegistry
-from .runtime.runtime import EngineRuntime
-from .runtime.state import StepState
+from .runtime.flat import _grad_of, _is_not_none
+from .runtime.errors import DistributedError, NonFiniteError, UsageError, is_comm_error
+from .runtime.loss_scale import grad_norms, nonfinite_ranks
+from .runtime.registry import ParamEntry
 
 log = logging.getLogger("deepcompile")
 
@@ -45,72 +34,11 @@ _EAGER_PARAMETER_READ = (
     "(`module.forward = torch.compiler.disable(module.forward)`): it then runs eagerly, and the "
     "eager fallback gathers its parameters for its forward (runtime/eager.py)")
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    if not devices:
-        raise ValueError("deepcompile.initialize: the model has no parameters or buffers")
-    if len(devices) > 1:
-        raise ValueError(f"deepcompile.initialize: the model's tensors are on several devices "
-                         f"({', '.join(sorted(map(str, devices)))}); put it on one device first")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError("deepcompile.initialize: the model is on the meta device; materialize "
-                         "its parameters (e.g. model.to_empty(device=...) and initialize) first")
-    _check_current_device(device)
-    return device
-
-
-def _check_current_device(device: torch.device) -> None:
-    """CUDA events, memory_allocated, synchronize and NCCL's object collectives act on the
-    current device: with another one current, the profiles would time and measure nothing."""
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        raise ValueError(
-            f"deepcompile.initialize: the model is on {device} but the current CUDA device is "
-            f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device({device.index}) "
-            "(under torchrun: int(os.environ['LOCAL_RANK'])) before initialize")
-
-
-def _ensure_process_group(device: torch.device) -> None:
-    if dist.is_initialized():
-        return
-    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            "deepcompile.initialize: no default process group and no torchrun environment "
-            f"({', '.join(missing)} unset). Launch with `torchrun --nproc-per-node N script.py`, "
-            "or call torch.distributed.init_process_group(...) before initialize().")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    log.info("deepcompile: initializing the default process group (%s) from the environment", backend)
-    # bound to this rank's GPU: NCCL's communicator is made now, on the right device
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-
-
-def _check_backend(device: torch.device, backend: str) -> None:
-    backends = str(backend).lower()
-    if device.type == "cuda":
-        if "nccl" not in backends:   # gloo: the lowered graphs' collectives need NCCL on CUDA
-            raise ValueError(f"deepcompile.initialize: the model is on {device} but the process "
-                             f"group's backend is {backend!r}; CUDA training needs 'nccl' "
-                             "(torch.distributed.init_process_group('nccl'))")
-    elif device.type == "cpu":
-        if "gloo" not in backends and "mpi" not in backends:
-            raise ValueError(f"deepcompile.initialize: the model is on the CPU but the process "
-                             f"group's backend is {backend!r}; use 'gloo' for CPU training, or "
-                             "move the model to the GPU of this rank")
-    else:
-        raise ValueError(f"deepcompile.initialize: device type {device.type!r} is not supported "
-                         "(supported: cpu with gloo, cuda with nccl)")
-
 
 def _collective(method: Callable) -> Callable:
     """An engine method that communicates outside the training step: on every rank, or a
     CollectiveCallError on the ranks that called it ([Note: collective calls] in
-    runtime/guardrails.py); a collective failing inside it is a DistributedError naming what the
+    runtime/collective_calls.py); a collective failing inside it is a DistributedError naming what the
     other ranks reported. One entry for nested calls (plot writes the trace)."""
     name = method.__name__
 
@@ -141,92 +69,13 @@ class Engine:
                  group: dist.ProcessGroup | None = None, mesh: Any = None) -> None:
         self.config = config
         self.module = module
-        self.device = _model_device(module)
-        _check_backend(self.device, dist.get_backend(group))
-        self._comm = Comm(group)
-        # failures, timeouts and cross-rank checks (runtime/guardrails.py): before anything that
-        # communicates, so that the startup timeout bounds it
-        self._rails = Guardrails(self._comm, config)
-        # the data-parallel layout and its groups, made once, before anything is sharded
-        # ([Note: layouts] in runtime/mesh.py; "auto": [Note: choosing the layout])
-        self._layout = build_layout(config, self._comm, self.device, mesh,
-                                    choose=lambda candidates: choose_layout(
-                                        candidates, module, config, self.device))
-        self._state = StepState(gradient_accumulation_steps=config.gradient_accumulation_steps)
-        self._registry = ParamRegistry(module, self._layout, param_dtype=config.param_dtype,
-                                       reduce_dtype=config.reduce_dtype,
-                                       zero_stage=config.zero_stage)
-        self._trainable = self._registry.trainable_shards()
-        self.optimizer = optimizer(self._trainable)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"deepcompile.initialize: optimizer(params) must return a "
-                            f"torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        # the shards move into flat chunks (their data pointers are fixed from here on: the
-        # runtime's tables are built after) and, for elementwise optimizers, an inner optimizer
-        # steps the chunks ([Note: flat layout] in runtime/flat.py)
-        self._flat = FlatState(self.optimizer, self._registry.entries, self.device)
-        self._runtime = EngineRuntime(self._registry, self._comm, self._state, self.device)
-        self._runtime.flat_masters = [c.param for c in self._flat.chunks]
-        self._registry.reuse_listeners.append(self._check_reuse)
-        self._offload = Offloader(self._flat, self.device, self._runtime, config.compiler)
-        self._offload.host_step = config.host_step   # what offload_optimizer's plan reads
-        self._runtime.offload = self._offload
-        # ZeRO-1/2: the optimizer step may leave the replicas' refresh in flight (overlap_refresh:
-        # [Note: deferred refresh] in runtime/replicas.py); eager readers then wait for it
-        defers = config.zero_stage < 3 and ("overlap_refresh" in config.pass_list
-                                            or config.auto_passes)
-        self._fallback = EagerFallback(
-            module, self._runtime, gather=config.zero_stage == 3, settle=defers,
-            agree=self._rails.agree_eager if self._rails.eager_group is not None else None,
-            agree_mask=self._rails.agree_mask)
-        self._pipeline = Pipeline(runtime=self._runtime, config=config, device=self.device,
-                                  engine_fingerprint=self._fingerprint(), guard=self._rails)
-        elementwise = needs_of(config.pass_list).get("elementwise_optimizer")
-        if elementwise and self._flat.inner is None:
-            raise ValueError(
-                f"deepcompile.initialize: the pass {elementwise[0]} needs an optimizer whose "
-                f"update is elementwise (torch.optim's SGD, Adam, AdamW, ...), which steps "
-                f"flat chunks; {type(self.optimizer).__name__} steps parameter by parameter")
-        # the passes that hold the optimizer state under the budget, named or open to auto
-        self._drift_passes = passes_with(replans_on_drift=True)
-        if any(p in config.pass_list for p in self._drift_passes):
-            # the CPU memory model counts the state (and held gradients) where such a pass is
-            # on: its plan and every pass before or after it read one budget for all of it
-            self._runtime.count_offload_bytes = True
-            if self._pipeline.memory_budget != float("inf"):
-                # until planned, the state of every chunk leaves ([Note: provisional offload]);
-                # unbounded, nothing is ever offloaded: the pass plans nothing, changes no graph
-                self._offload.provisional = True
-        elif config.auto_passes and self._drift_passes and \
-                self._pipeline.memory_budget != float("inf"):
-            # auto may choose such a pass from the profile: the state is in the budget
-            # (profiled on the device: name the pass to profile with it offloaded)
-            self._runtime.count_offload_bytes = True
-        if self._runtime.count_offload_bytes and self._pipeline.memory_budget != float("inf"):
-            # the step changed under the plan (a new shape, larger sizes): re-plan instead of
-            # running out of memory (compiler/drift.py). Unbounded, no step runs out of the
-            # budget: nothing to re-plan (each re-plan runs every kept pass again), and no
-            # agreement to reach at each step boundary
-            self._pipeline.on_drift.append(self._replan_on_drift)
-        self._backend = Backend(self._registry, config.compiler, self._pipeline)
-        # Dynamo keeps its backend for the life of the process: it gets a weak handle ([Note:
-        # what Dynamo holds] in compiler/backend.py), so that a released engine is freed
-        self._compiled = _compat.compile_module(module, WeakBackend(self._backend))
+        # the parts, each after what it depends on (_assemble.py)
+        assemble(self, optimizer, group, mesh)
         self._warned_uncompiled = False
-        # a frame of this model Dynamo stops compiling (while this engine's forward runs) runs
-        # eagerly: one warning each. Held weakly, removed with the engine (Dynamo's logger
-        # lives as long as the process)
+        # frames of this model Dynamo stopped compiling while this engine's forward ran (one
+        # warning each: `_recompile_limit_hit`)
         self._fell_back: set[str] = set()
         self._in_forward = False
-        hit = weakref.WeakMethod(self._recompile_limit_hit)
-        weakref.finalize(self, _compat.on_recompile_limit(
-            lambda *a: None if (m := hit()) is None else m(*a)))
-        # the user's model object stays safe to touch ([Note: the guarded model] in guard.py)
-        self._guard = ModelGuard(module, self._registry, config.zero_stage,
-                                 self._runtime.replicas if defers else None)
-        self._compiled = self._guard.wrap(self._compiled)
-        self._scaler = self._make_loss_scaler()   # float16: runtime/loss_scale.py
-        self._grad_check = GradCheck(self._trainable, self.device)   # [Note: overflow agreement]
         # Config.on_nonfinite: losses are checked on the device (no sync) at each backward and
         # the flag joins the gradients' at the step (dynamic loss scaling decides by itself)
         self._check_losses = config.on_nonfinite != "off" and not (
@@ -234,11 +83,6 @@ class Engine:
         self._loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self.nonfinite_skipped = 0
         self._grad_norm: torch.Tensor | None = None   # [Note: the step's gradient norm]
-        from .metrics import StepMetrics
-        from .report.steptrace import StepTracer
-
-        self._metrics = StepMetrics(self)
-        self._tracer = StepTracer(self._pipeline, self.device)
         self._micro_steps = 0
         self._in_collective = False   # inside a collective method (_collective)
         self._forwards = 0          # forwards with grad since the last backward
@@ -555,16 +399,6 @@ class Engine:
         """What is derived from the shards follows them (runtime/runtime.py)."""
         self._runtime.shards_changed(frozen_too)
 
-    def _make_loss_scaler(self):
-        mode = self.config.loss_scaling
-        if mode is None:
-            return None
-        from .runtime.loss_scale import LossScaler
-
-        return LossScaler(self._comm, self.device, dynamic=mode == "dynamic",
-                          scale=self.config.initial_loss_scale if mode == "dynamic"
-                          else self.config.loss_scale, window=self.config.loss_scale_window)
-
     def _drop_unused_prefetches(self) -> None:
         """Gathers a graph started for a next graph that did not run are waited for and dropped
         before the shards change ([Note: cross-graph prefetch])."""
@@ -733,21 +567,3 @@ class Engine:
             paths.append(report.save(os.path.join(directory, "report.json")))
             paths += plot_report(report, directory)
         return paths
-
-    def _fingerprint(self) -> dict:
-        """What determines a plan besides the graphs (the plan cache's key)."""
-        from . import __version__
-        cfg = self.config.to_dict()
-        for key in ("cache_dir", "collective_timeout_s", "startup_timeout_s",
-                    "divergence_check_every", "on_nonfinite"):
-            cfg.pop(key, None)   # none of these changes a plan
-        return {
-            "world_size": self._comm.world,
-            "layout": [self._layout.name, self._layout.group_size],
-            "device": self.device.type,
-            "torch": torch.__version__,
-            "deepcompile": __version__,
-            "config": cfg,
-            "params": [(e.name, list(e.shape), str(e.compute_dtype), str(e.shard.dtype),
-                        str(e.reduce_dtype)) for e in self._registry],
-        }

@@ -1,5 +1,5 @@
 """Collective engine methods called on some ranks only fail fast, on every rank that can know
-([Note: collective calls] in runtime/guardrails.py).
+([Note: collective calls] in runtime/collective_calls.py).
 
 Each scenario trains a small model on 2 gloo ranks (a process group of its own per scenario,
 `collective_timeout_s=T`), then calls one collective method on rank 0 only, the habit of

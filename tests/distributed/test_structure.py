@@ -1,6 +1,6 @@
 """Graphs whose structure depends on the data train as one process does ([Note: graph
 structure] in compiler/families.py; [Note: structures are agreed at each call] in
-runtime/guardrails.py).
+runtime/divergence.py).
 
 `loop_count` runs a loop `int(k.max())` times after a graph break (Dynamo unrolls it: one graph
 per count over the same parameters), `branch_count` takes one of two paths over the same

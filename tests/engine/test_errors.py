@@ -215,7 +215,7 @@ def test_eager_modules_was_removed_and_says_what_to_do_instead(group, tmp_path):
 def test_a_cuda_model_must_be_on_the_current_device(monkeypatch):
     """CUDA events, memory figures and NCCL's object collectives act on the current device:
     a model on cuda:1 with cuda:0 current is refused with the call that fixes it."""
-    from deepcompile.engine import _check_current_device
+    from deepcompile._assemble import _check_current_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match=r"cuda:1 but the current CUDA device is cuda:0; "
@@ -227,7 +227,7 @@ def test_a_cuda_model_must_be_on_the_current_device(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_cuda_model_needs_nccl(backend):
-    from deepcompile.engine import _check_backend
+    from deepcompile._assemble import _check_backend
 
     with pytest.raises(ValueError, match="CUDA training needs 'nccl'"):
         _check_backend(torch.device("cuda", 0), backend)

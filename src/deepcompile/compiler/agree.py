@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import ops
-from ..runtime.guardrails import DivergenceError, digest
+from ..runtime.divergence import digest
+from ..runtime.errors import DivergenceError
 from .profiler import GraphProfile, NodeProfile
 
 

@@ -17,7 +17,7 @@ other ranks do not. Its listeners act at once where only this rank is concerned 
 all optimizer state off the device before the larger graph runs) and `request_replan`; the
 re-plan itself needs every rank (profiles and plans are agreed). So the request waits for the
 step boundary, where the ranks agree it first thing in `engine.step()`, one integer (MAX) more
-in the divergence check's reduction (runtime/guardrails.py; with `divergence_check_every` k,
+in the divergence check's reduction (runtime/divergence.py; with `divergence_check_every` k,
 at the next check; with no checks, by a reduction of its own on the check's group, each steady
 step where something listens to drift). Where some rank asked, every rank that did not tells its
 listeners now, before the optimizer step (the engine puts all state off the device there too:

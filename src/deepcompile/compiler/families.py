@@ -24,7 +24,7 @@ the insertion-only graph of the new shape. So:
 Whichever member a rank runs, it issues its representative's collectives, which every rank
 planned from the same agreed profiles: ranks never disagree on what to issue. A member needs no
 agreement with the other ranks; a new representative does ([Note: new graphs are agreed] in
-runtime/guardrails.py).
+runtime/divergence.py).
 
 The transplant reads three graphs: the representative as compiled (`original`, kept before any
 pass ran), as planned (its current graph), and the member as compiled. Compute nodes of the two
@@ -48,7 +48,7 @@ ragged lengths), and an unrolled loop or another branch does not. One frame over
 tuple with several structures (`Structures`) may take a different one on each rank in the same
 step (the data differ): from its second structure on, the ranks agree on the structure at every
 call of its forward graphs, before the graph issues any collective ([Note: structures are
-agreed at each call] in runtime/guardrails.py).
+agreed at each call] in runtime/divergence.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import torch
 from torch import fx
 
 from ..runtime import ops
-from ..runtime.guardrails import digest
+from ..runtime.divergence import digest
 from ..runtime.registry import lookup
 from .profiler import GraphProfile, NodeProfile
 

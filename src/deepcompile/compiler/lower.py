@@ -29,6 +29,9 @@ graph, copying each rank's secondary block out of the gathered buffer into a run
 (an extra input, written in place), and in a backward graph all-gathers those blocks within the
 group ([Note: secondary shards] in runtime/secondary.py).
 
+This module is one job, longer than most: `_Lowering` has a method for each row of the table,
+and they share one lowering's state (the new graph, its extra inputs and outputs, the counts).
+
 [Note: runtime inputs] What the runtime holds (kept parameters, gradient accumulators, a
 gather parked by the previous graph, the next graph's shards) becomes extra trailing inputs of
 the lowered graph; gathers started for the next graph become extra trailing outputs. The slot

@@ -24,7 +24,8 @@ from torch.profiler import record_function
 
 from .. import _compat
 from ..runtime import memory
-from ..runtime.guardrails import FP_MASK, FP_MUL, Guardrails, digest
+from ..runtime.divergence import FP_MASK, FP_MUL, digest
+from ..runtime.guardrails import Guardrails
 from . import families as _families
 from .agree import agree_max
 from .coverage import Coverage
@@ -38,7 +39,7 @@ log = logging.getLogger("deepcompile")
 
 
 class _ReusedCall:
-    """A reused graph's call as the divergence check records it (runtime/guardrails.py)."""
+    """A reused graph's call as the divergence check records it (runtime/divergence.py)."""
     graph_key = "reuse"
 
     def __init__(self, describe: str) -> None:
@@ -126,7 +127,7 @@ class SlotRunner:
         self.slots[key] = slot
         names = list(params)
         if not structures.checked:
-            self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/guardrails.py
+            self.guard.agree_graph(   # [Note: new graphs are agreed] in runtime/divergence.py
                 f"{kind} graph over {len(names)} parameters ({', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''}; digest {digest(repr(names)):x}; "
                 f"structure {structure:x})",
@@ -159,7 +160,7 @@ class SlotRunner:
         return slot.kind == "fw" or (slot.kind == "inference" and self.registry.zero_stage == 3)
 
     def _check_structures(self, structures: _families.Structures) -> None:
-        """[Note: structures are agreed at each call] in runtime/guardrails.py: from now on
+        """[Note: structures are agreed at each call] in runtime/divergence.py: from now on
         (every rank is here: it agreed on the second structure), the calls of this code's
         graphs that `_checks` names check that every rank runs the same structure."""
         structures.checked = True
@@ -221,7 +222,7 @@ class SlotRunner:
     # -- one graph call -----------------------------------------------------------------------
     def run(self, slot: GraphSlot, args: list[Any]) -> Any:
         rt = self.runtime
-        if slot.checked:   # [Note: structures are agreed at each call] in runtime/guardrails.py
+        if slot.checked:   # [Note: structures are agreed at each call] in runtime/divergence.py
             self.guard.agree_structure(slot.key, slot.structure, rt.step.optimizer_steps,
                                        rt.step.micro_step)
         if self.on_training_call is not None and slot.training:
@@ -247,7 +248,7 @@ class SlotRunner:
             slot.variants = needs_variants(slot.gm, rt)
         last = not slot.variants or rt.step.last_micro_step
         low = self._lowered(slot, last)
-        tr = self.trace   # [Note: divergence check] in runtime/guardrails.py
+        tr = self.trace   # [Note: divergence check] in runtime/divergence.py
         tr.fp = (tr.fp * FP_MUL + low.digest) & FP_MASK
         tr.calls.append(low)
         full, accs = low.prepare(args)

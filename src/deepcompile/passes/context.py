@@ -85,6 +85,9 @@ class Pass:
     # it holds the optimizer state under the memory budget: the engine re-plans it when the
     # step drifts in steady state (compiler/drift.py), and counts that state in the budget
     replans_on_drift: bool = False
+    # ZeRO-1/2: the optimizer step may leave the replicas' refresh in flight ([Note: deferred
+    # refresh] in runtime/replicas.py): the eager fallback and the guarded model wait for it
+    defers_refresh: bool = False
     # the DeepSpeed setting it stands for in a DeepSpeed config (_config_io.py), e.g.
     # "zero_optimization.offload_optimizer"
     deepspeed: str | None = None

@@ -266,4 +266,4 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("overlap_refresh", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=40, choose=auto, asynchronous=True)
+              order=40, choose=auto, asynchronous=True, defers_refresh=True)

@@ -122,7 +122,8 @@ class ParamRegistry:
     """The sharded parameters of one engine's module."""
 
     def __init__(self, module: nn.Module, layout: "Layout", *, param_dtype: torch.dtype | None,
-                 reduce_dtype: torch.dtype | None, zero_stage: int = 3) -> None:
+                 reduce_dtype: torch.dtype | None, zero_stage: int = 3,
+                 on_reuse: Callable[[ParamEntry, ParamEntry], None] | None = None) -> None:
         self.layout = layout
         self.comm = layout.shard
         self.zero_stage = zero_stage
@@ -132,7 +133,8 @@ class ParamRegistry:
         # parameters of the same layout (see [Note: graph reuse] in compiler/backend.py).
         self.reuses: set[tuple[int, int]] = set()
         # called with (compiled-for entry, actual entry) on every new reuse pair
-        self.reuse_listeners: list[Callable[[ParamEntry, ParamEntry], None]] = []
+        self.reuse_listeners: list[Callable[[ParamEntry, ParamEntry], None]] = (
+            [on_reuse] if on_reuse is not None else [])
         # called with (compiled-for entry, actual entry) on every call of a graph with a
         # parameter it was not compiled for
         self.reuse_call_listeners: list[Callable[[ParamEntry, ParamEntry], None]] = []

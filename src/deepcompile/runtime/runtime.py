@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -110,7 +110,7 @@ def _wait(t: torch.Tensor) -> None:
 
 class EngineRuntime:
     def __init__(self, registry: ParamRegistry, comm: Comm, step: StepState,
-                 device: torch.device) -> None:
+                 device: torch.device, flat_masters: Iterable[torch.Tensor] = ()) -> None:
         self.registry = registry
         self.comm = comm
         self.step = step
@@ -123,14 +123,14 @@ class EngineRuntime:
         self.layout = registry.layout
         self.secondary = SecondaryShards(self.entry_by_ptr) \
             if self.layout.secondary is not None else None
-        self.offload: Any = None          # runtime/offload/, set by the engine
+        self.offload: Any = None          # runtime/offload/ (its Offloader is made after this)
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])
         self.activations: Any = None      # runtime/activations.py (`store_of`)
         self.count_offload_bytes = False  # the offload pass is on: its state is in the budget
         # data pointers of the flat buffers the shards are views of (the CPU memory model
         # counts a shard by its own extent: [Note: CPU memory model] in compiler/profiler.py)
-        self.flat_masters: list[torch.Tensor] = []   # the chunks' flat masters (runtime/flat.py)
+        self.flat_masters = list(flat_masters)   # the chunks' flat masters (runtime/flat.py)
         # bumped when what the lowered graphs read changes: offload tier 3's copies of the
         # shards ([Note: masters on the host] in runtime/offload/masters.py)
         self.epoch = 0

@@ -17,6 +17,9 @@ the host instead, and need no room at all.
   masters.py    tier 3: masters on the host ([Note: masters on the host])
   host_step.py  tier 4: the host step and the host optimizer ([Note: the host step])
   ops.py        the `reload_state` and `grad_to_host` ops the pass puts in backward graphs
+
+`Offloader` is one class, and this module is that class: every mechanism above reads and changes
+the placement it keeps (tiers, reload groups, the copies in flight).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class Offloader:
     """Places the chunks of one engine between device and host and runs the optimizer step."""
 
     def __init__(self, flat: FlatState, device: torch.device, runtime=None,
-                 compiler: str = "fx") -> None:
+                 compiler: str = "fx", host_step: str = "auto") -> None:
         self.flat = flat
         self.device = device
         self.runtime = runtime
@@ -67,7 +70,7 @@ class Offloader:
         # ever be offloaded, and the chunks stay on the device from the start (the pass then
         # plans nothing and changes no graph: no re-profile, no timed verdict).
         self.provisional = False
-        self.host_step = "auto"                # Config.host_step, set by the engine
+        self.host_step = host_step             # Config.host_step (the offload pass's plan reads it)
         self.budget: float = float("inf")
         # CUDA: the allocator's count, read before each in-graph reload (the plan is a model;
         # a reload that would go over the budget now is left to the step). Tests set a model.
