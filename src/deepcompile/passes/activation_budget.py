@@ -167,8 +167,9 @@ def _shift(fw: np.ndarray, bw: np.ndarray, a: Activation, opt: Option, sign: int
 # every copy back on one host-to-device stream (the optimizer offload's copier, whose state
 # reloads share the latter), each copy after the one issued before it; so copies that each
 # hide alone can queue past their readers together. `lane_stall` replays the chosen offloads
-# on the two lanes over the profiled timeline (every step's time, forward then backward; the
-# forward never waits for a copy out): a copy out is issued after its value's last forward
+# on the two lanes over the profiled compute, forward then backward (as `options`: the passes
+# after it hide collectives' time behind compute, so a copy cannot count on it; the forward
+# never waits for a copy out): a copy out is issued after its value's last forward
 # reader, a copy back after its `reload_after` step, no earlier than its own copy out ends, and
 # the backward waits before the first reader for what has not arrived (a wait delays every
 # later step, and the copies issued after it). The greedy (`plan_pair`) picks values by the
@@ -189,8 +190,9 @@ def lane_stall(fw: list[Step], bw: list[Step], offloads: list[tuple[Activation, 
     """Seconds the backward waits for copies back ([Note: one copy lane each way]). `busy`: the
     other copies on the host-to-device lane, (graph "fw" or "bw", the step after which each is
     issued, -1: the top; seconds)."""
-    fw_end = list(itertools.accumulate(s.time_s for s in fw))
-    bw_start = [0.0, *itertools.accumulate(s.time_s for s in bw)]
+    fw_end = list(itertools.accumulate(s.time_s if s.kind == "compute" else 0.0 for s in fw))
+    bw_start = [0.0, *itertools.accumulate(s.time_s if s.kind == "compute" else 0.0
+                                           for s in bw)]
     fw_total = fw_end[-1] if fw_end else 0.0
     free, out_end = 0.0, {}
     for a, _ in sorted(offloads, key=lambda o: (o[0].fw_free, o[0].name)):
