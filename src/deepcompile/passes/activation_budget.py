@@ -164,26 +164,25 @@ def _shift(fw: np.ndarray, bw: np.ndarray, a: Activation, opt: Option, sign: int
 
 # [Note: one copy lane each way] `options` prices an offload alone: its copies hidden behind the
 # compute around them. On a GPU every activation copy out runs on one device-to-host stream and
-# every copy back on one host-to-device stream (the optimizer offload's copier, whose state
-# reloads share the latter), each copy after the one issued before it; so copies that each
-# hide alone can queue past their readers together. `lane_stall` replays the chosen offloads
-# on the two lanes over the profiled compute, forward then backward (as `options`: the passes
-# after it hide collectives' time behind compute, so a copy cannot count on it; the forward
-# never waits for a copy out): a copy out is issued after its value's last forward
-# reader, a copy back after its `reload_after` step, no earlier than its own copy out ends, and
-# the backward waits before the first reader for what has not arrived (a wait delays every
-# later step, and the copies issued after it). The greedy (`plan_pair`) picks values by the
-# alone prices, which are cheap to compare; then `_lane_swaps` prices each chosen offload by
-# what the replay's total wait loses without it, and recomputes instead the offload whose
-# recompute is the cheapest against that, while one is cheaper than it and the memory curve
-# allows (a recompute holds its value from right before its first reader, not from its copy
-# back's start, plus its intermediates); prices are computed again after each swap. No
-# TIE_MARGIN here: what it stands for in `_pick` (a recompute needs no copy stream) is what the
-# replay prices, and a swap near a ratio of 1 changes the step little either way. Each offload
-# left is charged its share (what the wait loses without it); the plan's added time counts the
-# replay's whole wait. Not modelled: the optimizer offload's gradient copies (issued in the
-# backward, after every activation copy out), copies between graphs of different pairs, and
-# the time a recompute adds to the backward (which would hide more copies).
+# every copy back on one host-to-device stream (the optimizer offload's copier, whose state reloads
+# share the latter), each copy after the one issued before it; so copies that each hide alone can
+# queue past their readers together. `lane_stall` replays the chosen offloads on the two lanes over
+# the profiled compute, forward then backward (as `options`: the passes after it hide collectives'
+# time behind compute, so a copy cannot count on it; the forward never waits for a copy out): a
+# copy out is issued after its value's last forward reader, a copy back after its `reload_after`
+# step, no earlier than its own copy out ends, and the backward waits before the first reader for
+# what has not arrived (a wait delays every later step, and the copies issued after it). The greedy
+# (`plan_pair`) picks values by the alone prices, which are cheap to compare; then `_lane_swaps`
+# prices each chosen offload by what the replay's total wait loses without it, and recomputes
+# instead the offload whose recompute is the cheapest against that, while one is cheaper than it
+# and the memory curve allows (a recompute holds its value from right before its first reader, not
+# from its copy back's start, plus its intermediates); prices are computed again after each swap.
+# No TIE_MARGIN here: what it stands for in `_pick` (a recompute needs no copy stream) is what the
+# replay prices, and a swap near a ratio of 1 changes the step little either way. Each offload left
+# is charged its share (what the wait loses without it); the plan's added time counts the replay's
+# whole wait. Not modelled: the optimizer offload's gradient copies (issued in the backward, after
+# every activation copy out), copies between graphs of different pairs, and the time a recompute
+# adds to the backward (which would hide more copies).
 def lane_stall(fw: list[Step], bw: list[Step], offloads: list[tuple[Activation, Option]],
                copy_s: Callable[[int], float],
                busy: tuple[tuple[str, int, float], ...] = ()) -> float:
