@@ -6,9 +6,9 @@ activations: Llama-3-70B and Mixtral-8x7B on 4 x 8 H100, batch 1 per GPU, seq 10
 GAS 1: ZeRO-3 with every decoder layer checkpointed (`--activation-checkpointing`, insertion
 only, and with every pass), ZeRO-3 with nothing, ZeRO-3 + `activation_budget`, and every pass
 with `activation_budget` (in `auto`'s order, `Pass.order`: after `offload_optimizer`, before
-the others; and first of all); then the micro-batch doubled
-while the peak of every pass + the activation pass fits in the GPU's memory, and every pass +
-checkpointing at the largest micro-batch that fits.
+the others; and first of all); then the micro-batch doubled while the peak of every pass + the
+activation pass fits in the GPU's memory, and every pass + checkpointing at the largest
+micro-batch that fits.
 
 layouts: the same models on 4 x 8 (seq 1024, GAS 1, 4, 16) and 16 x 8 (GAS 1), passes="auto",
 every layout (shard, hsdp, hpz) and the one `Config.layout="auto"` picks.
@@ -31,6 +31,11 @@ from pathlib import Path
 MODELS = ("llama-3-70b", "mixtral-8x7b")
 EVERY = ("prefetch", "bucket_reduce", "selective_unshard", "offload_optimizer")
 ACTS = ("activation_budget",)
+ASSUME = {"net.host_step_ns": 2.0}   # the target host's optimizer step (not this machine's)
+MAX_BATCH = 8
+SEQS = (1024, 4096)
+RUNS = tuple((nodes, gas, MODELS) for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)))
+GiB = 2**30
 
 
 def _auto_order(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -38,11 +43,6 @@ def _auto_order(names: tuple[str, ...]) -> tuple[str, ...]:
     from deepcompile.passes import get_pass
 
     return tuple(sorted(names, key=lambda n: get_pass(n).order))
-ASSUME = {"net.host_step_ns": 2.0}   # the target host's optimizer step (not this machine's)
-MAX_BATCH = 8
-SEQS = (1024, 4096)
-RUNS = tuple((nodes, gas, MODELS) for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)))
-GiB = 2**30
 
 
 def _cli(args) -> str:

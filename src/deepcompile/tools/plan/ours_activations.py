@@ -21,11 +21,11 @@ the pass may count on memory a choice frees after the last reader that the plann
 freed already: the simulated peak, not the pass's prediction, is the plan's. Both run the
 copies one after another on their lane ([Note: one copy lane each way] in the pass, with the
 optimizer offload's state reloads, `Plan.reloads`, on the same host-to-device lane); the pass
-replays them on its profile's timeline, the simulation on the plan's (a copy back, in both,
-after its own copy out). A piece's inputs
-(the hidden states between layers) are no candidates here (the runtime's one graph could move
-them too), and with `ac` (every layer checkpointed) the layers save nothing: only the
-embedding's and the head's values are candidates.
+replays them on its profile's compute, the simulation on the plan's whole timeline (a copy
+back, in both, after its own copy out). A piece's inputs (the hidden states between layers) are
+no candidates here (the runtime's one graph could move them too), and with `ac` (every layer
+checkpointed) the layers save nothing: only the embedding's and the head's values are
+candidates.
 """
 
 from __future__ import annotations
