@@ -5,9 +5,10 @@
 activations: Llama-3-70B and Mixtral-8x7B on 4 x 8 H100, batch 1 per GPU, seq 1024 and 4096,
 GAS 1: ZeRO-3 with every decoder layer checkpointed (`--activation-checkpointing`, insertion
 only, and with every pass), ZeRO-3 with nothing, ZeRO-3 + `activation_budget`, and every pass
-with `activation_budget` (last, as `auto` orders it, and first); then the micro-batch doubled
-while the peak of every pass + the activation pass fits in the GPU's memory, and every pass +
-checkpointing at the largest micro-batch that fits.
+with `activation_budget` (in `auto`'s order, `Pass.order`: after `offload_optimizer`, before
+the others; and first of all); then the micro-batch doubled while the peak of every pass + the
+activation pass fits in the GPU's memory, and every pass + checkpointing at the largest
+micro-batch that fits.
 
 layouts: the same models on 4 x 8 (seq 1024, GAS 1, 4, 16) and 16 x 8 (GAS 1), passes="auto",
 every layout (shard, hsdp, hpz) and the one `Config.layout="auto"` picks.
@@ -35,6 +36,13 @@ MAX_BATCH = 8
 SEQS = (1024, 4096)
 RUNS = tuple((nodes, gas, MODELS) for nodes, gas in ((4, 1), (4, 4), (4, 16), (16, 1)))
 GiB = 2**30
+
+
+def _auto_order(names: tuple[str, ...]) -> tuple[str, ...]:
+    """`names` in the order `passes="auto"` runs them (`Pass.order`)."""
+    from deepcompile.passes import get_pass
+
+    return tuple(sorted(names, key=lambda n: get_pass(n).order))
 
 
 def _cli(args) -> str:
@@ -89,7 +97,8 @@ def activations(out: Path, seqs=SEQS, models=MODELS, max_batch=MAX_BATCH) -> lis
             rs = plan.rows()
             add(_row(plan, rs[0], "ZeRO-3 + full checkpointing", cmd),
                 _row(plan, rs[1], "every pass + full checkpointing", cmd))
-            plan, cmd = _plan(batch=1, passes=[(), ACTS, EVERY + ACTS, ACTS + EVERY], **base)
+            every = _auto_order(EVERY + ACTS)
+            plan, cmd = _plan(batch=1, passes=[(), ACTS, every, ACTS + EVERY], **base)
             rs = plan.rows()
             add(_row(plan, rs[0], "ZeRO-3", cmd),
                 _row(plan, rs[1], "ZeRO-3 + activation pass", cmd),
@@ -97,7 +106,7 @@ def activations(out: Path, seqs=SEQS, models=MODELS, max_batch=MAX_BATCH) -> lis
                 _row(plan, rs[3], "activation pass, then every pass", cmd))
             batch, fits = 2, 1
             while batch <= max_batch:   # the micro-batch doubled while the peak fits
-                plan, cmd = _plan(batch=batch, passes=[EVERY + ACTS], **base)
+                plan, cmd = _plan(batch=batch, passes=[every], **base)
                 r = plan.rows()[0]
                 add(_row(plan, r, "every pass + activation pass", cmd))
                 if not r["fits"]:

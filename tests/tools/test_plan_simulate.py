@@ -54,6 +54,16 @@ def test_collectives_of_one_lane_run_in_issue_order():
     assert r.exposed_comm_s == pytest.approx(1.0)   # the copy's wait is not communication
 
 
+def test_a_copy_back_starts_after_its_copy_out_ends():
+    # a copy out (2 s) on "d2h", its copy back on "h2d" issued 1 s later: the copy back waits
+    # for it (the runtime's stream waits for the copy out's event), then the reader for both
+    out = S("out", 2.0, 1, lane="d2h")
+    back = Event("start", "back", 1.0, 0.0, 2, "h2d", after=1)
+    r = simulate([out, C("a", 1.0), back, W(2, lane="h2d"), C("b", 1.0)])
+    assert [(s.name, s.t0, s.t1) for s in r.segments if s.lane == "h2d"] == [("back", 2.0, 3.0)]
+    assert r.step_s == pytest.approx(4.0)
+
+
 def test_the_host_runs_ahead_of_the_device_unless_it_is_the_device():
     ev = [C("a", 1.0, host=0.1), C("b", 1.0, host=0.1), S("ag", 0.5, 1, host=0.2), W(1)]
     gpu = simulate(ev)

@@ -15,7 +15,9 @@ pair exceeds the memory budget, the pass chooses for each saved value one of:
 The choice is greedy by cost per byte (`plan_pair`): over-budget memory, summed over the nodes
 of both graphs, is removed at the least predicted time per byte, one value at a time (values of
 about the same cost per byte by size: [Note: stable choices]), until the peak is within the
-budget; then choices the budget no longer needs are undone, dearest first. A
+budget; then choices the budget no longer needs are undone, dearest first; on a GPU, offloads
+whose copies queue past their readers on the copy streams are recomputed where that is cheaper
+([Note: one copy lane each way]). A
 budget the pass cannot reach is reported with the lowest peak it reaches, and that plan is
 applied (it lowers a peak that is over the budget). With the peak within the budget (or no
 budget) it plans nothing.
@@ -47,6 +49,7 @@ one fails its transplant loudly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 from typing import Any, Callable
@@ -159,12 +162,95 @@ def _shift(fw: np.ndarray, bw: np.ndarray, a: Activation, opt: Option, sign: int
     bw[opt.start] += sign * opt.extra
 
 
+# [Note: one copy lane each way] `options` prices an offload alone: its copies hidden behind the
+# compute around them. On a GPU every activation copy out runs on one device-to-host stream and
+# every copy back on one host-to-device stream (the optimizer offload's copier, whose state reloads
+# share the latter), each copy after the one issued before it; so copies that each hide alone can
+# queue past their readers together. `lane_stall` replays the chosen offloads on the two lanes over
+# the profiled compute, forward then backward (as `options`: the passes after it hide collectives'
+# time behind compute, so a copy cannot count on it; the forward never waits for a copy out): a
+# copy out is issued after its value's last forward reader, a copy back after its `reload_after`
+# step, no earlier than its own copy out ends, and the backward waits before the first reader for
+# what has not arrived (a wait delays every later step, and the copies issued after it). The greedy
+# (`plan_pair`) picks values by the alone prices, which are cheap to compare; then `_lane_swaps`
+# prices each chosen offload by what the replay's total wait loses without it, and recomputes
+# instead the offload whose recompute is the cheapest against that, while one is cheaper than it
+# and the memory curve allows (a recompute holds its value from right before its first reader, not
+# from its copy back's start, plus its intermediates); prices are computed again after each swap.
+# No TIE_MARGIN here: what it stands for in `_pick` (a recompute needs no copy stream) is what the
+# replay prices, and a swap near a ratio of 1 changes the step little either way. Each offload left
+# is charged its share (what the wait loses without it); the plan's added time counts the replay's
+# whole wait. Not modelled: the optimizer offload's gradient copies (issued in the backward, after
+# every activation copy out), copies between graphs of different pairs, and the time a recompute
+# adds to the backward (which would hide more copies).
+def lane_stall(fw: list[Step], bw: list[Step], offloads: list[tuple[Activation, Option]],
+               copy_s: Callable[[int], float],
+               busy: tuple[tuple[str, int, float], ...] = ()) -> float:
+    """Seconds the backward waits for copies back ([Note: one copy lane each way]). `busy`: the
+    other copies on the host-to-device lane, (graph "fw" or "bw", the step after which each is
+    issued, -1: the top; seconds)."""
+    fw_end = list(itertools.accumulate(s.time_s if s.kind == "compute" else 0.0 for s in fw))
+    bw_start = [0.0, *itertools.accumulate(s.time_s if s.kind == "compute" else 0.0
+                                           for s in bw)]
+    fw_total = fw_end[-1] if fw_end else 0.0
+    free, out_end = 0.0, {}
+    for a, _ in sorted(offloads, key=lambda o: (o[0].fw_free, o[0].name)):
+        free = out_end[a.name] = max(fw_end[a.fw_free], free) + copy_s(a.nbytes)
+    back = 0.0   # the host-to-device lane: other copies issued in the forward first
+    for g, after, sec in sorted(b for b in busy if b[0] == "fw"):
+        back = max(back, fw_end[after] if after >= 0 else 0.0) + sec
+    events = [(after + 1, 0, 0, str(k), sec) for k, (g, after, sec) in enumerate(busy)
+              if g == "bw"]
+    for a, o in offloads:
+        r = o.reload_after if o.reload_after is not None else -1
+        events += [(r + 1, 0, 1, a.name, copy_s(a.nbytes)), (a.bw_first, 1, 1, a.name, 0.0)]
+    stall, in_end = 0.0, {}
+    for pos, wait, act, name, sec in sorted(events):
+        now = fw_total + bw_start[pos] + stall
+        if wait:
+            stall += max(0.0, in_end[name] - now)
+        else:
+            back = max(now, back, out_end.get(name, 0.0) if act else 0.0) + sec
+            if act:
+                in_end[name] = back
+    return stall
+
+
+def _lane_swaps(choice: dict[str, Option], opts: dict[str, list[Option]],
+                by_name: dict[str, Activation], stall: Callable[[set[str]], float],
+                fits: Callable[[Activation, Option, Option], bool]) -> None:
+    """Offloads recomputed instead, in place, where the lanes make them dear ([Note: one copy
+    lane each way]): every price is computed again after each swap (a copy that leaves the
+    lane can move the wait onto another)."""
+    offl = {n for n, o in choice.items() if o.action == "offload"}
+    rec = {n: next((o for o in opts[n] if o.action == "recompute"), None) for n in offl}
+    stay: set[str] = set()   # recomputing it would break the budget
+    while True:
+        base = stall(offl)
+        pinned = {leaf for m, o in choice.items() if o.action == "recompute"
+                  for leaf in by_name[m].leaves}
+        ratios = [(rec[n].cost_s / (base - stall(offl - {n}) + 3 * HOST_OP_S), n)
+                  for n in sorted(offl - stay - pinned)
+                  if rec[n] is not None and not set(by_name[n].leaves) & set(choice)]
+        ratios = [r for r in ratios if r[0] < 1.0]
+        if not ratios:
+            return
+        _, n = min(ratios)
+        if fits(by_name[n], choice[n], rec[n]):
+            choice[n] = rec[n]
+            offl.discard(n)
+        else:
+            stay.add(n)
+
+
 def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: float,
               copy_s: Callable[[int], float], overlap: bool, host_room: float = float("inf"),
-              copies: int = 1) -> dict[str, Any]:
+              copies: int = 1, lane_busy: tuple[tuple[str, int, float], ...] = ()
+              ) -> dict[str, Any]:
     """The plan of one forward/backward pair (see the module docstring); pure. What it offloads
     is held in pinned host memory `copies` times (the forward runs that often before its
-    backwards), within `host_room` bytes."""
+    backwards), within `host_room` bytes. Where `overlap`, the copies queue on one lane each
+    way with the other copies `lane_busy` ([Note: one copy lane each way])."""
     fw_live = np.array([s.live_bytes for s in fw] or [0], dtype=np.int64)
     bw_live = np.array([s.live_bytes for s in bw] or [0], dtype=np.int64)
     before = int(max(fw_live.max(), bw_live.max()))
@@ -224,9 +310,34 @@ def plan_pair(fw: list[Step], bw: list[Step], acts: list[Activation], budget: fl
             if over(f2, b2) == 0:
                 del choice[name]
                 f_cur, b_cur = f2, b2
+    stall = 0.0
+    if overlap and any(o.action == "offload" for o in choice.values()):
+        def lanes(names: set[str]) -> float:
+            return lane_stall(fw, bw, [(by_name[n], choice[n]) for n in sorted(names)], copy_s,
+                              lane_busy)
+
+        def fits(a: Activation, old: Option, new: Option) -> bool:
+            nonlocal f_cur, b_cur, o_cur
+            f2, b2 = f_cur.copy(), b_cur.copy()
+            _shift(f2, b2, a, old, -1)
+            _shift(f2, b2, a, new, +1)
+            if over(f2, b2) > o_cur:
+                return False
+            f_cur, b_cur, o_cur = f2, b2, over(f2, b2)
+            return True
+
+        _lane_swaps(choice, opts, by_name, lanes, fits)
+        offl = {n for n, o in choice.items() if o.action == "offload"}
+        stall = lanes(offl)
+        for n in offl:   # each offload's share: what the wait loses without it
+            choice[n] = dataclasses.replace(choice[n], cost_s=stall - lanes(offl - {n})
+                                            + 3 * HOST_OP_S)
     out.update(peak_after=int(max(f_cur.max(), b_cur.max())), fw_peak_after=int(f_cur.max()),
                bw_peak_after=int(b_cur.max()), unattainable=o_cur > 0,
-               added_s=sum(o.cost_s for o in choice.values()),
+               added_s=(stall + sum(3 * HOST_OP_S if o.action == "offload" else o.cost_s
+                                    for o in choice.values())) if overlap
+               else sum(o.cost_s for o in choice.values()),
+               copy_wait_s=stall,
                recompute_s=sum(o.cost_s for o in choice.values() if o.action == "recompute"),
                host_bytes=copies * sum(by_name[n].nbytes for n, o in choice.items()
                                        if o.action == "offload"),
@@ -449,7 +560,9 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         pair = analyse(fw_key, bw_key, ctx.slots[fw_key].gm, ctx.slots[bw_key].gm, fw_steps,
                        bw_steps, out_bytes, recompute=not shapes)
         d = plan_pair(fw_steps, bw_steps, pair.acts, budget, ctx.cost.copy_s, overlap, room,
-                      copies=max(1, ctx.order.count(fw_key) // gas))
+                      copies=max(1, ctx.order.count(fw_key) // gas),
+                      lane_busy=_state_reloads(ctx, {"fw": fw_key, "bw": bw_key},
+                                               {"fw": fw_steps, "bw": bw_steps}))
         if d["peak_before"] <= budget:
             continue
         room -= d["host_bytes"]
@@ -463,6 +576,20 @@ def plan(ctx: PassContext) -> dict[str, Any]:
                         size(budget), size(d["peak_after"]), size(d["peak_before"]))
         decisions[fw_key[:-3]] = d
     return decisions
+
+
+def _state_reloads(ctx: PassContext, keys: dict[str, str],
+                   steps: dict[str, list[Step]]) -> tuple[tuple[str, int, float], ...]:
+    """The optimizer offload's state reloads planned in the pair's graphs, on the
+    host-to-device lane the copies back share ([Note: one copy lane each way]): (graph, the
+    step after which each is issued, its copy time)."""
+    out = []
+    for r in (ctx.decisions.get("offload_optimizer") or {}).get("reloads", []):
+        for g, key in keys.items():
+            at = [i for i, s in enumerate(steps[g]) if s.name == r["after"]]
+            if r["slot"] == key and at:
+                out.append((g, at[0], ctx.cost.copy_s(r["bytes"])))
+    return tuple(sorted(out))
 
 
 def _host_room(ctx: PassContext) -> float:
@@ -605,7 +732,9 @@ def summary(decisions: dict[str, Any]) -> list[str]:
             f"{len(rec)} recomputed ({size(sum(c['bytes'] for c in rec))}, "
             f"{d.get('recompute_s', 0.0) * 1e3:.2f} ms, {d.get('recompute_flops', 0) / 1e6:.2f} "
             f"MFLOP), {len(off)} offloaded ({size(sum(c['bytes'] for c in off))}); predicted "
-            f"+{d.get('added_s', 0.0) * 1e3:.2f} ms a step")
+            f"+{d.get('added_s', 0.0) * 1e3:.2f} ms a step"
+            + (f" ({d['copy_wait_s'] * 1e3:.2f} ms waiting for copies)"
+               if d.get("copy_wait_s", 0.0) >= 1e-6 else ""))
         priced = sorted(d["choices"], key=lambda c: -c["bytes"])
         if priced:
             lines.append("  largest: " + top([f"{c['name']} {c['action']} {size(c['bytes'])} "

@@ -162,10 +162,11 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
         events.append(Event("compute", it.name, it.dur, it.host, live=live, peak=peak,
                             label=it.label))
     elif k in ("d2h_start", "h2d_start"):   # activation_budget's copies, on the copy lanes
-        cid[0] += 1
+        cid[0] += 1   # a copy back waits for its copy out (runtime/activations.py)
+        out = ids.get(it.ref) if k == "h2d_start" else None
         ids[it.ref] = cid[0]
         events.append(Event("start", it.name, it.dur, it.host, cid[0], k[:3], live,
-                            label="offload"))
+                            label="offload", after=out))
     elif k == "h2d_wait":
         events.append(Event("wait", it.name, host_s=it.host, cid=ids[it.ref], lane="h2d",
                             live=live))

@@ -18,13 +18,14 @@ streams, which the optimizer offload shares) and the first reader waits for the 
 What differs from a run: the pass's curve keeps the backward's inputs to the end of the
 backward (the runtime profiler's model) where compose frees a value after its last reader, so
 the pass may count on memory a choice frees after the last reader that the planner's curve had
-freed already: the simulated peak, not the pass's prediction, is the plan's. The pass prices
-each copy alone; the simulation runs them one after another on their lane, so copies that
-together outlast the compute they hide behind are exposed there (a copy back may start before
-its own copy out ends: the simulator orders no lane after another). A piece's inputs
-(the hidden states between layers) are no candidates here (the runtime's one graph could move
-them too), and with `ac` (every layer checkpointed) the layers save nothing: only the
-embedding's and the head's values are candidates.
+freed already: the simulated peak, not the pass's prediction, is the plan's. Both run the
+copies one after another on their lane ([Note: one copy lane each way] in the pass, with the
+optimizer offload's state reloads, `Plan.reloads`, on the same host-to-device lane); the pass
+replays them on its profile's compute, the simulation on the plan's whole timeline (a copy
+back, in both, after its own copy out). A piece's inputs (the hidden states between layers) are
+no candidates here (the runtime's one graph could move them too), and with `ac` (every layer
+checkpointed) the layers save nothing: only the embedding's and the head's values are
+candidates.
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ def plan_activations(plan: Plan) -> dict[str, Any]:
     acts = [dataclasses.replace(c.act, fw_free=fw_step[c.act.fw_free],
                                 bw_first=bw_step[c.act.bw_first], bw_last=bw_step[c.act.bw_last])
             for c in cands]
+    busy = tuple(("bw", bw_step[after], sec) for after, _, sec in plan.reloads
+                 if after in bw_step)   # the optimizer offload's state reloads
     d = activation_budget.plan_pair(fw_steps, bw_steps, acts, s.budget, s.planner_cost.copy_s,
-                                    overlap=not s.host_is_compute)
+                                    overlap=not s.host_is_compute, lane_busy=busy)
     node_at, node = [], -1   # per backward step: the last node at or before it
     for it in bw_items:
         node = it.ref if it.kind == "compute" else node
@@ -169,5 +172,6 @@ def plan_activations(plan: Plan) -> dict[str, Any]:
         "recomputed": len(rec), "recomputed_bytes": sum(c["bytes"] for c in rec),
         "offloaded": len(off), "offloaded_bytes": sum(c["bytes"] for c in off),
         "recompute_s": d.get("recompute_s", 0.0), "added_s": d.get("added_s", 0.0),
+        "copy_wait_s": d.get("copy_wait_s", 0.0),
         "recompute_flops": float(sum(by_name[c["name"]].flops for c in rec)),
         "host_bytes": d.get("host_bytes", 0)}

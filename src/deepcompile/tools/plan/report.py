@@ -142,7 +142,9 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
                 f"{d['recomputed']} recomputed ({gb(d['recomputed_bytes'])}, "
                 f"{d['recompute_flops'] / 1e12:.1f} TFLOP, {d['recompute_s'] * 1e3:.1f} ms), "
                 f"{d['offloaded']} offloaded ({gb(d['offloaded_bytes'])}); predicted "
-                f"+{d['added_s'] * 1e3:.1f} ms a step")
+                f"+{d['added_s'] * 1e3:.1f} ms a step"
+                + (f" ({d['copy_wait_s'] * 1e3:.1f} ms waiting for copies)"
+                   if d.get("copy_wait_s", 0.0) >= 1e-6 else ""))
     return json.dumps(d)[:200]
 
 

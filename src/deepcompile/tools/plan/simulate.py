@@ -7,8 +7,8 @@ issues them). The host spends `host_s` on each; then
   free (a GPU stream: the host runs ahead of the device until it waits on something);
 * `start`: a collective (or a host<->device copy) on its lane (`lane`: "comm", "h2d", "d2h"): it
   begins when the host has issued it, its lane is free (collectives of one lane run in issue
-  order, as on one NCCL stream) and the compute issued before it has run (its input is
-  ready); it ends `dur` later;
+  order, as on one NCCL stream), the compute issued before it has run (its input is ready)
+  and the start `after` names has ended; it ends `dur` later;
 * `wait`: the compute lane does not run past this point before collective `cid` ends (a
   stream wait: the host goes on); with `host_blocks` the host waits too;
 * `mark`: nothing runs; it records the memory at that point.
@@ -41,6 +41,8 @@ class Event:
     peak: int | None = None    # most bytes live while it runs (default: live)
     label: str = ""            # what the picture names it (block, pass)
     host_blocks: bool = False  # wait: the host waits too (a synchronizing call)
+    after: int | None = None   # start: it begins no earlier than this one ends (a copy back
+                               # after its own copy out: a stream waits for an event)
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ def simulate(events: list[Event], *, host_is_compute: bool = False,
             if host_is_compute:
                 t_host = t_comp
         elif ev.kind == "start":
-            ready = max(t_comp, lanes.get(ev.lane, 0.0))
+            ready = max(t_comp, lanes.get(ev.lane, 0.0), done.get(ev.after, 0.0))
             t0 = max(t_host, ready)
             t1 = t0 + ev.dur
             lanes[ev.lane] = t1
