@@ -53,19 +53,47 @@ class DistributedTestError(AssertionError):
 _COMMON_ENV = {**spawn.base_env(cpu=True), "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
 # imported once by the fork server, so that a rank starts without importing them: torch, Dynamo,
 # AOTAutograd, Inductor, transformers' models, deepcompile, the test helpers (~3.7 s of CPU per
-# rank on the 2-core VM, and ~1.4 s more, under cProfile, first imported when a graph compiles)
+# rank on the 2-core machine, and ~1.4 s more, under cProfile, first imported when a graph
+# compiles); last, `_warmup` compiles once so that no rank pays a process's first compile
+# ([Note: a warm fork server] in tests/_warmup.py)
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
             "torch._functorch.partitioners", "torch._inductor.compile_fx", "networkx",
             "transformers", "transformers.models.llama.modeling_llama",
             "transformers.models.mixtral.modeling_mixtral",
             "deepcompile", "deepcompile.engine", "deepcompile.passes", "deepcompile.report",
-            "deepcompile.compiler.pipeline", "deepcompile.runtime.runtime", "_models", "_train"]
+            "deepcompile.compiler.pipeline", "deepcompile.runtime.runtime", "_models", "_train",
+            "_warmup"]
 
 
 def child_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {**spawn.rank_env(rank, world_size, port, cpu=True), **_COMMON_ENV}
 
 
+def _free_port() -> int:
+    """A free port for a job's rendezvous. Under pytest-xdist each worker takes its ports in
+    turn from a range of its own below the kernel's ephemeral ports (32768-60999), so that a
+    port one worker found free is not taken by the other worker's job before its ranks bind it."""
+    import itertools
+    import socket
+
+    global _PORTS
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return spawn.free_port()
+    if _PORTS is None:
+        lo = 20000 + 1000 * (int(worker[2:]) % 12)
+        _PORTS = itertools.cycle(range(lo, lo + 1000))
+    for port in itertools.islice(_PORTS, 1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return spawn.free_port()
+
+
+_PORTS = None   # this xdist worker's ports, in turn
 _CTX = None
 LAYERS = ("unit", "engine", "tools", "distributed", "gpu")   # tests/<layer>/, in the order they run
 
@@ -160,7 +188,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0,
     INDUCTOR_CACHE.mkdir(parents=True, exist_ok=True)
     ctx = _context()
     results = ctx.Queue()
-    port = spawn.free_port()
+    port = _free_port()
     logs = tempfile.mkdtemp(prefix="dist-", dir=INDUCTOR_CACHE.parent)
     fault_logs = [os.path.join(logs, f"rank{r}-faults.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results,

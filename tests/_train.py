@@ -540,9 +540,10 @@ class Jobs:
 
 
 # ------------------------------------------------------------------------------- comparing
-DEVIATIONS: list[dict] = []   # filled by compare_to_reference; printed by conftest
-# every measured deviation is also appended here (one JSON object a line, with a timestamp)
-_DEVIATION_FILE = Path(__file__).resolve().parents[1] / "build" / "test-deviations.jsonl"
+DEVIATIONS: list[dict] = []   # filled by compare_to_reference
+# every measured deviation is also appended here (one JSON object a line, with a timestamp);
+# conftest's summary reads it (the xdist workers' deviations are not in the controller)
+DEVIATION_FILE = Path(__file__).resolve().parents[1] / "build" / "test-deviations.jsonl"
 
 
 def last_profiles(report: dict) -> list[tuple[str, dict]]:
@@ -613,8 +614,8 @@ def compare_to_reference(sc: dict, results: list[dict], *, loss_tol: float = 1e-
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     DEVIATIONS.append(entry)
     try:
-        _DEVIATION_FILE.parent.mkdir(parents=True, exist_ok=True)
-        with _DEVIATION_FILE.open("a") as f:
+        DEVIATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+        with DEVIATION_FILE.open("a") as f:
             f.write(json.dumps(entry) + "\n")
     except OSError:
         pass

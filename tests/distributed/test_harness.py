@@ -16,9 +16,17 @@ from _train import reference_training, scenario
 
 
 def _all_reduce_job(rank, world, value):
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    # as fresh as a spawned process ([Note: a warm fork server] in tests/_warmup.py): only the
+    # main thread (gloo's are not Python's), nothing counted by Dynamo
+    fresh = {"threads": sorted(t.name for t in threading.enumerate()),
+             "counters": {k: dict(v) for k, v in counters.items() if v}}
     t = torch.tensor([float(rank + value)])
     dist.all_reduce(t)
-    return {"sum": t, "rank": dist.get_rank(), "world": dist.get_world_size(),
+    return {"fresh": fresh, "sum": t, "rank": dist.get_rank(), "world": dist.get_world_size(),
             "backend": dist.get_backend(), "threads": torch.get_num_threads(),
             "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                "MASTER_ADDR", "OMP_NUM_THREADS",
@@ -51,6 +59,8 @@ def test_harness_all_reduce_two_ranks():
         assert o["env"]["RANK"] == o["env"]["LOCAL_RANK"] == str(r)
         assert o["env"]["WORLD_SIZE"] == "2" and o["env"]["OMP_NUM_THREADS"] == "1"
         assert o["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(INDUCTOR_CACHE)
+        assert o["fresh"]["threads"] == ["MainThread"], o["fresh"]["threads"]
+        assert o["fresh"]["counters"] == {}, o["fresh"]["counters"]
 
 
 def test_harness_reraises_child_exception_with_traceback():
