@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from ._proc import kib_field
 
 # dense peak FLOP/s by GPU name (substring) and compute dtype; fp32 is TF32 tensor-core peak
 PEAK_FLOPS = {
@@ -59,17 +60,6 @@ def graph_flops(gm: torch.fx.GraphModule) -> int:
         except Exception:   # noqa: BLE001 -- an op whose metadata the formula cannot read
             continue
     return total
-
-
-def _rss_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class StepMetrics:
@@ -146,7 +136,7 @@ class StepMetrics:
             peak_mem = torch.cuda.max_memory_allocated(eng.device)
             torch.cuda.reset_peak_memory_stats(eng.device)
         else:
-            peak_mem = _rss_hwm()
+            peak_mem = kib_field("/proc/self/status", "VmHWM")
         norm = eng._grad_norm   # [Note: the step's gradient norm] in engine.py
         return {
             "step": pipe.steps, "phase": last.get("phase"), "step_s": step_s,

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from ..._proc import kib_field
 from ..flat import Chunk, FlatState
 from .slot import ChunkBuffers
 
@@ -150,14 +151,8 @@ def host_step_seconds(flat: FlatState, numel: int, repeats: int = 3) -> float:
 
 def mem_available() -> float:
     """The host's available memory in bytes (Linux's MemAvailable), inf where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("inf")
+    avail = kib_field("/proc/meminfo", "MemAvailable")
+    return float("inf") if avail is None else float(avail)
 
 
 def _gaps(c: Chunk) -> list[tuple[int, int]]:

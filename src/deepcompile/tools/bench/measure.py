@@ -33,6 +33,7 @@ import re
 import torch
 
 from ... import _compat
+from ..._proc import kib_field
 
 _REQUESTED = {
     "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
@@ -114,21 +115,10 @@ class StepProbe:
                 "step_alloc_peak_bytes": peak}
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def rss() -> dict[str, int | None]:
     """{"rss": current resident bytes, "hwm": resident high-water mark} (None off Linux)."""
-    cur, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
-    return {"rss": None if cur is None else cur * 1024, "hwm": None if hwm is None else hwm * 1024}
+    return {"rss": kib_field("/proc/self/status", "VmRSS"),
+            "hwm": kib_field("/proc/self/status", "VmHWM")}
 
 
 def reset_rss_peak() -> bool:

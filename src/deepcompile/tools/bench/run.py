@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..._proc import kib_field
 from . import systems as S
 from .. import workloads as W
 from .worker import MAX_EXTRA_WARMUP, LaunchSpec, launch
@@ -210,10 +211,11 @@ def _hardware(device: str) -> dict[str, Any]:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         hw["cpu_model"] = names[0] if names else None
-        with open("/proc/meminfo") as f:
-            hw["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
+    total = kib_field("/proc/meminfo", "MemTotal")
+    if total is not None:
+        hw["memory_gib"] = round(total / 2**30, 1)
     if device == "cuda":
         import torch
 
