@@ -23,16 +23,7 @@ barriers, the reference training between jobs): the second worker fills the rest
 from __future__ import annotations
 
 import json
-import os
 import time
-
-# [Note: unvectorized C++ in the tests] Inductor's CPU kernels are compiled without SIMD in the
-# suite (its ranks and subprocesses inherit this): a cold compile of the tiny Llama's forward and
-# backward takes ~25 s instead of ~50 s on the 2-core machine, most of it g++ on vectorized
-# templates. What the tests check of Inductor (collectives reordered, custom ops kept, in-place
-# writes, the asynchronous refresh, parity) is decided before a kernel's body is written; the
-# vectorized bodies are Inductor's own. A value set by the caller is kept.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest
 
