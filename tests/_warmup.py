@@ -9,8 +9,8 @@ put back, so that a forked rank is as fresh as a spawned one: Dynamo's caches an
 (`torch._dynamo.reset()`, `counters.clear()`), the global random state, and the one thread the
 compile starts (tqdm's monitor: a thread at fork time is not in the child, and tqdm starts a
 new one when it finds its monitor stopped). Nothing of deepcompile runs here: its state starts
-empty in every rank. Inductor is not warmed: its first compile starts a pool of worker
-processes, which a forked rank must not inherit."""
+empty in every rank. Inductor is not warmed: a cold compile of this model with it takes ~50 s
+(g++ per kernel), and few jobs compile with Inductor."""
 
 from __future__ import annotations
 

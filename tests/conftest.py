@@ -17,8 +17,9 @@ appends each to build/test-deviations.jsonl; the summary reads those of this ses
 pyproject.toml): a test file's tests all run in one worker, where its module fixtures run its
 jobs once. On the 2-core machine one process running the suite keeps the cores busy 65-70% of
 the time in the in-process layers (one core) and 80-90% in the distributed one (collectives,
-barriers, the reference training between jobs): the second worker fills the rest. Each worker has its own fork server and its own rendezvous ports
-(`_dist._free_port`). `-n 0` runs everything in this process, in order."""
+barriers, the reference training between jobs): the second worker fills the rest. Each worker
+has its own fork server and its own rendezvous ports (`_dist._free_port`). `-n 0` runs
+everything in this process, in order."""
 
 from __future__ import annotations
 
