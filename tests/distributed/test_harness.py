@@ -20,10 +20,15 @@ def _all_reduce_job(rank, world, value):
 
     from torch._dynamo.utils import counters
 
+    from tqdm import tqdm
+
     # as fresh as a spawned process ([Note: a warm fork server] in tests/_warmup.py): only the
-    # main thread (gloo's are not Python's), nothing counted by Dynamo
+    # main thread (gloo's are not Python's), nothing counted by Dynamo, and no tqdm monitor
+    # left from the server's compile (its thread did not come through the fork: tqdm would
+    # take it for running and never start another)
     fresh = {"threads": sorted(t.name for t in threading.enumerate()),
-             "counters": {k: dict(v) for k, v in counters.items() if v}}
+             "counters": {k: dict(v) for k, v in counters.items() if v},
+             "stale_monitor": tqdm.monitor is not None and not tqdm.monitor.is_alive()}
     t = torch.tensor([float(rank + value)])
     dist.all_reduce(t)
     return {"fresh": fresh, "sum": t, "rank": dist.get_rank(), "world": dist.get_world_size(),
@@ -61,6 +66,7 @@ def test_harness_all_reduce_two_ranks():
         assert o["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(INDUCTOR_CACHE)
         assert o["fresh"]["threads"] == ["MainThread"], o["fresh"]["threads"]
         assert o["fresh"]["counters"] == {}, o["fresh"]["counters"]
+        assert not o["fresh"]["stale_monitor"]
 
 
 def test_harness_reraises_child_exception_with_traceback():
