@@ -369,7 +369,8 @@ JOBS = Jobs({
                 _sc("llama", 420_000, 1, tag="-unattainable"),
                 _sc("llama_ckpt", 650_000, 1)]),
     "fx2": (2, [_sc("llama", 372_000, 2), _sc("mixtral", 553_000, 2),
-                _sc("llama_tied", 380_000, 2), _sc("mixtral_eager", 275_000, 2),
+                _sc("llama_tied", 380_000, 2, extended=True),
+                _sc("mixtral_eager", 275_000, 2, extended=True),
                 _sc("llama", 450_000, 2, passes="auto", tag="-auto", steps=10)]),
     "inductor2": (2, [_sc("llama", 400_000, 2, compiler="inductor", core=True)]),
 }, timeout=1500)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import _models
 from _dist import INDUCTOR_CACHE, DistributedTestError, run_distributed
-from _train import reference_training, scenario
+from _train import FULL, reference_training, scenario
 
 
 def _all_reduce_job(rank, world, value):
@@ -94,6 +94,9 @@ def test_harness_timeout_terminates_children():
     assert time.monotonic() - t0 < 40
 
 
+TRACED = ("mlp", "llama", "graph_break", "mixtral_eager")   # one graph, two, several
+
+
 @pytest.mark.parametrize("name", _models.MODEL_NAMES)
 def test_model_builders_deterministic_and_dynamo_traceable(name):
     a, b = _models.build_model(name), _models.build_model(name)
@@ -108,7 +111,10 @@ def test_model_builders_deterministic_and_dynamo_traceable(name):
                 assert torch.equal(torch.cat([p[k] for p in parts]), v)
             else:   # a flag every rank shares
                 assert all(p[k] == v for p in parts)
-    # Dynamo captures the model; the compiled loss and gradients equal eager
+    # Dynamo captures the model; the compiled loss and gradients equal eager (the core matrix:
+    # one model of each kind of graph; the ranks of every job compile the others)
+    if not FULL and name not in TRACED:
+        return
     from torch._dynamo.utils import counters
 
     batch = _models.local_batch(name, 0, 0, 2)

@@ -36,9 +36,9 @@ def _w1(stage: int, passes: tuple[str, ...], compiler: str = "fx", **kw) -> dict
                     record=("comm", "report"), **kw)
 
 
-_FX1 = ([_w1(3, ()), _w1(3, ("prefetch",)), _w1(3, ("bucket_reduce",)),
-         _w1(3, ("selective_unshard",)), _w1(3, ALL)]
-        + [_w1(stage, p, extended=stage == 2 and p != ALL)   # the core matrix: ZeRO-2 with all
+# the core matrix: without passes and with all of them at ZeRO-3 and ZeRO-1, all at ZeRO-2
+_FX1 = ([_w1(3, ())] + [_w1(3, (p,), extended=True) for p in ALL] + [_w1(3, ALL)]
+        + [_w1(stage, p, extended=p == ("bucket_reduce",) or stage == 2 and p != ALL)
            for stage in (1, 2) for p in ((), ("bucket_reduce",), ALL)])
 JOBS = Jobs({
     "fx1": (1, _FX1),

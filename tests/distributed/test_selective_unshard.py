@@ -353,7 +353,7 @@ FITS_ALL = scenario("llama-adamw-gas4-clip-unshard", "llama", "adamw", 1e-2, gas
 # auto's order: bucket_reduce after selective_unshard buckets the accumulated gradients
 UNSHARD_REDUCE = scenario("llama-adamw-gas4-clip-unshard-reduce", "llama", "adamw", 1e-2,
                           gas=GAS, clip=0.1, steps=STEPS, record=_REC, warmup_steps=1,
-                          passes=("selective_unshard", "bucket_reduce"))
+                          passes=("selective_unshard", "bucket_reduce"), extended=True)
 
 JOBS = Jobs({
     "fx2": (2, [
@@ -362,7 +362,7 @@ JOBS = Jobs({
                  clip=0.1, record=_REC, passes=("prefetch", "selective_unshard"), warmup_steps=1),
         scenario("llama-sgd-gas2-prefetch-reduce-unshard", "llama", "sgd", 0.1, gas=2,
                  record=_REC, passes=("prefetch", "bucket_reduce", "selective_unshard"),
-                 warmup_steps=1),
+                 warmup_steps=1, extended=True),
         scenario("graph_break-sgd-gas2-clip-prefetch-unshard", "graph_break", "sgd", 0.1, gas=2,
                  clip=0.1, record=_REC, passes=("prefetch", "selective_unshard"), warmup_steps=1),
     ]),

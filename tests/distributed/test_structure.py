@@ -46,11 +46,11 @@ def _sc(id, model, stage, **kw):
 JOBS = Jobs({
     "structure": (2, [
         _sc("loop-z1-gas2", "loop_count", 1, gas=2),
-        _sc("loop-z2", "loop_count", 2),
+        _sc("loop-z2", "loop_count", 2, extended=True),
         _sc("loop-z3", "loop_count", 3),
         _sc("loop-z3-gas2", "loop_count", 3, gas=2),
         _sc("branch-z1", "branch_count", 1),
-        _sc("branch-z2", "branch_count", 2),
+        _sc("branch-z2", "branch_count", 2, extended=True),
         _sc("branch-z3", "branch_count", 3),
         # Dynamo compiles the loop for counts 1 and 2 only: 3 and 4 run eagerly
         {**scenario("loop-z3-limit", "loop_count", "sgd", 0.05, steps=10, zero_stage=3,

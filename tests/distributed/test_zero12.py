@@ -56,11 +56,11 @@ _FX2 = [s for stage in (1, 2) for s in (
     _sc(stage, "mlp", "adamw", 1, CLIP),
     _sc(stage, "mlp", "adamw", 4, None, extended=True),
     _sc(stage, "llama", "sgd", 1, None, extended=True),
-    _sc(stage, "llama", "adamw", 4, CLIP),
+    _sc(stage, "llama", "adamw", 4, CLIP, extended=stage == 2),
 )] + [
     _sc(1, "mixtral_eager", "sgd", 2, None),
     _sc(1, "disabled", "sgd", 3, CLIP),
-    _sc(1, "llama_tied", "adamw", 2, None),
+    _sc(1, "llama_tied", "adamw", 2, None, extended=True),   # tied: test_models
     _sc(2, "graph_break", "sgd", 2, CLIP),
     _sc(2, "mlp", "sgd", 2, None, tag="-prefetch", passes=("prefetch", "bucket_reduce")),
 ]
@@ -71,7 +71,7 @@ _INDUCTOR = [_sc(1, "llama", "adamw", 2, CLIP, compiler="inductor"),
 # bf16 compute (fp32 masters): tolerances of tests/distributed/test_mixed_precision.py
 _BF16 = [_sc(1, "llama", "adamw", 2, CLIP, tag="-bf16", param_dtype="bfloat16"),
          _sc(2, "llama", "adamw", 1, None, tag="-bf16-rfp32", param_dtype="bfloat16",
-             reduce_dtype="float32")]
+             reduce_dtype="float32", extended=True)]
 
 JOBS = Jobs({"fx2": (2, _FX2 + _BF16), "fx4": (4, _FX4), "inductor2": (2, _INDUCTOR)},
             timeout=1200)
