@@ -169,7 +169,7 @@ def test_auto_states_its_choice():
 
 
 # ----------------------------------------------------------------------- the rule itself
-def _rule(nic_s_per_byte, budget=float("inf"), stage=3, gas=1):
+def _rule(nic_s_per_byte, budget=float("inf"), stage=3, gas=1, passes=()):
     """2 nodes of 8, 8 parameters of 1 Mi elements (bf16, fp32 masters). Seconds per byte:
     within a node 1e-11; across the nodes one NIC per rank `nic_s_per_byte`; over every rank
     the slower of the two with the 8 NICs of a node side by side (the planner's ring:
@@ -181,7 +181,7 @@ def _rule(nic_s_per_byte, budget=float("inf"), stage=3, gas=1):
 
     def collective_s(label, kind, nbytes):
         return 1e-5 + nbytes * per[label]
-    return choose(params, 16, 8, stage, gas, budget, collective_s)
+    return choose(params, 16, 8, stage, gas, budget, collective_s, passes=passes)
 
 
 def test_the_auto_rule_on_given_figures():
@@ -204,6 +204,27 @@ def test_the_auto_rule_on_given_figures():
     # ZeRO-1/2 have no hpz
     _, _, figures = _rule(1e-9, stage=2)
     assert "hpz" not in figures
+
+
+def test_the_auto_rule_weighs_the_memory_a_layout_takes_by_what_the_passes_make_of_it():
+    """Half of a 24 MiB budget: shard's state (8 MiB) leaves 4 MiB, room for two parameters
+    kept gathered (2 MiB each), hpz's secondary shards (2 MiB more) room for one; hsdp's state
+    does not fit. Over a network 10x slower across the nodes than within, hpz's intra-node
+    backward gathers save 5% of shard's communication: it wins on the collectives alone, shard
+    once selective_unshard's use of the memory counts."""
+    budget = 24 * 2**20
+    name, _, figures = _rule(1e-10, budget=budget, gas=4)
+    assert name == "hpz" and figures["hpz"]["comm_s"] < figures["shard"]["comm_s"], figures
+    name, why, figures = _rule(1e-10, budget=budget, gas=4, passes=("selective_unshard",))
+    assert name == "shard", figures
+    assert (figures["shard"]["spare_used_bytes"], figures["hpz"]["spare_used_bytes"]) \
+        == (4 * 2**20, 2 * 2**20)
+    assert figures["shard"]["comm_s"] < figures["hpz"]["comm_s"] < figures["hpz"]["comm_before_s"]
+    assert "selective_unshard would make of the memory left (4.0 MiB used)" in why, why
+    # across a slow network hpz's gathers within the node still win
+    assert _rule(1e-9, budget=budget, gas=4, passes=("selective_unshard",))[0] == "hpz"
+    # passes that make nothing of memory change nothing
+    assert _rule(1e-10, budget=budget, gas=4, passes=("prefetch", "bucket_reduce"))[0] == "hpz"
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -16,9 +16,12 @@ Per layout it predicts one optimizer step's communication (`predict`: every para
 collectives under the layout, as the lowering runs them, without overlap: the compute that
 could hide them is not known yet, and is the same under every layout) and the model state per
 rank (masters, gradients, an Adam-like optimizer's two moments per master element, ZeRO-1/2's
-replicated parameters, hpz's secondary shards). It takes the layout of least predicted
-communication among those whose model state fits in half the budget (the other half: the
-activations and the gathered parameters, which no layout changes), "shard" when none fits
+replicated parameters, hpz's secondary shards). The memory a layout leaves free is worth
+communication: the model state takes half the budget at most (the other half: the activations
+and the gathered parameters, which no layout changes), and what it leaves of that half goes to
+the passes that will run and say what they make of it (`Pass.spare_memory`: selective_unshard
+keeps parameters gathered, saving their gathers). It takes the layout of least predicted
+communication, after those savings, among those whose model state fits; "shard" when none fits
 (the least memory). Ties (within `TIE`) go to the layout with less memory. The report states
 the choice and every layout's figures; `deepcompile plan` shows the layouts side by side with
 their simulated steps.
@@ -27,9 +30,11 @@ their simulated steps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+
+from ..passes.context import Keepable, SpareMemory, get_pass
 
 TIE = 0.02                  # predicted times within 2% are a tie
 ADAM_STATE = 2              # optimizer state per master element, in master elements (assumed)
@@ -58,11 +63,14 @@ def params_of(module: torch.nn.Module, param_dtype, reduce_dtype) -> list[ParamF
 
 
 def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: int, gas: int,
-            collective_s: Callable[[str, str, int], float]) -> dict[str, Any]:
+            collective_s: Callable[[str, str, int], float]
+            ) -> tuple[dict[str, Any], tuple[Keepable, ...]]:
     """One optimizer step's communication under layout `name` (seconds from `collective_s(group
-    label, kind, bytes)`; bytes per group label) and the model state per rank."""
+    label, kind, bytes)`; bytes per group label) and the model state per rank; and every
+    parameter as one kept gathered would save (ZeRO-3)."""
     shards = group if name == "hsdp" else world
     seconds, nbytes, state = 0.0, {}, 0
+    keepable = []
 
     def add(label: str, kind: str, size: int, times: int) -> None:
         nonlocal seconds
@@ -79,6 +87,9 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
             add(home, "all_gather", padded * p.compute_bytes, gas)        # the forward's
             bw = "intra" if name in ("hsdp", "hpz") else wide
             add(bw, "all_gather", padded * p.compute_bytes, gas)          # the backward's
+            size = padded * p.compute_bytes
+            fw_s = collective_s(home, "all_gather", size)
+            keepable.append(Keepable(size, fw_s + collective_s(bw, "all_gather", size), fw_s))
             if name == "hpz":
                 state += -(-padded // group) * p.compute_bytes           # the secondary shard
         else:
@@ -89,16 +100,31 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
         if name == "hsdp" and world > group:
             add("inter", "all_reduce", shard * p.reduce_bytes, reductions)
     crossing = sum(b for label, b in nbytes.items() if label in ("world", "inter"))
-    return {"comm_s": seconds, "bytes": nbytes, "crossing_bytes": crossing, "state_bytes": state}
+    return ({"comm_s": seconds, "bytes": nbytes, "crossing_bytes": crossing,
+             "state_bytes": state}, tuple(keepable))
 
 
 def choose(params: list[ParamFacts], world: int, group: int, stage: int, gas: int,
            budget: float, collective_s: Callable[[str, str, int], float],
-           names: tuple[str, ...] = ORDER) -> tuple[str, str, dict[str, Any]]:
-    """[Note: choosing the layout]: (layout, why, every layout's figures)."""
-    figures = {n: predict(n, params, world, group, stage, gas, collective_s)
-               for n in names if not (n == "hpz" and stage != 3)}
+           names: tuple[str, ...] = ORDER, passes: Iterable[str] = ()
+           ) -> tuple[str, str, dict[str, Any]]:
+    """[Note: choosing the layout]: (layout, why, every layout's figures). `passes`: the passes
+    that will run (their `spare_memory` values the memory each layout leaves)."""
+    spenders = [p for p in map(get_pass, passes) if p.spare_memory is not None]
     room = budget / 2
+    figures = {}
+    for n in names:
+        if n == "hpz" and stage != 3:
+            continue
+        f, keepable = predict(n, params, world, group, stage, gas, collective_s)
+        spare = SpareMemory(stage, gas, room - f["state_bytes"], keepable)
+        saved = used = 0.0
+        for p in spenders:
+            s, u = p.spare_memory(spare)
+            saved, used = saved + s, used + u
+        f["comm_before_s"], f["comm_s"], f["spare_used_bytes"] = \
+            f["comm_s"], max(0.0, f["comm_s"] - saved), used
+        figures[n] = f
     fits = [n for n in ORDER if n in figures and figures[n]["state_bytes"] <= room]
     for n, f in figures.items():
         f["fits"] = n in fits
@@ -112,6 +138,9 @@ def choose(params: list[ParamFacts], world: int, group: int, stage: int, gas: in
     why = (f"least predicted communication per optimizer step: {figures[pick]['comm_s'] * 1e3:.2f}"
            f" ms ({others}); model state {figures[pick]['state_bytes'] / 2**20:.1f} MiB per "
            "rank" + ("" if room == float("inf") else f" of {room / 2**20:.0f} MiB (half the budget)"))
+    if spenders:
+        why += (f"; after what {', '.join(p.name for p in spenders)} would make of the memory "
+                f"left ({figures[pick]['spare_used_bytes'] / 2**20:.1f} MiB used)")
     return pick, why, figures
 
 
@@ -129,6 +158,7 @@ def auto(candidates: dict[str, Any], module: torch.nn.Module, config, device: to
     """Config.layout="auto" over the groups of `candidates` (runtime/mesh.py's layouts, one per
     name, over the same groups): measure each group's collectives, agree them (MAX), choose.
     Collective: every rank."""
+    from ..passes.context import known_passes
     from .agree import agreed_budget
     from .cost import _fit, LinearCostModel, SWEEP_BYTES, measure_groups
 
@@ -149,7 +179,8 @@ def auto(candidates: dict[str, Any], module: torch.nn.Module, config, device: to
         models.setdefault(label, LinearCostModel(coeffs={})).coeffs[kind] = coeffs
     budget = agreed_budget(world, config.memory_budget, device)
     params = params_of(module, config.param_dtype, config.reduce_dtype)
+    passes = known_passes() if config.auto_passes else config.passes
     name, why, figures = choose(params, world.world, hsdp.group_size, config.zero_stage,
                                 config.gradient_accumulation_steps, budget,
-                                collective_time(models))
+                                collective_time(models), passes=passes)
     return name, f"auto: {why}", figures

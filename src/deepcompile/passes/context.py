@@ -61,6 +61,25 @@ class Facts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Keepable:
+    """A parameter as `Config.layout="auto"` sees it before anything is profiled (`SpareMemory`)."""
+    nbytes: int         # its gathered copy, in the compute dtype
+    gather_s: float     # its gathers in one micro-step under the layout (forward and backward)
+    refresh_s: float    # one gather of it after the optimizer step
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareMemory:
+    """The memory a data-parallel layout leaves free, and what could use it: what
+    `Pass.spare_memory` values when `Config.layout="auto"` chooses ([Note: choosing the
+    layout] in compiler/layouts.py)."""
+    zero_stage: int
+    gas: int
+    spare_bytes: float              # inf when the budget is unbounded
+    params: tuple[Keepable, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Pass:
     """A pass and what the rest of the system needs to know of it."""
     name: str
@@ -88,6 +107,10 @@ class Pass:
     # ZeRO-1/2: the optimizer step may leave the replicas' refresh in flight ([Note: deferred
     # refresh] in runtime/replicas.py): the eager fallback and the guarded model wait for it
     defers_refresh: bool = False
+    # what it makes of the memory a layout leaves free, before anything is profiled: (predicted
+    # communication seconds it saves per optimizer step, bytes it uses) -- `Config.layout="auto"`
+    # weighs the memory a layout takes by it ([Note: choosing the layout])
+    spare_memory: Callable[[SpareMemory], tuple[float, float]] | None = None
     # the DeepSpeed setting it stands for in a DeepSpeed config (_config_io.py), e.g.
     # "zero_optimization.offload_optimizer"
     deepspeed: str | None = None

@@ -398,15 +398,18 @@ def _layout_choice(model: compose.Model, args: PlanArgs, net, budget: float,
                    csize: int) -> dict[str, Any]:
     """What Config.layout="auto" picks at initialize on this cluster ([Note: choosing the
     layout] in compiler/layouts.py): its rule, with the network model's figures per group in
-    place of the measured ones."""
+    place of the measured ones, for the (first) pass set planned."""
     from ...compiler.layouts import ParamFacts, choose
+    from ...passes.context import known_passes
 
     params = [ParamFacts(p.numel, csize, csize, MASTER_BYTES) for p in model.params]
     fabric = network.LayoutFabric(net, "hsdp", args.gpus_per_node)
     if args.nodes == 1:
         return {"layout": "shard", "why": "one node: every layout is 'shard'"}
+    given = None if args.passes is None else args.passes[0]
+    passes = known_passes() if given is None or _is_auto(given) else tuple(given)
     name, why, figures = choose(params, args.world, args.gpus_per_node, args.stage, args.gas,
-                                budget, fabric.group_s)
+                                budget, fabric.group_s, passes=passes)
     return {"layout": name, "why": why, "figures": figures}
 
 
