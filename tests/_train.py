@@ -33,9 +33,13 @@ each job on more than 2 ranks, and of the Inductor jobs only the scenarios made 
 is in the core where it compiles a mechanism differently: the reordered collectives (prefetch),
 the custom ops (offload, activations), the in-place writes (selective_unshard, offloaded
 gradients), the asynchronous refresh (overlap_refresh), and one plain ZeRO-3 parity job. A
-scenario made with `extended=True`, and a test marked `extended`, are left out too; one made
-with `core=True` is kept whatever its job. `DEEPCOMPILE_FULL_TESTS=1` runs everything. A test
-left out is skipped, saying so.
+scenario made with `extended=True`, and a test marked `extended`, are left out too: a repeat
+of what another case of the core runs (a second seed of random times, accumulation 4 beside 1,
+ZeRO-2 beside ZeRO-1 on the same model, a pass alone beside all of them, a run without a pass
+beside one with it); one made with `core=True` is kept whatever its job. The suite is
+CPU-bound, nearly all of it torch's compile of one engine per scenario and rank: a case costs
+what it compiles. `DEEPCOMPILE_FULL_TESTS=1` runs everything. A test left out is skipped,
+saying so.
 """
 
 from __future__ import annotations
