@@ -131,33 +131,32 @@ class _CudaCopier:
         return _compat.pinned_empty(like.shape, like.dtype)
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], late: bool = False):
-        """Copy device tensors into host buffers; returns the event of completion. (`late`:
-        the caller keeps the sources, `_SimCopier`'s business; on CUDA every copy is late.)"""
-        compute = torch.cuda.current_stream(self.device)
-        self.d2h.wait_stream(compute)               # after the step wrote them
-        start, end = self._events()
-        with torch.cuda.stream(self.d2h):
-            start.record()
-            for host, dev in pairs:
-                host.copy_(dev, non_blocking=True)
-            end.record()
+        """Copy device tensors into host buffers (`(host, device)` pairs); returns the event of
+        completion. (`late`: the caller keeps the sources, `_SimCopier`'s business; on CUDA
+        every copy is late.)"""
+        end = self._copy("d2h", self.d2h, pairs)    # after the step wrote them
         for _, dev in pairs:
             dev.record_stream(self.d2h)             # not reused before the copy read it
-        self._timed.append(("d2h", start, end))
         return end
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
-        """Copy host buffers into freshly allocated device tensors; returns the event."""
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))   # the blocks are free by now
+        """Copy host buffers into freshly allocated device tensors (`(device, host)` pairs),
+        after the event `after` (the host buffer is complete); returns the event."""
+        return self._copy("h2d", self.h2d, pairs, after)   # the blocks are free by now
+
+    def _copy(self, kind: str, stream, pairs, after=None):
+        """`dst.copy_(src)` for every `(dst, src)` on `stream`, once the compute stream's work
+        so far (and `after`) is done; timed as `kind`; returns the event of completion."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None:
-            self.h2d.wait_event(after)                      # the host buffer is complete
+            stream.wait_event(after)
         start, end = self._events()
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(stream):
             start.record()
-            for dev, host in pairs:
-                dev.copy_(host, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             end.record()
-        self._timed.append(("h2d", start, end))
+        self._timed.append((kind, start, end))
         return end
 
     def wait(self, events: Iterable) -> None:
