@@ -161,6 +161,16 @@ def test_auto_states_its_choice():
     figures = lay["alternatives"]
     best = min(f["comm_s"] for f in figures.values())
     assert figures[lay["layout"]]["comm_s"] <= best * 1.02 + 1e-12
+    # the budget is unbounded on the CPU: selective_unshard (passes="auto") would keep every
+    # parameter under every layout, and the report says what that leaves of each one's figure
+    from deepcompile.report.report import Report
+
+    report = JOBS.results("fx4", "2x2-auto-z3-mlp-adamw-gas2-clip")[0]["report"]
+    text = str(Report.from_dict(report))
+    for name, f in figures.items():
+        assert f["spare_used_bytes"] > 0 and f["comm_s"] < f["comm_before_s"], (name, f)
+        assert f"  {name}: predicted communication {f['comm_s'] * 1e3:.2f} ms per optimizer " \
+               f"step ({f['comm_before_s'] * 1e3:.2f} ms before the passes use" in text, text
     off = JOBS.results("fx4", "2x2-hsdp-z3-mlp-adamw-gas2-clip-offload")[0]["report"]
     offload = next(p for p in off["passes"] if p["pass"] == "offload_optimizer")
     assert offload["kept"] and offload["decisions"]["offloaded_bytes"] > 0, offload

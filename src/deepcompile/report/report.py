@@ -364,8 +364,12 @@ class Report:
         out = [f"layout: {lay['layout']}, {lay['groups']} groups of {lay['group_size']} ranks; "
                f"shards span {lay['shard_ranks']} ranks ({lay['reason']})"]
         for name, f in (lay.get("alternatives") or {}).items():
+            spent = f.get("spare_used_bytes", 0)
             out.append(f"  {name}: predicted communication {f['comm_s'] * 1e3:.2f} ms per "
-                       f"optimizer step, {_mib(f['crossing_bytes'])} MiB across groups; model "
+                       f"optimizer step"
+                       + (f" ({f['comm_before_s'] * 1e3:.2f} ms before the passes use "
+                          f"{_mib(spent)} MiB it leaves)" if spent else "")
+                       + f", {_mib(f['crossing_bytes'])} MiB across groups; model "
                        f"state {_mib(f['state_bytes'])} MiB per rank"
                        + ("" if f.get("fits", True) else " (does not fit)"))
         return out
