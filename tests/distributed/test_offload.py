@@ -699,7 +699,7 @@ STEPS = 8
 # tests/_train.py)
 SEEDS = range(3) if FULL else range(1)
 GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: the core matrix])
-GAS_PARAMS = [1, pytest.param(4, marks=() if FULL else pytest.mark.extended)]
+GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
 
 
 def _offload_report(res: dict) -> dict:
@@ -959,7 +959,7 @@ def _checkpoint_runs(plain, offloaded, zero1):
     """The offloaded run; without offloading, and at ZeRO-1, in the full suite (test_checkpoint
     resumes those across world sizes and stages: [Note: the core matrix])."""
     runs = [("plain", plain), ("offload", offloaded), ("zero1", zero1)]
-    return runs if FULL else runs[1:2]
+    return [(name, config) for name, config in runs if FULL or name == "offload"]
 
 
 def _checkpoint_job(rank, world, tmp, budget):

@@ -72,10 +72,13 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
     seconds, nbytes, state = 0.0, {}, 0
     keepable = []
 
-    def add(label: str, kind: str, size: int, times: int) -> None:
+    def add(label: str, kind: str, size: int, times: int) -> float:
+        """Count `times` collectives of `size` bytes; returns one's seconds."""
         nonlocal seconds
-        seconds += times * collective_s(label, kind, size)
+        one = collective_s(label, kind, size)
+        seconds += times * one
         nbytes[label] = nbytes.get(label, 0) + times * size
+        return one
 
     wide = "world" if world > group else "intra"
     for p in params:
@@ -84,12 +87,11 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
         state += shard * p.master_bytes * (2 + ADAM_STATE)
         home = "intra" if name == "hsdp" else wide
         if stage == 3:
-            add(home, "all_gather", padded * p.compute_bytes, gas)        # the forward's
-            bw = "intra" if name in ("hsdp", "hpz") else wide
-            add(bw, "all_gather", padded * p.compute_bytes, gas)          # the backward's
             size = padded * p.compute_bytes
-            fw_s = collective_s(home, "all_gather", size)
-            keepable.append(Keepable(size, fw_s + collective_s(bw, "all_gather", size), fw_s))
+            fw_s = add(home, "all_gather", size, gas)                    # the forward's
+            bw = "intra" if name in ("hsdp", "hpz") else wide
+            bw_s = add(bw, "all_gather", size, gas)                      # the backward's
+            keepable.append(Keepable(size, fw_s + bw_s, fw_s))   # the refresh: the forward's
             if name == "hpz":
                 state += -(-padded // group) * p.compute_bytes           # the secondary shard
         else:
