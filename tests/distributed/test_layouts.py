@@ -65,7 +65,10 @@ _FX = [
     _sc("4x1", "hsdp", "mlp", stage=2, passes=("bucket_reduce",), extended=True),
     _sc("1x4", "hsdp", "mlp", record=("report",)),
 ] + _COUNTS
-_INDUCTOR = [_sc("2x2", "hpz", "llama", compiler="inductor", passes=("prefetch", "bucket_reduce"))]
+# Inductor compiles a layout's collectives as any group's (test_parity's Inductor job): the
+# full suite's only
+_INDUCTOR = [_sc("2x2", "hpz", "llama", compiler="inductor", passes=("prefetch", "bucket_reduce"),
+                 extended=True)]
 
 JOBS = Jobs({"fx4": (4, _FX), "inductor4": (4, _INDUCTOR)}, timeout=1500)
 

@@ -699,6 +699,10 @@ STEPS = 8
 # tests/_train.py)
 SEEDS = range(3) if FULL else range(1)
 GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: the core matrix])
+# masters streamed through the device's step (tier 3) and stepped on the host (tier 4); the
+# core runs tier 3 here and tier 4 at world size 1 (tests/engine/test_offload_masters.py)
+ALL_MASTER_MODES = (("masters", "never"), ("host", "auto"))
+MASTER_MODES = ALL_MASTER_MODES if FULL else ALL_MASTER_MODES[:1]
 GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
 
 
@@ -740,7 +744,7 @@ def _parity_job(rank, world):
     out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain))}
     # streamed through the device's step (tier 3), and stepped on the host (tier 4: on the
     # CPU the host step is the device's without the copies, so "auto" takes it)
-    for which, mode in (("masters", "never"), ("host", "auto")):
+    for which, mode in MASTER_MODES:
         probe["config"]["host_step"] = mode
         d = _offload_report(_one_scenario(rank, world, probe))["decisions"]
         sc = scenario(f"llama-adamw-bf16-{which}", "llama", "adamw", 1e-2,
@@ -861,7 +865,9 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
     check_state_consistent(runs)
 
 
-@pytest.mark.parametrize("which", ["masters", "host"])
+@pytest.mark.parametrize("which", [pytest.param(w, marks=() if (w, m) in MASTER_MODES else
+                                                  pytest.mark.extended)
+                                   for w, m in ALL_MASTER_MODES])
 def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_meet(parity,
                                                                                  which):
     plain_sc, plain = _runs(parity, "masters", "plain")
