@@ -36,7 +36,8 @@ gradients), the asynchronous refresh (overlap_refresh), and one plain ZeRO-3 par
 scenario made with `extended=True`, and a test marked `extended`, are left out too: a repeat
 of what another case of the core runs (a second seed of random times, accumulation 4 beside 1,
 ZeRO-2 beside ZeRO-1 on the same model, a pass alone beside all of them, a run without a pass
-beside one with it); one made with `core=True` is kept whatever its job. The suite is
+beside one with it, a variant the engine layer runs at world size 1 beside a sibling at 2);
+one made with `core=True` is kept whatever its job. The suite is
 CPU-bound, nearly all of it torch's compile of one engine per scenario and rank: a case costs
 what it compiles. `DEEPCOMPILE_FULL_TESTS=1` runs everything. A test left out is skipped,
 saying so.
