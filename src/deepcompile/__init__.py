@@ -14,6 +14,30 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
+# [Note: the default group kept by an import] `torch.distributed.nn.functional` takes the default
+# process group as a default argument of its functions, evaluated when it is first imported;
+# Dynamo imports it, so a script that imports torch, creates the process group and then compiles
+# (deepcompile.initialize does) keeps the default group alive after `destroy_process_group()`:
+# it is destroyed with that module, during the interpreter's finalization, where destroying a
+# process group can abort the process ("terminate called without an active exception"). Where
+# torch is already imported, the module is imported here, before any process group exists, and
+# its defaults are None. Without torch yet (the command line), nothing is imported.
+
+
+def _import_before_any_process_group() -> None:
+    import importlib
+    import sys
+
+    if "torch" in sys.modules:
+        try:
+            importlib.import_module("torch.distributed.nn.functional")
+        except ImportError:   # a torch built without distributed
+            pass
+
+
+_import_before_any_process_group()
+del _import_before_any_process_group
+
 __all__ = ["initialize", "Config", "Engine", "verify", "register_pass", "PassContext"]
 
 _LAZY = {

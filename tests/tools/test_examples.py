@@ -1,6 +1,7 @@
 """The examples in examples/ run in their smallest setting: 2 CPU ranks launched by torchrun.
 train_llama.py: an uninterrupted run, and one stopped after 3 of its 6 steps and resumed from
-its checkpoint, log the same losses; hf_trainer.py trains, checkpoints and saves a model."""
+its checkpoint, log the same losses, and no gloo thread of the run is alive when a rank's
+interpreter finalizes; hf_trainer.py trains, checkpoints and saves a model."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ from deepcompile.tools.spawn import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(script: str, *args: str, timeout: float = 600) -> str:
+def _torchrun(script: str, *args: str, timeout: float = 600, exit_probe: Path | None = None) -> str:
+    """`exit_probe`: each rank writes the gloo threads alive as it finalizes to
+    `<exit_probe>.<rank>` (tests/tools/_exit_probe.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
                TORCHINDUCTOR_CACHE_DIR=str(ROOT / "build" / "inductor-cache"),
                TORCHINDUCTOR_COMPILE_THREADS="1")
+    probe = []
+    if exit_probe is not None:
+        env["EXIT_PROBE"] = str(exit_probe)
+        probe = [str(Path(__file__).with_name("_exit_probe.py"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "examples" / script), *args]
+           *probe, str(ROOT / "examples" / script), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r.stdout
@@ -38,9 +45,13 @@ def test_train_llama_runs_and_resumes(tmp_path):
     common = ["--model", "tiny", "--compiler", "fx", "--steps", "6", "--grad-accum", "2",
               "--seq-len", "32", "--warmup", "2"]
     whole = _torchrun("train_llama.py", *common, "--ckpt-dir", str(tmp_path / "a"),
-                      "--save-pretrained", str(tmp_path / "hf"))
+                      "--save-pretrained", str(tmp_path / "hf"), exit_probe=tmp_path / "gloo")
     assert re.search(r"tokens/s [\d,]+ peak memory [\d.]+ GiB RSS", whole), whole
     assert "done at step 6" in whole and (tmp_path / "hf" / "model.safetensors").exists()
+    if sys.platform == "linux":   # no process group outlives the script into finalization:
+        # the engine's are freed at exit ([Note: engines freed before finalization]), the
+        # default one by destroy_process_group ([Note: the default group kept by an import])
+        assert [(tmp_path / f"gloo.{r}").read_text() for r in (0, 1)] == ["0", "0"]
     first = _torchrun("train_llama.py", *common, "--ckpt-dir", str(tmp_path / "b"),
                       "--save-every", "3", "--stop-after", "3")
     assert "done at step 3" in first
