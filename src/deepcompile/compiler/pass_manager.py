@@ -112,7 +112,7 @@ class PassManager:
     # -- one pass ---------------------------------------------------------------------------
     def start(self, name: str, decisions: dict | None = None) -> dict[str, Any]:
         p = get_pass(name)
-        ctx = self._context()
+        ctx = dataclasses.replace(self._context(), queued=tuple(self.queue))
         snap = Snapshot(graphs={k: copy_graph(s.gm.graph) for k, s in self.slots.items()},
                         profiles={k: (s.history[-1], s.local) if s.history else None
                                   for k, s in self.slots.items()},
@@ -198,6 +198,30 @@ class PassManager:
         self._snapshots.pop(id(entry), None)
         self.log(entry)
         return keep
+
+    def judge_trade(self, trade: dict[str, Any], entry: dict[str, Any], budget: float) -> bool:
+        """Keep or revert `entry`'s pass together with `trade`, the pass that freed memory for it
+        ([Note: a memory trade] in passes/activation_budget.py): `entry["before"]` is the step
+        before the trade. Returns kept."""
+        keep, why = autoplan.verdict(entry["before"], entry["after"], budget)
+        entry["kept"], entry["verdict"] = keep, why
+        trade["kept"] = keep
+        trade["verdict"] = f"{'kept' if keep else 'reverted'} with {entry['pass']}: {why}"
+        if not keep:
+            self.revert(entry)
+            self.revert(trade)
+        for e in (trade, entry):
+            self._snapshots.pop(id(e), None)
+        self.log(trade)
+        self.log(entry)
+        return keep
+
+    def drop_trade(self, trade: dict[str, Any], why: str) -> None:
+        """Revert `trade`: the memory it freed bought nothing."""
+        trade["kept"], trade["verdict"] = False, why
+        self.revert(trade)
+        self._snapshots.pop(id(trade), None)
+        self.log(trade)
 
     def revert(self, entry: dict[str, Any]) -> None:
         snap = self._snapshots[id(entry)]

@@ -144,6 +144,9 @@ class Pipeline:
                                   summarize=self._summary)
         self.passes.configure(config.pass_list)
         self._awaiting: dict | None = None       # pass log entry waiting for its re-profile
+        # a pass's entry that freed memory for the next pass, with the drift marks from before
+        # it: judged with that pass ([Note: a memory trade] in passes/activation_budget.py)
+        self._trade: tuple[dict, tuple] | None = None
         self.trial: Trial | None = None          # the interleaved measurement under way
         self.cache = _cache.PlanCache(config.cache_dir, self.comm, engine_fingerprint)
         self.timings: dict[str, Any] = {"warmup_steps_s": [], "profiled_steps_s": [],
@@ -342,10 +345,15 @@ class Pipeline:
         entry = self._awaiting
         if entry is not None:          # a pass's re-profile
             entry["after"] = self._summary(self.latest_profiles())
+            decided = autoplan.by_memory(entry["before"], entry["after"], self.memory_budget)
+            if entry["decisions"].get("trade") and (decided is None or decided[0]):
+                # judged with the pass it freed memory for, which plans next
+                self._trade, self._awaiting = (entry, self._before_pass), None
+                self._next_pass()
+                return
             # a re-plan is not timed against the plan before it: that plan no longer fits; nor
             # is a pass whose memory decides it ([Note: keeping a pass] in compiler/autoplan.py)
-            if self.config.measure_steps > 0 and not entry.get("replan") and autoplan.by_memory(
-                    entry["before"], entry["after"], self.memory_budget) is None:
+            if self.config.measure_steps > 0 and not entry.get("replan") and decided is None:
                 self._start_measure(entry)
                 return
             self._judge(entry)
@@ -355,16 +363,37 @@ class Pipeline:
         self._next_pass()
 
     def _start_measure(self, entry: dict) -> None:
-        self.trial = Trial(entry, self.passes.snapshot(entry), runner=self.runner,
-                           measure_steps=self.config.measure_steps)
+        first, changed = entry, entry["changed"]
+        if entry.get("traded"):   # the trade and this pass against the graphs before the trade
+            first = self._trade[0]
+            changed = sorted(set(first["changed"]) | set(changed))
+        self.trial = Trial(entry, self.passes.snapshot(first), runner=self.runner,
+                           measure_steps=self.config.measure_steps, changed=changed)
         self._enter(Phase.MEASURE, f"{entry['pass']} against the graphs before it")
 
     def _judge(self, entry: dict) -> bool:
         self._awaiting = None
-        kept = self.passes.judge(entry, self.memory_budget)
+        if entry.get("traded"):
+            (trade, before), self._trade = self._trade, None
+            kept = self.passes.judge_trade(trade, entry, self.memory_budget)
+        else:
+            before = self._before_pass
+            kept = self.passes.judge(entry, self.memory_budget)
         if not kept:
-            self.runner.forget_profile(self._before_pass)
+            self.runner.forget_profile(before)
         return kept
+
+    def _with_trade(self, entry: dict) -> None:
+        """`entry`'s pass starts after a trade ([Note: a memory trade]): judged together from the
+        step before the trade, or the trade is reverted at once when the pass changed nothing."""
+        trade, before = self._trade
+        if entry["pass"] != trade["decisions"]["trade"]["for"] or not entry["changed"]:
+            self._trade = None
+            self.passes.drop_trade(trade, f"reverted: {entry['pass']} changed nothing with the "
+                                          "memory it freed")
+            self.runner.forget_profile(before)
+            return
+        entry["traded"], entry["before"] = True, trade["before"]
 
     def _next_pass(self) -> None:
         """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
@@ -378,6 +407,8 @@ class Pipeline:
             before = self.runner.drift_marks()
             entry = self.passes.start(self.passes.queue.pop(0))
             self._before_pass = before
+            if self._trade is not None:
+                self._with_trade(entry)
             if self._replanning is not None:
                 entry["replan"] = self._replanning
             agree_decisions(self.comm, entry["pass"], entry["decisions"])   # before any graph runs
@@ -387,6 +418,11 @@ class Pipeline:
                 self._enter(Phase.PROFILE, f"after {entry['pass']}")
                 return
             self.passes.unchanged(entry)
+        if self._trade is not None:   # the pass it freed memory for did not run
+            trade, before = self._trade
+            self._trade = None
+            self.passes.drop_trade(trade, "reverted: the pass it freed memory for did not run")
+            self.runner.forget_profile(before)
         self.timings["passes_s"] += time.perf_counter() - t0
         if self.config.cache_dir is not None and not self.replans:   # a cached plan is the first
             self.cache.store({**self._record(),

@@ -32,14 +32,15 @@ from .runner import SlotRunner
 
 class Trial:
     def __init__(self, entry: dict[str, Any], snap: Snapshot, *, runner: SlotRunner,
-                 measure_steps: int) -> None:
+                 measure_steps: int, changed: list[str] | None = None) -> None:
+        """`snap`: the graphs before; `changed`: the graphs that differ from it (the entry's)."""
         self.entry = entry
         self.runner = runner
         self.runtime = runner.runtime
         self.measure_steps = measure_steps
         slots = runner.slots
         self.faces: dict[str, dict[str, tuple[fx.GraphModule, int]]] = {}
-        for key in entry["changed"]:
+        for key in entry["changed"] if changed is None else changed:
             slot = slots[key]
             before = fx.GraphModule(slot.gm, copy_graph(snap.graphs[key]))
             self.faces[key] = {"after": (slot.gm, slot.version),

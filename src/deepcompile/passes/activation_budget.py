@@ -19,8 +19,8 @@ budget; then choices the budget no longer needs are undone, dearest first; on a 
 whose copies queue past their readers on the copy streams are recomputed where that is cheaper
 ([Note: one copy lane each way]). A
 budget the pass cannot reach is reported with the lowest peak it reaches, and that plan is
-applied (it lowers a peak that is over the budget). With the peak within the budget (or no
-budget) it plans nothing.
+applied (it lowers a peak that is over the budget). With no budget it plans nothing; with the
+peak within the budget, nothing but a trade with the pass after it ([Note: a memory trade]).
 
 [Note: activations after partitioning] The pass rewrites the partitioned graphs rather than
 asking torch's partitioner to partition again (recompute tags, `activation_memory_budget`):
@@ -48,6 +48,7 @@ one fails its transplant loudly.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -60,8 +61,8 @@ from ..runtime import ops
 # the core's names the planner (tools/plan/) and the tests read through the pass
 from ._activation_graph import _flops, _readers, _root, analyse, recompute_chain  # noqa: F401
 from ._activation_plan import HOST_OP_S, Activation, lane_stall, options, plan_pair  # noqa: F401
-from ._common import Step, mib, size, steps_of, top
-from .context import Facts, PassContext, register_pass
+from ._common import SPLIT_MARGIN, Step, mib, size, steps_of, top
+from .context import Facts, PassContext, get_pass, register_pass
 
 log = logging.getLogger("deepcompile")
 
@@ -80,37 +81,102 @@ def pairs(ctx: PassContext) -> list[tuple[str, str]]:
 # -- the pass -------------------------------------------------------------------------------------
 def plan(ctx: PassContext) -> dict[str, Any]:
     budget = ctx.memory_budget
-    decisions: dict[str, Any] = {}
     if budget == float("inf") or ctx.cost is None or not len(ctx.registry.entries):
-        return decisions
+        return {}
+    # over the budget: within it (or as low as it goes); within it: perhaps a trade
+    return _plan_at(ctx, budget, warn=True) or _trade(ctx)
+
+
+def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, Any]:
+    """Every pair whose profiled peak exceeds `target` bytes, planned to bring it within."""
+    decisions: dict[str, Any] = {}
     overlap = getattr(ctx.runtime, "device", torch.device("cpu")).type == "cuda"
     room = _host_room(ctx)
     gas = ctx.runtime.step.gradient_accumulation_steps
     for fw_key, bw_key in pairs(ctx):
         fw_steps, bw_steps = steps_of(ctx.profiles[fw_key]), steps_of(ctx.profiles[bw_key])
+        if max((s.live_bytes for s in fw_steps + bw_steps), default=0) <= target:
+            continue
         out_bytes = {n.name: n.out_bytes for n in ctx.profiles[fw_key].nodes}
         # graphs of other shapes of this code run the plan transplanted, which copies a
         # recompute's nodes with this graph's shapes ([Note: activations after partitioning])
         shapes = any(getattr(ctx.slots[k], "members", None) for k in (fw_key, bw_key))
         pair = analyse(fw_key, bw_key, ctx.slots[fw_key].gm, ctx.slots[bw_key].gm, fw_steps,
                        bw_steps, out_bytes, recompute=not shapes)
-        d = plan_pair(fw_steps, bw_steps, pair.acts, budget, ctx.cost.copy_s, overlap, room,
+        d = plan_pair(fw_steps, bw_steps, pair.acts, target, ctx.cost.copy_s, overlap, room,
                       copies=max(1, ctx.order.count(fw_key) // gas),
                       lane_busy=_state_reloads(ctx, {"fw": fw_key, "bw": bw_key},
                                                {"fw": fw_steps, "bw": bw_steps}))
-        if d["peak_before"] <= budget:
+        if d["peak_before"] <= target:
             continue
         room -= d["host_bytes"]
         d.update(fw=fw_key, bw=bw_key, recompute_off=shapes,   # (an estimate: a float)
                  recompute_flops=float(sum(pair.flops.get(c["name"], 0) for c in d["choices"]
                                            if c["action"] == "recompute")))
-        if d["unattainable"]:
+        if d["unattainable"] and warn:
             log.warning("deepcompile activation_budget: %s/%s: memory budget %s is below what "
                         "recomputing or offloading the saved activations reaches: the lowest "
                         "peak is %s (from %s); applying that plan", fw_key, bw_key,
-                        size(budget), size(d["peak_after"]), size(d["peak_before"]))
+                        size(target), size(d["peak_after"]), size(d["peak_before"]))
         decisions[fw_key[:-3]] = d
     return decisions
+
+
+# [Note: a memory trade] With the profiled peak within the budget the pass may still free memory,
+# for the pass that plans next when that pass says what more memory is worth to it
+# (`Pass.memory_value`: selective_unshard keeps more parameters gathered): activations are
+# recomputed or offloaded below the budget where the time the next pass predicts to save is at
+# least `SPLIT_MARGIN` times the time they add (both predictions, each within ~±20%, cannot
+# reverse that). The pass plans to a few lower targets (`TRADE_POINTS`: the next pass's
+# options taken in its order, in equal counts), the peak each plan reaches sets the options
+# the freed bytes buy, and the lowest target that still pays that margin is the plan: a
+# threshold with a margin, not the largest net of two timed figures, so that launches whose
+# profiled times differ a little plan alike. Its decisions say what was traded (`trade`). A
+# trade is judged with the pass it frees memory for (compiler/pipeline.py): not on its own,
+# where it only adds time, but the two together against the graphs from before the trade,
+# kept or reverted together; the trade is reverted as well when that pass changes nothing.
+# Over the budget, the pass plans to the budget and trades nothing; with an unbounded budget
+# it plans nothing.
+TRADE_POINTS = 6
+
+
+def _trade(ctx: PassContext) -> dict[str, Any]:
+    buyer = ctx.queued[0] if ctx.queued else None
+    value_of = get_pass(buyer).memory_value if buyer is not None else None
+    offers = value_of(ctx) if value_of is not None else []
+    if not offers:
+        return {}
+    peaks = {k: p.peak_bytes for k, p in ctx.profiles.items()}
+    level = max(peaks.values(), default=0)
+    upto = list(itertools.accumulate(nbytes for nbytes, _ in offers))
+    best: tuple[dict, int, float, float] | None = None
+    for k in sorted({max(1, round(len(offers) * i / TRADE_POINTS))
+                     for i in range(1, TRADE_POINTS + 1)}):
+        target = level - upto[k - 1]
+        if target <= 0:
+            break
+        d = _plan_at(ctx, target)
+        planned = {key for pd in d.values() for key in (pd["fw"], pd["bw"])}
+        reached = max([pd["peak_after"] for pd in d.values()]
+                      + [p for key, p in peaks.items() if key not in planned], default=0)
+        freed = level - reached
+        value = sum(saved for (_, saved), total in zip(offers, upto) if total <= freed)
+        cost = sum(pd["added_s"] * ctx.order.count(pd["fw"]) for pd in d.values())
+        if freed > 0 and value >= SPLIT_MARGIN * cost:
+            best = (d, freed, value, cost)
+    if best is None:
+        return {}
+    decisions, freed, value, cost = best
+    decisions["trade"] = {"for": buyer, "freed_bytes": int(freed), "peak_before": int(level),
+                          "added_s": cost, "value_s": value, "offers": len(offers)}
+    log.info("deepcompile activation_budget: %s", _trade_line(decisions["trade"]))
+    return decisions
+
+
+def _trade_line(t: dict[str, Any]) -> str:
+    return (f"freed {size(t['freed_bytes'])} below the peak {size(t['peak_before'])} for "
+            f"{t['for']}: +{t['added_s'] * 1e3:.2f} ms a step predicted, for "
+            f"{t['value_s'] * 1e3:.2f} ms it predicts to save with it")
 
 
 def _state_reloads(ctx: PassContext, keys: dict[str, str],
@@ -141,8 +207,8 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
         return changed
     store = act_ops.store_of(ctx.runtime)   # before the re-profile: its buffers are host memory
     engine = ctx.runtime.handle   # what the ops find the runtime by
-    for _, d in sorted(decisions.items()):
-        if not d["choices"]:
+    for key, d in sorted(decisions.items()):
+        if key == "trade" or not d["choices"]:
             continue
         fw_gm, bw_gm = ctx.slots[d["fw"]].gm, ctx.slots[d["bw"]].gm
         _rewrite(fw_gm, bw_gm, d["choices"], engine, store.device)
@@ -254,14 +320,15 @@ def _like(val: torch.Tensor, *, device: torch.device | None = None, shape=None) 
 
 
 def summary(decisions: dict[str, Any]) -> list[str]:
-    lines = []
+    lines = [f"traded: {_trade_line(decisions['trade'])}"] if "trade" in decisions else []
     for key, d in sorted(decisions.items()):
         if not isinstance(d, dict) or "choices" not in d:
             continue
         rec = [c for c in d["choices"] if c["action"] == "recompute"]
         off = [c for c in d["choices"] if c["action"] == "offload"]
         lines.append(
-            f"{key}: peak {size(d['peak_before'])} -> {size(d['peak_after'])} (budget "
+            f"{key}: peak {size(d['peak_before'])} -> {size(d['peak_after'])} "
+            f"({'target' if 'trade' in decisions else 'budget'} "
             f"{size(d['budget_bytes'])}{', unattainable: the lowest the pass reaches' if d['unattainable'] else ''}); "
             f"of {d['candidates']} saved values ({size(d['candidate_bytes'])}) "
             f"{len(rec)} recomputed ({size(sum(c['bytes'] for c in rec))}, "

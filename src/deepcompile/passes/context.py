@@ -37,6 +37,9 @@ class PassContext:
     # keep, the smallest rank's (inf: unknown, or not measured)
     host_step_rate: float | None = None
     host_capacity: float = float("inf")
+    # the passes that plan after this one, in order ([Note: a memory trade] in
+    # passes/activation_budget.py reads the next one's `Pass.memory_value`)
+    queued: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,11 @@ class Pass:
     # communication seconds it saves per optimizer step, bytes it uses) -- `Config.layout="auto"`
     # weighs the memory a layout takes by it ([Note: choosing the layout])
     spare_memory: Callable[[SpareMemory], tuple[float, float]] | None = None
+    # what it would make of memory beyond the room the budget leaves it now, from the agreed
+    # profiles: the options it would add, as (bytes, predicted seconds saved per optimizer
+    # step), most saved per byte first -- a pass planning before it may free that memory for
+    # it ([Note: a memory trade] in passes/activation_budget.py)
+    memory_value: Callable[[PassContext], list[tuple[int, float]]] | None = None
     # the DeepSpeed setting it stands for in a DeepSpeed config (_config_io.py), e.g.
     # "zero_optimization.offload_optimizer"
     deepspeed: str | None = None

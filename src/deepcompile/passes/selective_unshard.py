@@ -244,7 +244,9 @@ def candidate(e, world_size: int) -> bool:
         and e.lowp is None
 
 
-def plan(ctx: PassContext) -> dict[str, Any]:
+def _planned(ctx: PassContext) -> tuple[list[Collective], list[dict[str, Any]], int, float]:
+    """(the collectives, every candidate's options, the profiled peak, the room the budget
+    leaves: budget − peak)."""
     graphs = {k: s.gm for k, s in ctx.slots.items()}
     colls = collectives_of(graphs, ctx.order,
                            frozenset(k for k, s in ctx.slots.items() if s.kind == "bw"))
@@ -258,10 +260,18 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
     peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
-    capacity = ctx.memory_budget - peak
-    choice = choose([[] if o["excluded"] else
-                     [o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
-                     for o in opts], capacity)
+    return colls, opts, peak, ctx.memory_budget - peak
+
+
+def _choices(o: dict[str, Any]) -> list[tuple[int, float]]:
+    return [] if o["excluded"] else \
+        [o["keep"]] + ([o["keep_accumulate"]] if o["keep_accumulate"] else [])
+
+
+def plan(ctx: PassContext) -> dict[str, Any]:
+    colls, opts, peak, capacity = _planned(ctx)
+    gas = ctx.runtime.step.gradient_accumulation_steps
+    choice = choose([_choices(o) for o in opts], capacity)
     chosen = [(o, k) for o, k in zip(opts, choice) if k is not None]
     keep, accumulate = [], []
     for o, k in chosen:
@@ -522,5 +532,24 @@ def spare_memory(m: SpareMemory) -> tuple[float, float]:
     return saved, used
 
 
+def memory_value(ctx: PassContext) -> list[tuple[int, float]]:
+    """What the pass would keep with memory beyond `budget − peak` ([Note: a memory trade] in
+    passes/activation_budget.py): each parameter's most valuable option, most saved per byte
+    first (the order a greedy fill takes them), less those that fit in the room there is now.
+    (bytes, predicted seconds saved per optimizer step) each."""
+    if ctx.memory_budget == float("inf") or ctx.cost is None:
+        return []
+    _, opts, _, capacity = _planned(ctx)
+    best = [max(c, key=lambda o: (o[1], -o[0])) for c in map(_choices, opts) if c]
+    ranked = sorted((o for o in best if o[1] > 0), key=lambda o: (-o[1] / max(o[0], 1), o[0]))
+    used, out = 0, []
+    for nbytes, saved in ranked:
+        if used + nbytes <= max(capacity, 0):
+            used += nbytes
+        else:
+            out.append((nbytes, saved))
+    return out
+
+
 register_pass("selective_unshard", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=10, choose=auto, spare_memory=spare_memory)
+              order=10, choose=auto, spare_memory=spare_memory, memory_value=memory_value)
