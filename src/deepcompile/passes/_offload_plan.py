@@ -44,8 +44,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import itertools
 from typing import Any, Callable
+
+import numpy as np
 
 from ..runtime import offload
 
@@ -425,17 +428,37 @@ def _take_masters(live: list[int], items: list[Item], chosen: list[GradItem], st
     lowers the peak (a master streamed through the step adds its bytes to the step's staging,
     which can cost the step more than it saves; `hosted`: the chunk steps on the host and
     needs no staging), until the peak is within `budget`. Returns the masters taken and the
-    curve with the step's peak last."""
+    curve with the step's peak last: `_all_state_off` with them, each candidate's curve and
+    step computed from the last by its own bytes (a model's thousands of chunks times its
+    thousands of points)."""
     gone: list[MasterItem] = []
     curve, step = _all_state_off(live, items, chosen, step_base, queue)
+    cur = np.asarray(curve, dtype=np.int64)
+    state_of = {i.chunk: i.nbytes for i in items}
+    flat = {g.chunk: g.flat_bytes for g in chosen}
+    staging = {c: state_of.get(c, 0) + flat.get(c, 0) for c in set(state_of) | set(flat)}
+    fixed = step_base - sum(g.nbytes for g in chosen)   # the step but its masters and staging
+    away = 0
+
+    def peak(c: np.ndarray, s: int) -> int:
+        return max(int(c.max()), s) if c.size else s
+
     for m in sorted(masters, key=lambda m: m.chunk):
-        if max(curve + [step]) <= budget:
+        now = peak(cur, step)
+        if now <= budget:
             break
-        c2, s2 = _all_state_off(live, items, chosen, step_base, queue, gone + [m], hosted)
-        if max(c2 + [s2]) < max(curve + [step]):
+        c2 = cur - (m.nbytes if m.per_point is None else np.asarray(m.per_point, dtype=np.int64))
+        st2 = dict(staging)
+        if m.chunk in st2:
+            if hosted:
+                del st2[m.chunk]
+            else:
+                st2[m.chunk] += m.master_bytes
+        s2 = fixed - away - m.nbytes + sum(heapq.nlargest(offload.LOOKAHEAD + 1, st2.values()))
+        if peak(c2, s2) < now:
             gone.append(m)
-            curve, step = c2, s2
-    return gone, curve + [step]
+            cur, step, staging, away = c2, s2, st2, away + m.nbytes
+    return gone, cur.tolist() + [step]
 
 
 def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
@@ -470,10 +493,11 @@ def _all_state_off(live: list[int], items: list[Item], chosen: list[GradItem],
     away = sum(m.nbytes for m in masters)   # at the step
     each = [m.per_point for m in masters if m.per_point is not None]
     flat_away = sum(m.nbytes for m in masters if m.per_point is None)
-    curve, saved = [], 0
-    for j in range(n):
-        saved += drop[j]
-        curve.append(live[j] - state - saved - flat_away - sum(p[j] for p in each))
+    curve_ = (np.asarray(live, dtype=np.int64) - state - flat_away
+              - np.cumsum(np.asarray(drop[:n], dtype=np.int64)))
+    if each:
+        curve_ -= np.asarray(each, dtype=np.int64).sum(axis=0)
+    curve = curve_.tolist()
     state_of = {i.chunk: i.nbytes for i in items}
     flat = {g.chunk: g.flat_bytes for g in chosen}
     master = {m.chunk: m.master_bytes for m in masters}

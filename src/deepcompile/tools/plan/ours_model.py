@@ -126,6 +126,23 @@ class GradLife:
     moves: dict[tuple[int, str], dict[int, int]] = dataclasses.field(default_factory=dict)
 
 
+class _Held(dict):
+    """Bytes held, by what holds them, and their sum as they change (read at every node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __setitem__(self, key: Any, nbytes: int) -> None:
+        self.total += nbytes - self.get(key, 0)
+        super().__setitem__(key, nbytes)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self.total -= self[key]
+        return super().pop(key, *default)
+
+
 @dataclasses.dataclass
 class Plan:
     s: Setting
@@ -280,7 +297,7 @@ class Plan:
             after.setdefault(b.start_after, []).append(("bstart", k, b))
             before.setdefault(b.wait_before, []).append(("bwait", k, b))
 
-        held: dict[Any, int] = {}
+        held = _Held()
         if key == "bw":   # groups the forward started for this graph are in flight
             for k, grp in enumerate(self.groups["bw"]):
                 if grp.prev_start is not None:
@@ -295,7 +312,7 @@ class Plan:
         lab = _labels(s.model, g)
 
         def live(i):   # bytes live now, with activations as after node i - 1
-            return base + act[i] + sum(held.values())
+            return base + act[i] + held.total
 
         def emit(kind, name, dur, host, ref, i, label, peak=None, nbytes=0, figure=""):
             lv = live(i)
