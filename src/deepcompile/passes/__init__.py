@@ -4,6 +4,8 @@ A pass has two halves so that a cached plan can be re-applied without profiling:
   plan(ctx)  -> decisions: a JSON-serializable dict, computed from the agreed profiles; it must
                 depend only on what `ctx` holds (the same on every rank), never on local timing;
   apply(ctx, decisions) -> the keys of the graph slots it changed (empty: nothing to do).
+Decisions holding "trade" ({"for": the pass queued next, ...}) free memory for that pass, and
+the two are judged together ([Note: a memory trade] in passes/activation_budget.py).
 A re-plan (the step drifted: compiler/drift.py) runs the kept passes again on the graphs as
 compiled ([Note: a re-plan starts over] in compiler/pass_manager.py): a pass never sees its
 own previous rewrite.
