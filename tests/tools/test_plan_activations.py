@@ -112,6 +112,24 @@ def _plan(**kw):
     return P.make_plan(args)
 
 
+def test_within_the_budget_it_frees_activations_for_parameters_kept_gathered(tiny):
+    """[Note: a memory trade] as the planner models it: named before selective_unshard, with
+    the peak within the budget and no room left, the activations it moves pay for parameters
+    kept gathered (none without them), by the runtime's rule; the plan stays within the budget;
+    with room for every parameter it trades nothing."""
+    peak = ours_passes.plan(setting(tiny, float("inf")), ()).peak()
+    pair = ("activation_budget", "selective_unshard")
+    alone = ours_passes.plan(setting(tiny, peak), ("selective_unshard",))
+    pl = ours_passes.plan(setting(tiny, peak), pair)
+    t = pl.decisions["activation_budget"]["trade"]
+    assert alone.decisions["selective_unshard"]["kept"] == 0
+    assert t["for"] == "selective_unshard" and t["freed_bytes"] > 0
+    assert t["value_s"] >= 2 * t["added_s"] > 0 and pl.acts
+    assert pl.decisions["selective_unshard"]["kept"] > 0 and pl.peak() <= peak
+    ample = ours_passes.plan(setting(tiny, 2 * peak), pair)
+    assert "trade" not in ample.decisions["activation_budget"] and ample.acts == []
+
+
 def test_llama_8b_at_seq_4096_fits_with_it_and_beats_full_checkpointing():
     plan = _plan(seq=4096, batch=4, passes=[(), ACTS])
     plain, acts = plan.rows()

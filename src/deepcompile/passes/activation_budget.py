@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -140,6 +140,29 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 TRADE_POINTS = 6
 
 
+def choose_trade(offers: list[tuple[int, float]], level: float,
+                 plan_at: Callable[[float], tuple[float, float, Any]]
+                 ) -> tuple[Any, int, float, float] | None:
+    """[Note: a memory trade], the rule alone (the runtime's pass and `deepcompile plan` both
+    use it): `offers` the next pass's `memory_value`, `level` the peak now, `plan_at(target)` ->
+    (the peak a plan to `target` reaches, the seconds it adds per optimizer step, the plan).
+    Returns (the plan, bytes freed, seconds the next pass saves with them, seconds added) for the
+    lowest target that pays, or None."""
+    upto = list(itertools.accumulate(nbytes for nbytes, _ in offers))
+    best = None
+    for k in sorted({max(1, round(len(offers) * i / TRADE_POINTS))
+                     for i in range(1, TRADE_POINTS + 1)}):
+        target = level - upto[k - 1]
+        if target <= 0:
+            break
+        reached, cost, planned = plan_at(target)
+        freed = int(level - reached)
+        value = sum(saved for (_, saved), total in zip(offers, upto) if total <= freed)
+        if freed > 0 and value >= SPLIT_MARGIN * cost:
+            best = (planned, freed, value, cost)
+    return best
+
+
 def _trade(ctx: PassContext) -> dict[str, Any]:
     buyer = ctx.queued[0] if ctx.queued else None
     value_of = get_pass(buyer).memory_value if buyer is not None else None
@@ -148,29 +171,28 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
         return {}
     peaks = {k: p.peak_bytes for k, p in ctx.profiles.items()}
     level = max(peaks.values(), default=0)
-    upto = list(itertools.accumulate(nbytes for nbytes, _ in offers))
-    best: tuple[dict, int, float, float] | None = None
-    for k in sorted({max(1, round(len(offers) * i / TRADE_POINTS))
-                     for i in range(1, TRADE_POINTS + 1)}):
-        target = level - upto[k - 1]
-        if target <= 0:
-            break
+
+    def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
         d = _plan_at(ctx, target)
         planned = {key for pd in d.values() for key in (pd["fw"], pd["bw"])}
         reached = max([pd["peak_after"] for pd in d.values()]
                       + [p for key, p in peaks.items() if key not in planned], default=0)
-        freed = level - reached
-        value = sum(saved for (_, saved), total in zip(offers, upto) if total <= freed)
-        cost = sum(pd["added_s"] * ctx.order.count(pd["fw"]) for pd in d.values())
-        if freed > 0 and value >= SPLIT_MARGIN * cost:
-            best = (d, freed, value, cost)
+        return reached, sum(pd["added_s"] * ctx.order.count(pd["fw"]) for pd in d.values()), d
+
+    best = choose_trade(offers, level, plan_at)
     if best is None:
         return {}
     decisions, freed, value, cost = best
-    decisions["trade"] = {"for": buyer, "freed_bytes": int(freed), "peak_before": int(level),
-                          "added_s": cost, "value_s": value, "offers": len(offers)}
+    decisions["trade"] = trade_record(buyer, freed, level, cost, value, len(offers))
     log.info("deepcompile activation_budget: %s", _trade_line(decisions["trade"]))
     return decisions
+
+
+def trade_record(buyer: str, freed: int, level: float, cost: float, value: float,
+                 offers: int) -> dict[str, Any]:
+    """What a trade's decisions say of it (the report prints `_trade_line`)."""
+    return {"for": buyer, "freed_bytes": int(freed), "peak_before": int(level),
+            "added_s": cost, "value_s": value, "offers": offers}
 
 
 def _trade_line(t: dict[str, Any]) -> str:

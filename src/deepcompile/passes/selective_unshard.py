@@ -534,12 +534,17 @@ def spare_memory(m: SpareMemory) -> tuple[float, float]:
 
 def memory_value(ctx: PassContext) -> list[tuple[int, float]]:
     """What the pass would keep with memory beyond `budget − peak` ([Note: a memory trade] in
-    passes/activation_budget.py): each parameter's most valuable option, most saved per byte
-    first (the order a greedy fill takes them), less those that fit in the room there is now.
-    (bytes, predicted seconds saved per optimizer step) each."""
+    passes/activation_budget.py): `offers` of its options."""
     if ctx.memory_budget == float("inf") or ctx.cost is None:
         return []
     _, opts, _, capacity = _planned(ctx)
+    return offers(opts, capacity)
+
+
+def offers(opts: list[dict[str, Any]], capacity: float) -> list[tuple[int, float]]:
+    """Each parameter's most valuable option, most saved per byte first (the order a greedy
+    fill takes them), less those that fit in `capacity` bytes: (bytes, predicted seconds saved
+    per optimizer step) each."""
     best = [max(c, key=lambda o: (o[1], -o[0])) for c in map(_choices, opts) if c]
     ranked = sorted((o for o in best if o[1] > 0), key=lambda o: (-o[1] / max(o[0], 1), o[0]))
     used, out = 0, []

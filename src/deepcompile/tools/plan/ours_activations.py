@@ -130,8 +130,9 @@ def _nbytes(val) -> int:
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
-def plan_activations(plan: Plan) -> dict[str, Any]:
-    """The pass's decisions on the plan so far (the module docstring), applied to `plan.acts`."""
+def plan_activations(plan: Plan, target: float | None = None) -> dict[str, Any]:
+    """The pass's decisions on the plan so far (the module docstring), applied to `plan.acts`;
+    `target`: the peak to plan to, below the budget (a trade: `ours_passes`), else the budget."""
     s = plan.s
     if s.budget == float("inf"):
         return {"skipped": "memory budget unbounded: every saved activation stays"}
@@ -145,7 +146,8 @@ def plan_activations(plan: Plan) -> dict[str, Any]:
             for c in cands]
     busy = tuple(("bw", bw_step[after], sec) for after, _, sec in plan.reloads
                  if after in bw_step)   # the optimizer offload's state reloads
-    d = activation_budget.plan_pair(fw_steps, bw_steps, acts, s.budget, s.planner_cost.copy_s,
+    d = activation_budget.plan_pair(fw_steps, bw_steps, acts,
+                                    s.budget if target is None else target, s.planner_cost.copy_s,
                                     overlap=not s.host_is_compute, lane_busy=busy)
     node_at, node = [], -1   # per backward step: the last node at or before it
     for it in bw_items:

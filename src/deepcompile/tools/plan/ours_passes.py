@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...passes import (bucket_reduce, offload_optimizer, overlap_refresh, prefetch,
-                       selective_unshard)
+from ...passes import (activation_budget, bucket_reduce, offload_optimizer, overlap_refresh,
+                       prefetch, selective_unshard)
 from ...passes._common import Step
 from ...runtime import flat, offload, regather
 from ...runtime import kept as _kept
@@ -173,7 +173,9 @@ class _Entry:   # what `kept.refresh_groups` reads of a registry entry
     compute_dtype: Any
 
 
-def _selective_unshard(plan: Plan) -> dict[str, Any]:
+def _unshard_options(plan: Plan) -> tuple[list, list[dict[str, Any]], int, float]:
+    """(selective_unshard's collectives, its options per parameter, the peak, the room the
+    budget leaves), on the plan so far."""
     s = plan.s
     params = s.model.params
     colls: list[selective_unshard.Collective] = []
@@ -203,7 +205,13 @@ def _selective_unshard(plan: Plan) -> dict[str, Any]:
              for p in params if p.pid in used and s.stage == 3]
     opts = selective_unshard.options_of(cands, colls, s.planner_cost, s.gas, set())
     peak = plan.peak()
-    capacity = s.budget - peak
+    return colls, opts, peak, s.budget - peak
+
+
+def _selective_unshard(plan: Plan) -> dict[str, Any]:
+    s = plan.s
+    params = s.model.params
+    colls, opts, peak, capacity = _unshard_options(plan)
     forced = (s.replay or {}).get("selective_unshard")
     if forced is None:
         choice = selective_unshard.choose(
@@ -415,9 +423,37 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         pl.accumulated = set()
     if "offload_optimizer" in passes:
         pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
-    for name in passes:
-        pl.decisions[name] = _RUN[name](pl)
+    for i, name in enumerate(passes):
+        if name == "activation_budget" and passes[i + 1:i + 2] == ("selective_unshard",):
+            pl.decisions[name] = _activations_traded(pl)
+        else:
+            pl.decisions[name] = _RUN[name](pl)
     return pl
+
+
+def _activations_traded(plan: Plan) -> dict[str, Any]:
+    """`activation_budget` before `selective_unshard`: within the budget, the activations it
+    frees for the parameters kept gathered where those save twice what they cost, by the rule
+    the runtime's pass applies ([Note: a memory trade] in passes/activation_budget.py)."""
+    d = plan_activations(plan)
+    if "skipped" in d or d["peak_before"] > d["budget_bytes"]:
+        return d
+    _, opts, level, capacity = _unshard_options(plan)
+    offers = selective_unshard.offers(opts, capacity)
+
+    def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
+        planned = plan_activations(plan, target)
+        return plan.peak(), planned["added_s"] * plan.s.gas, planned
+
+    best = activation_budget.choose_trade(offers, level, plan_at) if offers else None
+    if best is None:
+        plan_activations(plan)   # the plan to the budget: nothing moved
+        return d
+    traded, freed, value, cost = best
+    traded = plan_activations(plan, traded["budget_bytes"])   # its moves, in `plan.acts`
+    traded["trade"] = activation_budget.trade_record("selective_unshard", freed, level, cost,
+                                                     value, len(offers))
+    return traded
 
 
 def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:

@@ -136,7 +136,11 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
     if name == "activation_budget":
         if d["peak_before"] <= d["budget_bytes"]:
             return f"nothing moved: peak {gb(d['peak_before'])} within the budget"
-        return (f"peak {gb(d['peak_before'])} -> {gb(d['peak_after'])}"
+        t = d.get("trade")
+        traded = (f"traded: freed {gb(t['freed_bytes'])} below the peak for {t['for']} "
+                  f"(+{t['added_s'] * 1e3:.1f} ms a step predicted, for {t['value_s'] * 1e3:.1f} "
+                  "ms it saves with it); ") if t else ""
+        return (traded + f"peak {gb(d['peak_before'])} -> {gb(d['peak_after'])}"
                 + (" (unattainable: the lowest the pass reaches)" if d["unattainable"] else "")
                 + f"; of {d['candidates']} saved values ({gb(d['candidate_bytes'])}) "
                 f"{d['recomputed']} recomputed ({gb(d['recomputed_bytes'])}, "
