@@ -118,7 +118,6 @@ def assemble(engine: Any, optimizer: OptimizerFactory, group: dist.ProcessGroup 
     """Builds the parts of `engine` (an `Engine` holding `config` and `module`), each after
     what it depends on, and sets them as the engine's attributes."""
     config, module = engine.config, engine.module
-    _free_engines_at_exit()
     engine.device = device = _model_device(module)
     _check_backend(device, dist.get_backend(group))
     engine._comm = comm = Comm(group)
@@ -205,25 +204,19 @@ def assemble(engine: Any, optimizer: OptimizerFactory, group: dist.ProcessGroup 
 
 
 # [Note: engines freed before finalization] An engine is a cycle of objects: one its user no
-# longer references (a local of a script's `main`) is freed by the garbage collector, and with
-# no collection before the script ends, that is during the interpreter's finalization. Its own
-# gloo groups (the collectives', the check's, the eager gathers') would be destroyed there,
-# their worker threads joined by an interpreter that is being torn down: where torch documents
+# longer references (a local of a script's `main`) is freed by the garbage collector, and with no
+# collection before the script ends, that is during the interpreter's finalization. Its own gloo
+# groups (the collectives', the check's, the eager gathers') would be destroyed there, their
+# worker threads joined by an interpreter that is being torn down: where torch documents
 # destroying every process group before exit, because groups destroyed in finalization can abort
 # the process ("terminate called without an active exception") after a run that finished.
 # `dist.destroy_process_group()` unregisters the engine's groups but cannot free them while the
-# engine holds them. One collection at exit, registered before any engine exists (so it runs
-# after every engine's own exit work, e.g. the wait for a pending refresh), frees such engines
-# while the interpreter is whole. An engine still referenced then (a module global) is freed as
-# before. (The default group: [Note: the default group kept by an import] in __init__.py.)
-_EXIT_COLLECT = False
-
-
-def _free_engines_at_exit() -> None:
-    global _EXIT_COLLECT
-    if not _EXIT_COLLECT:
-        atexit.register(gc.collect)
-        _EXIT_COLLECT = True
+# engine holds them. One collection at exit, registered when this module is imported, before any
+# engine exists (so it runs after every engine's own exit work, e.g. the wait for a pending
+# refresh), frees such engines while the interpreter is whole. An engine still referenced then (a
+# module global) is freed as before. The default group:
+# [Note: the default group kept by an import] in __init__.py.
+atexit.register(gc.collect)
 
 
 def _loss_scaler(config: Config, comm: Comm, device: torch.device) -> LossScaler | None:

@@ -189,39 +189,28 @@ class PassManager:
         entry["verdict"] = "changed no graph"
         self.log(entry)
 
-    def judge(self, entry: dict[str, Any], budget: float) -> bool:
-        """Keep or revert `entry`'s pass (its `before`/`after` filled in); returns kept."""
+    def judge(self, entry: dict[str, Any], budget: float, trade: dict[str, Any] | None = None
+              ) -> bool:
+        """Keep or revert `entry`'s pass (its `before`/`after` filled in); returns kept. With
+        `trade`, the pass that freed memory for it, the two together ([Note: a memory trade] in
+        passes/activation_budget.py; `entry["before"]` is then the step before the trade)."""
         keep, why = autoplan.verdict(entry["before"], entry["after"], budget)
         entry["kept"], entry["verdict"] = keep, why
+        if not keep:
+            self.revert(entry)
+        if trade is not None:
+            trade["verdict"] = f"{'kept' if keep else 'reverted'} with {entry['pass']}: {why}"
+            self.close(trade, keep)
+        self.close(entry, True)
+        return keep
+
+    def close(self, entry: dict[str, Any], keep: bool) -> None:
+        """`entry`'s pass decided: reverted unless `keep`, its snapshot dropped, logged."""
+        entry["kept"] = entry["kept"] and keep
         if not keep:
             self.revert(entry)
         self._snapshots.pop(id(entry), None)
         self.log(entry)
-        return keep
-
-    def judge_trade(self, trade: dict[str, Any], entry: dict[str, Any], budget: float) -> bool:
-        """Keep or revert `entry`'s pass together with `trade`, the pass that freed memory for it
-        ([Note: a memory trade] in passes/activation_budget.py): `entry["before"]` is the step
-        before the trade. Returns kept."""
-        keep, why = autoplan.verdict(entry["before"], entry["after"], budget)
-        entry["kept"], entry["verdict"] = keep, why
-        trade["kept"] = keep
-        trade["verdict"] = f"{'kept' if keep else 'reverted'} with {entry['pass']}: {why}"
-        if not keep:
-            self.revert(entry)
-            self.revert(trade)
-        for e in (trade, entry):
-            self._snapshots.pop(id(e), None)
-        self.log(trade)
-        self.log(entry)
-        return keep
-
-    def drop_trade(self, trade: dict[str, Any], why: str) -> None:
-        """Revert `trade`: the memory it freed bought nothing."""
-        trade["kept"], trade["verdict"] = False, why
-        self.revert(trade)
-        self._snapshots.pop(id(trade), None)
-        self.log(trade)
 
     def revert(self, entry: dict[str, Any]) -> None:
         snap = self._snapshots[id(entry)]

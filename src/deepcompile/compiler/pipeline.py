@@ -373,27 +373,21 @@ class Pipeline:
 
     def _judge(self, entry: dict) -> bool:
         self._awaiting = None
+        trade, before = None, self._before_pass
         if entry.get("traded"):
             (trade, before), self._trade = self._trade, None
-            kept = self.passes.judge_trade(trade, entry, self.memory_budget)
-        else:
-            before = self._before_pass
-            kept = self.passes.judge(entry, self.memory_budget)
+        kept = self.passes.judge(entry, self.memory_budget, trade)
         if not kept:
             self.runner.forget_profile(before)
         return kept
 
-    def _with_trade(self, entry: dict) -> None:
-        """`entry`'s pass starts after a trade ([Note: a memory trade]): judged together from the
-        step before the trade, or the trade is reverted at once when the pass changed nothing."""
-        trade, before = self._trade
-        if entry["pass"] != trade["decisions"]["trade"]["for"] or not entry["changed"]:
-            self._trade = None
-            self.passes.drop_trade(trade, f"reverted: {entry['pass']} changed nothing with the "
-                                          "memory it freed")
-            self.runner.forget_profile(before)
-            return
-        entry["traded"], entry["before"] = True, trade["before"]
+    def _drop_trade(self, why: str) -> None:
+        """Revert the trade waiting for its pass ([Note: a memory trade]): the memory it freed
+        buys nothing."""
+        (trade, before), self._trade = self._trade, None
+        trade["verdict"] = why
+        self.passes.close(trade, False)
+        self.runner.forget_profile(before)
 
     def _next_pass(self) -> None:
         """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
@@ -405,10 +399,16 @@ class Pipeline:
                     zero_stage=self.registry.zero_stage, warmup_steps=self.config.warmup_steps)):
             # what the profiles before this pass saw (restored if it is reverted: _judge)
             before = self.runner.drift_marks()
-            entry = self.passes.start(self.passes.queue.pop(0))
+            name = self.passes.queue.pop(0)
+            if self._trade is not None and name != self._trade[0]["decisions"]["trade"]["for"]:
+                self._drop_trade(f"reverted: {name} plans next, not the pass it freed memory for")
+            entry = self.passes.start(name)
             self._before_pass = before
-            if self._trade is not None:
-                self._with_trade(entry)
+            if self._trade is not None:   # judged with the trade, from the step before it
+                if entry["changed"]:
+                    entry["traded"], entry["before"] = True, self._trade[0]["before"]
+                else:
+                    self._drop_trade(f"reverted: {name} changed nothing with the memory it freed")
             if self._replanning is not None:
                 entry["replan"] = self._replanning
             agree_decisions(self.comm, entry["pass"], entry["decisions"])   # before any graph runs
@@ -418,11 +418,8 @@ class Pipeline:
                 self._enter(Phase.PROFILE, f"after {entry['pass']}")
                 return
             self.passes.unchanged(entry)
-        if self._trade is not None:   # the pass it freed memory for did not run
-            trade, before = self._trade
-            self._trade = None
-            self.passes.drop_trade(trade, "reverted: the pass it freed memory for did not run")
-            self.runner.forget_profile(before)
+        if self._trade is not None:
+            self._drop_trade("reverted: the pass it freed memory for did not run")
         self.timings["passes_s"] += time.perf_counter() - t0
         if self.config.cache_dir is not None and not self.replans:   # a cached plan is the first
             self.cache.store({**self._record(),
