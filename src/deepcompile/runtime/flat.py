@@ -16,10 +16,11 @@ built over the chunks, one parameter group per facade group with the facade grou
 hyperparameters (weight-decay groups keep their meaning: a chunk never mixes groups). The
 update of every element depends only on that element and on per-group scalars, so stepping a
 chunk is stepping its shards: bitwise the same for the same implementation where it rounds an
-element alike wherever the element sits in its tensor (torch's Adam and AdamW, single-tensor,
-foreach and fused; on the CPU fused SGD with momentum rounds a tensor's last few elements its
-own way). Where the user left the implementation open (`foreach`
-and `fused` unset) and the class has one, the inner optimizer uses torch's fused kernel: one
+element alike wherever the element sits in its tensor (torch's Adam and AdamW, single-tensor
+and foreach). The CPU's fused kernels round a tensor's last partial vector (its scalar tail)
+their own way, so there a flat fused step matches per-parameter fused steps to an ulp: SGD with
+momentum always, Adam and AdamW where torch runs its AVX2 kernels. Where the user left the
+implementation open (`foreach` and `fused` unset) and the class has one, the inner optimizer uses torch's fused kernel: one
 pass over each chunk's master, gradient and state (the multi-tensor default makes ~8 passes
 over hundreds of tensors; on the CPU torch's default is the single-tensor loop, so the fused
 kernel rounds differently from an eager run there). An implementation the user chose
