@@ -20,10 +20,10 @@ element alike wherever the element sits in its tensor (torch's Adam and AdamW, s
 and foreach). The CPU's fused kernels round a tensor's last partial vector (its scalar tail)
 their own way, so there a flat fused step matches per-parameter fused steps to an ulp: SGD with
 momentum always, Adam and AdamW where torch runs its AVX2 kernels. Where the user left the
-implementation open (`foreach` and `fused` unset) and the class has one, the inner optimizer uses torch's fused kernel: one
-pass over each chunk's master, gradient and state (the multi-tensor default makes ~8 passes
-over hundreds of tensors; on the CPU torch's default is the single-tensor loop, so the fused
-kernel rounds differently from an eager run there). An implementation the user chose
+implementation open (`foreach` and `fused` unset) and the class has one, the inner optimizer
+uses torch's fused kernel: one pass over each chunk's master, gradient and state (the
+multi-tensor default makes ~8 passes over hundreds of tensors; on the CPU torch's default is
+the single-tensor loop, so the fused kernel rounds differently from an eager run there). An implementation the user chose
 (`foreach=False`, `foreach=True` or `fused=...`) is the inner optimizer's. Per step the engine:
   * folds the shards' gradients (accumulated by autograd, one tensor per shard) into each
     chunk's flat gradient (`fold_grads`: one `_foreach_copy_` per chunk; the shards'
