@@ -23,8 +23,9 @@ momentum always, Adam and AdamW where torch runs its AVX2 kernels. Where the use
 implementation open (`foreach` and `fused` unset) and the class has one, the inner optimizer
 uses torch's fused kernel: one pass over each chunk's master, gradient and state (the
 multi-tensor default makes ~8 passes over hundreds of tensors; on the CPU torch's default is
-the single-tensor loop, so the fused kernel rounds differently from an eager run there). An implementation the user chose
-(`foreach=False`, `foreach=True` or `fused=...`) is the inner optimizer's. Per step the engine:
+the single-tensor loop, so the fused kernel rounds differently from an eager run there). An
+implementation the user chose (`foreach=False`, `foreach=True` or `fused=...`) is the inner
+optimizer's. Per step the engine:
   * folds the shards' gradients (accumulated by autograd, one tensor per shard) into each
     chunk's flat gradient (`fold_grads`: one `_foreach_copy_` per chunk; the shards'
     `.grad` are dropped in C, `map(setattr, ...)`), whose storage exists only during the step;
