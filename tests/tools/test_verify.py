@@ -283,7 +283,7 @@ def test_the_optimizer_implementation_chosen_trains_bitwise_as_eager(request, na
     print(f"\n{res}")
     want = IMPLEMENTATIONS[name][1]
     assert {k: res.implementation.get(k) for k in want} == want, res.implementation
-    assert res.rtol == 0.0
+    assert res.rtol == 0.0 and res.error is None and len(res.steps) == 3, str(res)
     if _rounds_by_position(IMPLEMENTATIONS[name][0]):
         # the kernel itself steps a parameter differently inside a flat buffer: equal to its
         # rounding (a few ulp of fp32), not bitwise
