@@ -14,8 +14,9 @@
   reach says so with the lowest peak; with every pass chosen by `auto` under a tight budget;
   with the model's own activation checkpointing, without recomputing anything twice; within
   the budget, activations freed for selective_unshard where the parameters it keeps gathered
-  save more (a memory trade), judged with it, alike on every rank and in another launch, and
-  nothing traded with ample memory.
+  save more (a memory trade), judged with it, alike on every rank and in another launch, chosen
+  by `auto` where the room left cannot keep every parameter, and nothing traded with ample
+  memory.
 """
 
 from __future__ import annotations
@@ -381,6 +382,9 @@ JOBS = Jobs({
                 _sc("llama", 560_000, 2, passes=("selective_unshard",), tag="-unshard", steps=6),
                 _sc("llama", 560_000, 2, passes=TRADE, tag="-trade", steps=6),
                 _sc("llama", 2_000_000, 2, passes=TRADE, tag="-trade-ample", steps=6),
+                # auto: the optimizer state counts in the peak (675.7 KiB); 800,000 B leaves
+                # 105.6 KiB, not enough for every parameter and its accumulator (209.2 KiB)
+                _sc("llama", 800_000, 2, passes="auto", tag="-auto-trade", steps=8),
                 _sc("llama", 560_000, 2, passes=TRADE, tag="-trade-timed", steps=8,
                     measure_steps=2),
                 # offload_optimizer named: the optimizer state counts in the peak (571.1 KiB)
@@ -500,6 +504,24 @@ def test_a_second_launch_trades_the_same():
     _, _, first = _trade_runs("-trade")
     _, _, again = _trade_runs("-trade-again")
     assert _traded(first[0]) == _traded(again[0])
+
+
+def test_auto_chooses_the_trade():
+    """`passes="auto"` with some room under the budget, not enough for every parameter kept
+    gathered: activation_budget is chosen before selective_unshard, trades, and what
+    selective_unshard keeps takes more than the room there was before the trade; as eager."""
+    sc, results, logs = _trade_runs("-auto-trade")
+    compare_to_reference(sc, results, kind="activation_budget trade (auto)")
+    log = logs[0]
+    print("\n" + "\n".join(f"[trade auto] {n}: {e['verdict']}: {e['summary'][:1]}"
+                            for n, e in log.items()))
+    assert list(log)[:2] == ["activation_budget", "selective_unshard"], list(log)
+    act, kept = log["activation_budget"], log["selective_unshard"]
+    assert act["summary"][0].startswith("traded: freed") and act["kept"] and kept["kept"]
+    d = kept["decisions"]
+    room = sc["config"]["memory_budget"] - act["before"]["peak_bytes"]
+    assert d["kept_bytes"] + d["accumulator_bytes"] > room > 0
+    assert len({repr({n: e["decisions"] for n, e in lg.items()}) for lg in logs}) == 1
 
 
 def test_with_ample_memory_nothing_is_traded():

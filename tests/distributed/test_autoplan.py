@@ -74,7 +74,7 @@ def test_verdict_reverts_only_what_is_worse_with_confidence():
 
 # ------------------------------------------------------------------------------- pure: choose
 def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak: int,
-         movable=(), step_bytes=0, compute_dtype=torch.float32, trainable=False):
+         movable=(), step_bytes=0, compute_dtype=torch.float32, trainable=False, gas=1):
     from deepcompile.passes import PassContext
     from deepcompile.runtime import ops
 
@@ -91,9 +91,12 @@ def _ctx(zero_stage_gathers: int, reduces: int, world: int, budget: float, peak:
     return PassContext(slots={"g0.fw": slot}, profiles={"g0.fw": prof}, order=["g0.fw"],
                        registry=[types.SimpleNamespace(
                            zero_stage=3, compute_dtype=compute_dtype, lowp=None, padded_numel=2,
-                           shard=torch.zeros(2, requires_grad=trainable))
+                           numel=2, shard=torch.zeros(2, requires_grad=trainable))
                                  for _ in range(zero_stage_gathers)],
-                       runtime=types.SimpleNamespace(offload=store), cost=None,
+                       runtime=types.SimpleNamespace(
+                           offload=store,
+                           step=types.SimpleNamespace(gradient_accumulation_steps=gas)),
+                       cost=None,
                        memory_budget=budget, world_size=world, decisions={})
 
 
@@ -126,6 +129,18 @@ def test_choose_reads_stage_world_collectives_and_budget():
     chosen, _ = choose(_ctx(4, 4, 1, 100.0, 100, compute_dtype=torch.bfloat16), zero_stage=3,
                        warmup_steps=2)
     assert names(chosen) == []
+    # memory left, not enough to keep every parameter gathered (4 x 8 B; with gradient
+    # accumulation 4 x 16 B): activations may be freed for selective_unshard (a memory trade);
+    # with room for all of them, not
+    chosen, out = choose(_ctx(4, 4, 2, 120.0, 100), zero_stage=3, warmup_steps=2)
+    assert names(chosen) == ["activation_budget", "selective_unshard", "prefetch",
+                             "bucket_reduce"]
+    assert "freed for selective_unshard" in chosen[0].reason
+    chosen, out = choose(_ctx(4, 4, 2, 140.0, 100), zero_stage=3, warmup_steps=2)
+    assert names(chosen) == ["selective_unshard", "prefetch", "bucket_reduce"]
+    assert "room for every parameter" in {c.name: c.reason for c in out}["activation_budget"]
+    chosen, out = choose(_ctx(4, 4, 2, 140.0, 100, gas=2), zero_stage=3, warmup_steps=2)
+    assert names(chosen)[:2] == ["activation_budget", "selective_unshard"]
     # no memory left under the budget: nothing kept gathered
     chosen, out = choose(_ctx(4, 4, 2, 100.0, 100), zero_stage=3, warmup_steps=2)
     assert names(chosen) == ["prefetch", "bucket_reduce"]

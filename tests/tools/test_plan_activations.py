@@ -128,6 +128,18 @@ def test_within_the_budget_it_frees_activations_for_parameters_kept_gathered(tin
     assert pl.decisions["selective_unshard"]["kept"] > 0 and pl.peak() <= peak
     ample = ours_passes.plan(setting(tiny, 2 * peak), pair)
     assert "trade" not in ample.decisions["activation_budget"] and ample.acts == []
+    # `passes="auto"` chooses the pair where some room is left but not enough for every
+    # parameter, and neither pass where there is none; with room for all, no trade
+    gathered = sum(setting(tiny, peak).full_bytes(p) for p in tiny.params)   # gas 1
+    chosen, left = ours_passes.auto_choice(setting(tiny, peak + gathered / 4))
+    assert chosen[:2] == list(pair), (chosen, left)
+    auto = ours_passes.plan(setting(tiny, peak + gathered / 4), tuple(chosen))
+    assert auto.decisions["activation_budget"]["trade"]["freed_bytes"] > 0
+    chosen, left = ours_passes.auto_choice(setting(tiny, peak + 2 * gathered))
+    assert "activation_budget" not in chosen and "selective_unshard" in chosen
+    assert "room for every parameter gathered" in left["activation_budget"]
+    chosen, left = ours_passes.auto_choice(setting(tiny, peak))
+    assert not {"activation_budget", "selective_unshard"} & set(chosen)
 
 
 def test_llama_8b_at_seq_4096_fits_with_it_and_beats_full_checkpointing():

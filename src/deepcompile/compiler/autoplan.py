@@ -14,7 +14,10 @@ for the model it simulates and asks the same passes. The built-in ones:
 * `activation_budget` next, when the budget is bounded and a profiled peak still exceeds it: the
   values the backward saves are recomputed or offloaded where that is cheapest per byte
   (passes/activation_budget.py), after `offload_optimizer` (which plans on a step whose peak
-  counts the state) and before the passes that spend memory left under the budget;
+  counts the state) and before the passes that spend memory left under the budget; also within
+  the budget when a pass chosen after it says what more memory is worth to it (`memory_value`)
+  and the room left cannot keep every parameter gathered: it then frees activations for that
+  pass only where that pays ([Note: a memory trade] in passes/activation_budget.py);
 * `selective_unshard` next (ZeRO-3, more than one rank, memory left under the budget): keeping a
   parameter gathered removes whole collectives, and planned before `prefetch` it values every
   gather at the cost of its own collective (after `prefetch` it would see a share of a fused one);
@@ -72,6 +75,8 @@ from ..passes import Facts, get_pass, known_passes
 from ..passes._common import SPLIT_MARGIN  # noqa: F401  (documented here)
 from ..passes._common import mib as _mib
 from ..runtime import ops
+from ..runtime.accumulators import accumulator_bytes
+from ..runtime.kept import kept_bytes
 
 TIME_MARGIN = 0.03     # a pass is slower when its median step is > 3% slower (and see verdict)
 
@@ -116,7 +121,11 @@ def facts(ctx, *, zero_stage: int, warmup_steps: int, late: bool = False) -> Fac
                      "elementwise torch.optim optimizer): its state cannot be offloaded")
     replicas = 0 if zero_stage == 3 or ctx.world_size == 1 else sum(
         e.padded_numel * e.compute_dtype.itemsize for e in ctx.registry if e.shard.requires_grad)
+    accumulate = ctx.runtime.step.gradient_accumulation_steps > 1
+    keep_all = sum(kept_bytes(e) + (accumulator_bytes(e) if accumulate else 0)
+                   for e in ctx.registry if e.zero_stage == 3)
     return Facts(world_size=ctx.world_size, zero_stage=zero_stage, replica_bytes=replicas,
+                 keep_all_bytes=keep_all,
                  memory_budget=ctx.memory_budget,
                  peak_bytes=max((p.peak_bytes for p in ctx.profiles.values()), default=0),
                  gathers=gathers, reduces=reduces, casts=casts, step_bytes=step_bytes,

@@ -62,7 +62,7 @@ from ..runtime import ops
 from ._activation_graph import _flops, _readers, _root, analyse, recompute_chain  # noqa: F401
 from ._activation_plan import HOST_OP_S, Activation, lane_stall, options, plan_pair  # noqa: F401
 from ._common import SPLIT_MARGIN, Step, mib, size, steps_of, top
-from .context import Facts, PassContext, get_pass, register_pass
+from .context import Facts, PassContext, get_pass, known_passes, register_pass
 
 log = logging.getLogger("deepcompile")
 
@@ -138,6 +138,7 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 # Over the budget, the pass plans to the budget and trades nothing; with an unbounded budget
 # it plans nothing.
 TRADE_POINTS = 6
+ORDER = 5   # before the passes it may free memory for
 
 
 def choose_trade(offers: list[tuple[int, float]], level: float,
@@ -369,15 +370,30 @@ def summary(decisions: dict[str, Any]) -> list[str]:
 
 def auto(f: Facts) -> tuple[bool, str]:
     """`passes="auto"`: after `offload_optimizer` (which plans on a step whose peak activations
-    it leaves alone), when the budget is bounded and a profiled peak still exceeds it."""
+    it leaves alone), when the budget is bounded and a profiled peak still exceeds it; within
+    the budget, when a pass chosen after it says what more memory is worth to it
+    (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
+    (with room for all of them, more memory is worth nothing): the pass then frees activations
+    for it only where that pays ([Note: a memory trade])."""
     if f.memory_budget == float("inf"):
         return False, "memory budget unbounded: every saved activation stays"
     if f.peak_bytes <= f.memory_budget:
-        return False, (f"profiled peak {mib(f.peak_bytes)} within the budget "
-                       f"{mib(f.memory_budget)}: every saved activation stays")
+        within = (f"profiled peak {mib(f.peak_bytes)} within the budget "
+                  f"{mib(f.memory_budget)}")
+        if f.memory_budget - f.peak_bytes >= f.keep_all_bytes:
+            return False, (f"{within}, with room for every parameter gathered: every saved "
+                           "activation stays")
+        buyers = [p.name for p in map(get_pass, known_passes())
+                  if p.memory_value is not None and p.choose is not None and p.order > ORDER
+                  and p.choose(f)[0]]
+        if not buyers:
+            return False, f"{within}: every saved activation stays"
+        return True, (f"{within}: activations are freed for {', '.join(buyers)} where the time "
+                      f"it predicts to save with them is at least {SPLIT_MARGIN:g}x the time "
+                      "they add")
     return True, (f"profiled peak {mib(f.peak_bytes)} over the budget {mib(f.memory_budget)}: "
                   "the saved activations that are cheapest per byte are recomputed or offloaded")
 
 
 register_pass("activation_budget", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=5, choose=auto, needs={"host_memory"})
+              order=ORDER, choose=auto, needs={"host_memory"})

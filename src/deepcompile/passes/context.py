@@ -56,6 +56,9 @@ class Facts:
     casts: int = 0                # world size 1: parameters whose gather casts their shard
     replica_bytes: float = 0      # ZeRO-1/2, several ranks: the trainable replicas' bytes (what
                                   # the refresh after each optimizer step all-gathers)
+    keep_all_bytes: float = 0     # ZeRO-3: what keeping every parameter gathered takes (its
+                                  # bytes in the compute dtype, with gradient accumulation its
+                                  # full-size accumulator too)
     step_bytes: float | None = None   # the optimizer step with all its state on the device;
                                       # None: no state can move (`unmovable` says why)
     unmovable: str = "no movable optimizer state"

@@ -477,7 +477,10 @@ def auto_choice(s: Setting) -> tuple[list[str], dict[str, str]]:
                   casts=n if s.world == 1 and s.stage == 3 and s.csize < MASTER_BYTES else 0,
                   step_bytes=(MASTER_BYTES + GRAD_SHARD_BYTES + ADAM_BYTES) * elems + work,
                   replica_bytes=sum(s.gather_bytes(p) for p in s.model.params)
-                  if s.stage < 3 and s.world > 1 else 0)
+                  if s.stage < 3 and s.world > 1 else 0,
+                  keep_all_bytes=sum(s.full_bytes(p) + (s.padded(p) * MASTER_BYTES
+                                                        if s.gas > 1 else 0)
+                                     for p in s.model.params) if s.stage == 3 else 0)
     chosen, out = autoplan.choose(facts)
     left = {c.name: c.reason for c in out}
     left.update({c.name: f"chosen ({c.reason}), but not modelled by this planner"
