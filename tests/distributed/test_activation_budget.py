@@ -459,8 +459,9 @@ def test_auto_trades_activations_with_the_other_passes():
 
 # ------------------------------------------------- a memory trade (within the budget)
 def _trade_runs(tag: str) -> tuple[dict, list[dict], list[dict[str, dict]]]:
+    """The 2-rank Llama scenario made with `tag`, its results and each rank's passes."""
     ((job, sc),) = [(job, s) for job, (_, scs) in JOBS.jobs.items() for s in scs
-                    if s["id"].endswith(tag)]
+                    if s["id"] == f"llama-fx-w2{tag}"]
     results = JOBS.results(job, sc["id"])
     return sc, results, [{e["pass"]: e for e in r["report"]["passes"]} for r in results]
 

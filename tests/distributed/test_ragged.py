@@ -134,7 +134,9 @@ def _ragged_job(rank, world, configs):
         out[name] = {"losses": losses, "evals": evals, "state": engine.full_state_dict(), "comm": comm,
                      "phase": pipe.phase.value, "reps": sorted(pipe.runner.planning()),
                      "members": members, "passes": [(e["pass"], e["changed"]) for e in pipe.pass_log],
-                     "order": list(pipe.order), "warnings": warnings.messages}
+                     "order": list(pipe.order), "warnings": warnings.messages,
+                     "summaries": [(p["pass"], p["summary"][:1])
+                                   for p in engine.report().to_dict()["passes"]]}
         del engine
     return out
 
@@ -150,6 +152,10 @@ CONFIGS = {   # name: (config, optimizer steps)
     # back what the representative's do
     "zero3-activation_budget": ({"zero_stage": 3, "passes": ("activation_budget", "prefetch"),
                                  "measure_steps": 0, "memory_budget": 400_000}, 6),
+    # within the budget, activations freed for selective_unshard ([Note: a memory trade] in
+    # passes/activation_budget.py): the trade's graphs are handed over as every pass's are
+    "zero3-trade": ({"zero_stage": 3, "measure_steps": 0, "memory_budget": 620_000,
+                     "passes": ("activation_budget", "selective_unshard", "prefetch")}, 6),
 }
 # the core matrix ([Note: the core matrix] in tests/_train.py) runs every pass once: it leaves
 # out the measured trial and activation_budget (their shapes follow the representatives as the
@@ -193,6 +199,10 @@ def test_ragged_lengths_train_like_one_process(ragged, name):
     assert r0["passes"] == r1["passes"] and any(changed for _, changed in r0["passes"])
     if "activation_budget" in name:   # offloaded (no recompute: other shapes are compiled)
         assert dict(r0["passes"])["activation_budget"]
+    if "trade" in name:   # freed activations, and selective_unshard kept parameters with them
+        assert dict(r0["passes"])["activation_budget"] and dict(r0["passes"])["selective_unshard"]
+        assert any(n == "activation_budget" and s and s[0].startswith("traded: freed")
+                   for n, s in r0["summaries"]), r0["summaries"]
     assert r0["comm"] == r1["comm"]
     # new shapes compiled new graphs, on both ranks, at different steps; each runs its family's
     # (planned) collectives, and nothing ran insertion-only
