@@ -10,7 +10,8 @@ The tests are in layers, one folder each, marked by it and run in this order:
 Tests marked `extended` run only with DEEPCOMPILE_FULL_TESTS=1 ([Note: the core matrix] in
 tests/_train.py).
 
-Also a summary of the parity deviations measured by the distributed tests (tests/_train.py
+At the end, the test time per layer (setup, call and teardown, summed over the workers), and
+a summary of the parity deviations measured by the distributed tests (tests/_train.py
 appends each to build/test-deviations.jsonl; the summary reads those of this session).
 
 [Note: two workers] The suite runs in two pytest-xdist workers (`-n 2 --dist loadfile` in
@@ -84,9 +85,24 @@ def _deviations(config) -> list[dict]:
     return out
 
 
+# seconds of test time (setup, call and teardown) per layer, summed over the workers: the
+# controller receives every worker's reports
+_LAYER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    parts = report.nodeid.split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in LAYERS:
+        _LAYER_SECONDS[parts[1]] = _LAYER_SECONDS.get(parts[1], 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):   # an xdist worker: the controller writes the summary
         return
+    if _LAYER_SECONDS:
+        per_layer = ", ".join(f"{layer} {_LAYER_SECONDS[layer]:.0f} s"
+                              for layer in LAYERS if layer in _LAYER_SECONDS)
+        terminalreporter.write_line(f"test time per layer (summed over workers): {per_layer}")
     deviations = _deviations(config)
     if not deviations:
         return
