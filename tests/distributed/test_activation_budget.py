@@ -385,7 +385,10 @@ JOBS = Jobs({
                 # auto: the optimizer state counts in the peak (675.7 KiB); 800,000 B leaves
                 # 105.6 KiB, not enough for every parameter and its accumulator (209.2 KiB)
                 _sc("llama", 800_000, 2, passes="auto", tag="-auto-trade", steps=8),
-                _sc("llama", 560_000, 2, passes=TRADE, tag="-trade-timed", steps=8,
+                # timed: 2 warm-up steps, a profile, a re-profile after the trade and the pass,
+                # and a trial of up to 2 x measure_steps (fewer where its verdict is certain
+                # sooner: [Note: interleaved measurement]), with steps to spare on a busy machine
+                _sc("llama", 560_000, 2, passes=TRADE, tag="-trade-timed", steps=12,
                     measure_steps=2),
                 # offload_optimizer named: the optimizer state counts in the peak (571.1 KiB)
                 _sc("llama", 615_000, 2, tag="-trade-all", steps=8,
@@ -558,6 +561,7 @@ def test_a_timed_trade_is_kept_or_reverted_with_the_pass_it_pays_for():
     sc, results, logs = _trade_runs("-trade-timed")
     compare_to_reference(sc, results, kind="activation_budget trade (timed)")
     for log in logs:
+        assert {"activation_budget", "selective_unshard"} <= set(log), list(log)
         act, kept = log["activation_budget"], log["selective_unshard"]
         print(f"\n[trade timed] {act['verdict']}")
         assert act["kept"] == kept["kept"]
