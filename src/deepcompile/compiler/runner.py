@@ -187,7 +187,12 @@ class SlotRunner:
                     "passes.") from e
             if member.coverage is not None:   # [Note: gradient coverage]
                 member.coverage.check(gm, f"the plan of {rep.key} transplanted", member.key)
-            face = member.faces[rep.version] = (gm, to_rep, len(member.faces))
+            # [Note: a member's versions] A face's version is new for the member's lifetime:
+            # its code is cached under its version (`lowered`, `compiled`), and the steady
+            # state keeps one face and its code; a later face numbered by how many faces are
+            # left would find that code, of another plan, under its number.
+            face = member.faces[rep.version] = (gm, to_rep, member.faces_made)
+            member.faces_made += 1
         member.swap(face[0], face[2])
         member.to_rep, member.following = face[1], rep.version
         if self.phase is Phase.STEADY:   # other plans are gone for good

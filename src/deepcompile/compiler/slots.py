@@ -44,6 +44,7 @@ class GraphSlot:
         self.coverage: "Coverage | None" = None
         self.to_rep: dict[str, str] = {}          # a member's node -> its representative's node
         self.faces: dict[int, tuple] = {}         # a member's plan per representative version
+        self.faces_made = 0                       # a member's versions so far (never reused)
         self.following: int | None = None         # the representative version it runs
         # [Note: graph structure] in compiler/families.py: the digest of its structure, the
         # structures of its code (one family each), and whether the ranks agree on the
