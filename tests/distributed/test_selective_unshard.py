@@ -724,7 +724,7 @@ def test_inductor_never_writes_into_a_kept_parameter():
 def _world1_engine(passes, dtype):
     import deepcompile
 
-    model = _models.build_model("llama")
+    model = _models.build_model("mlp")
     return deepcompile.initialize(
         model, functools.partial(torch.optim.AdamW, lr=1e-2),
         deepcompile.Config(compiler="fx", passes=passes, param_dtype=dtype,
@@ -784,15 +784,18 @@ def test_at_world_size_1_a_casting_gather_is_kept_and_cast_once_per_step(group):
     casts its shard (forward and backward, each micro-step). `selective_unshard` keeps a copy
     cast once per optimizer step by the refresh: the lowered graphs cast nothing, and training
     is bitwise the same as without the pass (a cast is a cast). In fp32 (the gather is a view)
-    it keeps nothing."""
+    it keeps nothing. The MLP, its inputs in the compute dtype."""
+    def batch(micro, dtype):
+        return {k: v.to(dtype) if dtype is not None else v
+                for k, v in _models.local_batch("mlp", micro, 0, 1).items()}
+
     def train(passes, dtype, steps=14):
         torch.manual_seed(0)
         engine = _world1_engine(passes, dtype)
         losses = []
         for i in range(steps):
             for m in range(2):
-                out = engine(**_models.local_batch("llama", 2 * i + m, 0, 1))
-                loss = _models.loss_of(out)
+                loss = _models.loss_of(engine(**batch(2 * i + m, dtype)))
                 engine.backward(loss)
                 losses.append(loss.item())
             engine.step()
@@ -801,7 +804,7 @@ def test_at_world_size_1_a_casting_gather_is_kept_and_cast_once_per_step(group):
     def one_step(engine, i):
         def run():
             for m in range(2):
-                engine.backward(_models.loss_of(engine(**_models.local_batch("llama", 2 * i + m, 0, 1))))
+                engine.backward(_models.loss_of(engine(**batch(2 * i + m, torch.bfloat16))))
             engine.step()
         return run
 
