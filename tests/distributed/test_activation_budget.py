@@ -373,7 +373,8 @@ JOBS = Jobs({
     "fx1": (1, [_sc("mixtral", 1_050_000, 1),
                 _sc("llama", 420_000, 1, tag="-unattainable"),
                 _sc("llama_ckpt", 650_000, 1)]),
-    "fx2": (2, [_sc("llama", 372_000, 2), _sc("mixtral", 553_000, 2),
+    # Mixtral at world size 2 in the full matrix (fx1 runs it at 1, the Llama here at 2)
+    "fx2": (2, [_sc("llama", 372_000, 2), _sc("mixtral", 553_000, 2, extended=True),
                 _sc("llama_tied", 380_000, 2, extended=True),
                 _sc("mixtral_eager", 275_000, 2, extended=True),
                 _sc("llama", 450_000, 2, passes="auto", tag="-auto", steps=10),
