@@ -704,6 +704,10 @@ GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: th
 ALL_MASTER_MODES = (("masters", "never"), ("host", "auto"))
 MASTER_MODES = ALL_MASTER_MODES if FULL else ALL_MASTER_MODES[:1]
 GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
+# gradients on the host (tier 2) in the full suite; the core runs tier 2 at world size 2 in
+# tests/distributed/test_ragged.py and with the masters below (every chunk's gradients go
+# before any master does), at world size 1 in tests/engine/test_offload_grads.py
+GRADS = FULL
 
 
 def _offload_report(res: dict) -> dict:
@@ -713,7 +717,8 @@ def _offload_report(res: dict) -> dict:
 def _parity_job(rank, world):
     """Per accumulation: a run without the pass, an unbounded run with it (it finds nothing
     to offload once planned; the figures give the budget), then a run under a budget that fits
-    half the state; then the compositions with prefetch under the accumulation-1 budget."""
+    half the state, and one under a budget that needs gradients on the host (`GRADS`); then
+    the compositions with prefetch under the accumulation-1 budget."""
     out = {}
     for gas in GASES:
         plain = scenario(f"llama-adamw-gas{gas}", "llama", "adamw", 1e-2, gas=gas, steps=STEPS,
@@ -733,8 +738,9 @@ def _parity_job(rank, world):
                          steps=STEPS, warmup_steps=1, passes=("offload_optimizer",),
                          memory_budget=low, record=("report",), chunk_bytes=CHUNK)
         out[gas] = {"base": (base, r0), "half": (half, _one_scenario(rank, world, half)),
-                    "plain": (plain, _one_scenario(rank, world, plain)),
-                    "grads": (grads, _one_scenario(rank, world, grads))}
+                    "plain": (plain, _one_scenario(rank, world, plain))}
+        if GRADS:
+            out[gas]["grads"] = (grads, _one_scenario(rank, world, grads))
     # masters on the host (tier 3): bf16 compute under fp32 masters, with prefetch (its gathers
     # for the next graph read the copies too), under what all state and gradients reach
     bf16 = {"param_dtype": "bfloat16", "chunk_bytes": CHUNK, "warmup_steps": 1, "steps": 4}
@@ -837,7 +843,8 @@ def test_half_budget_offloads_about_half_within_budget(parity, gas):
     assert len(nodes) == len(d["reloads"])
 
 
-@pytest.mark.parametrize("gas", GAS_PARAMS)
+@pytest.mark.parametrize("gas", [g if GRADS and g in GASES else
+                                 pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)])
 def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(parity, gas):
     plain_sc, plain = _runs(parity, gas, "plain")
     sc, runs = _runs(parity, gas, "grads")
