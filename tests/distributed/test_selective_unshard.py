@@ -359,7 +359,8 @@ JOBS = Jobs({
     "fx2": (2, [
         BASE, FITS_ALL, UNSHARD_REDUCE,
         scenario("llama-adamw-gas2-clip-prefetch-unshard", "llama", "adamw", 1e-2, gas=2,
-                 clip=0.1, record=_REC, passes=("prefetch", "selective_unshard"), warmup_steps=1),
+                 clip=0.1, record=_REC, passes=("prefetch", "selective_unshard"), warmup_steps=1,
+                 extended=True),
         scenario("llama-sgd-gas2-prefetch-reduce-unshard", "llama", "sgd", 0.1, gas=2,
                  record=_REC, passes=("prefetch", "bucket_reduce", "selective_unshard"),
                  warmup_steps=1, extended=True),
