@@ -208,7 +208,9 @@ def test_an_unknown_host_step_mode_is_refused():
         deepcompile.Config(host_step="sometimes")
 
 
-@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+# the host step (tier 4) in the full suite: the eager gather reads the copy whatever the tier
+@pytest.mark.parametrize("tier", [pytest.param(3, id="streamed"),
+                                  pytest.param(4, id="host-step", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("name", ["disabled", "disabled_forward", "graph_break"])
 def test_code_outside_the_graphs_gathers_from_the_copies(group, name, tier):
     """Submodules that run eagerly (`torch.compiler.disable`) gather their parameters outside
