@@ -228,7 +228,8 @@ def test_a_master_that_costs_the_step_more_than_it_saves_stays():
 def test_a_master_streaming_cannot_afford_steps_on_the_host():
     """The chunks above, stepped on the host (tier 4): the step streams nothing of them, so
     their masters lower the peak after all; the plan takes the host step where only it fits
-    the budget, and says so; never (the mode) keeps them on the device."""
+    the budget, and says so; never (the mode) keeps them on the device; always (the mode)
+    steps them on the host even where the host's step is predicted slower."""
     items = _items([100, 100])
     grads = _grads([50, 50], at=[2, 2])
     masters = [O.MasterItem(c, 30, 60, numel=15, copy_bytes=30) for c in range(2)]
@@ -247,6 +248,13 @@ def test_a_master_streaming_cannot_afford_steps_on_the_host():
     never = O.plan_step(_points([300] * 3), items, 600, _copy(0, 1e-3), 500, grads, masters,
                         O.HostStep(1e-3, mode="never"))
     assert never["unattainable"] and never["lowest_peak_bytes"] == 800
+    always = O.plan_step(_points([300] * 3), items, 600, _copy(0, 1e-3), 500, grads, masters,
+                         O.HostStep(1.0, mode="always"))   # 15 s a chunk on the host
+    host = always["host_step"]
+    assert not always["unattainable"] and always["peak_after"] == 440
+    assert [c["tier"] for c in always["chunks"]] == [R.HOST, R.HOST]
+    assert host["chosen"] and host["why"] == "always (mode)", host
+    assert host["predicted_host_s"] > host["predicted_streamed_s"], host
 
 
 @pytest.mark.parametrize("rate, chosen", [(1e-3, True), (1.0, False)])
