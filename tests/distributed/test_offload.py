@@ -1198,7 +1198,8 @@ def _reused_job(rank, world):
     """loop_break: one compiled graph runs every layer of a ModuleList (Dynamo's [Note: graph
     reuse]); `grad_to_host` names its parameter by the compile-time id, so the layers' chunks
     must keep their gradients on the device (sending them would put one layer's gradient in
-    another's place: measured, a loss off by 1e-2 before the exclusion)."""
+    another's place: measured, a loss off by 1e-2 before the exclusion). One rank: the reuse
+    is Dynamo's, whatever the world size."""
     common = dict(steps=STEPS, warmup_steps=1, chunk_bytes=256)
     plain = scenario("loop_break-plain", "loop_break", "adamw", 1e-2, **common)
     free = scenario("loop_break-free", "loop_break", "adamw", 1e-2, passes=("offload_optimizer",),
@@ -1211,7 +1212,7 @@ def _reused_job(rank, world):
 
 
 def test_gradients_of_a_reused_graphs_parameters_stay_on_the_device():
-    r = run_distributed(_reused_job, WORLD, timeout=600)[0]
+    r = run_distributed(_reused_job, 1, timeout=600)[0]
     d = _offload_report(r["grads"])["decisions"]
     assert not d["unattainable"] and any(c["tier"] == R.GRADS for c in d["chunks"])
     sent = [c["params"] for c in r["grads"]["report"]["offload"]["chunks"]
