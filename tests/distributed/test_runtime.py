@@ -252,7 +252,7 @@ def _host_calls_job(rank, world, model_name, config):
                  marks=pytest.mark.extended),
 ])
 def test_host_work_per_step_does_not_grow_with_depth(config):
-    """The same tiny Llama at 2 and at 8 decoder layers (21 and 75 parameters), 2 ranks, steady
+    """The same tiny Llama at 2 and at 4 decoder layers (21 and 39 parameters), 2 ranks, steady
     state: deepcompile makes exactly as many Python function calls per optimizer step (the
     lowered graphs hold no Python op; per graph call and per step the runtime runs a fixed
     number of calls, its per-parameter work in C: `map` over tables, foreach ops, one
@@ -261,16 +261,16 @@ def test_host_work_per_step_does_not_grow_with_depth(config):
     unbounded budget; bucket_reduce's buckets live inside the graphs); prefetch's cross-graph
     groups add one call per group and graph call, a number its plan decides from timings."""
     r2 = run_distributed(_host_calls_job, 2, "llama", config, timeout=600)[0]
-    r8 = run_distributed(_host_calls_job, 2, "llama8", config, timeout=600)[0]
+    r4 = run_distributed(_host_calls_job, 2, "llama4", config, timeout=600)[0]
     print(f"\n[host] {config}: deepcompile calls per step: {r2['calls']} at "
-          f"{r2['params']} parameters, {r8['calls']} at {r8['params']}")
-    assert r8["params"] > 3 * r2["params"]
+          f"{r2['params']} parameters, {r4['calls']} at {r4['params']}")
+    assert r4["params"] > 1.5 * r2["params"]
     # Whether selective_unshard accumulates a kept parameter's gradient locally or reduces it
     # every micro-step is a timing decision (the cost model), so the two plans can differ by a
     # call or two per graph call (marking accumulators); a Python call per parameter would add
-    # one per extra parameter (54 more at 8 layers) in each place it ran
-    diff = {f: (r2["by_function"].get(f, 0), r8["by_function"].get(f, 0))
-            for f in set(r2["by_function"]) | set(r8["by_function"])
-            if r2["by_function"].get(f, 0) != r8["by_function"].get(f, 0)}
-    assert r8["calls"] <= r2["calls"] + 8, diff
+    # one per extra parameter (18 more at 4 layers) in each place it ran
+    diff = {f: (r2["by_function"].get(f, 0), r4["by_function"].get(f, 0))
+            for f in set(r2["by_function"]) | set(r4["by_function"])
+            if r2["by_function"].get(f, 0) != r4["by_function"].get(f, 0)}
+    assert r4["calls"] <= r2["calls"] + 8, diff
     assert all(b - a <= 4 for a, b in diff.values()), diff
