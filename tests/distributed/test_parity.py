@@ -44,9 +44,11 @@ _RECORD = {("sgd", 1, None): ("initial_state",),
 _MLP_ALL = [_sc("mlp", o, g, c, record=_RECORD.get((o, g, c), ()),
                 extended=(o, g, c) in (("sgd", 1, CLIP), ("adamw", 1, CLIP), ("adamw", 4, CLIP)))
             for o, g, c in itertools.product(("sgd", "adamw"), (1, 4), (None, CLIP))]
-# SGD gas 1 also records the exact counts (tests/_exact.py)
+# SGD gas 1 also records the exact counts (tests/_exact.py); it is the core matrix's
+# ([Note: the core matrix] in tests/_train.py) one cell here: AdamW with accumulation and
+# clipping on the tiny Llama, no pass, is test_prefetch's `llama-adamw-gas2-clip`
 _LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state", "comm")),
-            _sc("llama", "adamw", 4, CLIP),
+            _sc("llama", "adamw", 4, CLIP, extended=True),
             _sc("llama", "adamw", 1, None, extended=True),
             _sc("llama", "sgd", 4, CLIP, extended=True)]
 _FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",)),
