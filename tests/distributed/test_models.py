@@ -14,7 +14,8 @@
                    implementation and with the eager one (graph breaks at nonzero).
 
 And the exact checks of tests/_exact.py: the communication counts on the tied Llama (SGD), what
-each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral).
+each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral,
+and the tied Llama in the full matrix).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from _train import Jobs, compare_to_reference, scenario
 # matrix] in tests/_train.py)
 _SCENARIOS = [
     scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory", "comm")),
-    scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1),
+    scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1,
+             record=("memory",), extended=True),
     scenario("graph_break-sgd-gas2-clip", "graph_break", "sgd", 0.1, gas=2, clip=0.1),
     scenario("graph_break-adamw-gas1", "graph_break", "adamw", 1e-2, extended=True),
     scenario("disabled-sgd-gas2", "disabled", "sgd", 0.1, gas=2, record=("memory",)),
@@ -103,7 +105,8 @@ def test_tied_llama_comm_counts_exact():
     _exact.check_comm_counts(_BY_ID[sid], _results(sid))
 
 
-@pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "mixtral-adamw-gas1"])
+@pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "llama_tied-adamw-gas2-clip",
+                                 "mixtral-adamw-gas1"])
 def test_each_rank_holds_its_shards_only(sid):
     """tests/_exact.py's memory checks: no module storage, flat fp32 shards in the optimizer
     (tied weights: one), shard-sized gradients, and (AdamW) sharded optimizer state."""
