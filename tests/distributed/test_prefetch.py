@@ -257,7 +257,9 @@ JOBS = Jobs({
                  clip=0.1, record=("comm", "report"), **_BOTH),
         scenario("llama-adamw-gas2-clip", "llama", "adamw", 1e-2, gas=2, clip=0.1,
                  record=("comm",), warmup_steps=1),
-        scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, **_BOTH),
+        # the core's graph_break with both passes: fx2-random-times (gas 1, the same passes)
+        scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, extended=True,
+                 **_BOTH),
     ]),
     "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, extended=True,
                          **_BOTH)]),
