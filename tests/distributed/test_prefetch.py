@@ -274,10 +274,10 @@ JOBS = Jobs({
     "fx2-random-times": (2, [
         scenario(f"{model}-sgd-gas{gas}-{'-'.join(passes)}-times{seed}", model, "sgd", 0.1,
                  gas=gas, steps=4, profile_seed=seed, passes=passes, warmup_steps=1,
-                 extended=seed >= 1)   # the core matrix: one seed of each
-        for model, gas, passes, seeds in (
-            ("graph_break", 1, ("prefetch", "bucket_reduce"), 8),
-            ("llama", 2, ("selective_unshard", "prefetch", "bucket_reduce"), 4))
+                 extended=seed != core)   # the core matrix: one seed of each
+        for model, gas, passes, seeds, core in (
+            ("graph_break", 1, ("prefetch", "bucket_reduce"), 8, 7),   # a seed that failed
+            ("llama", 2, ("selective_unshard", "prefetch", "bucket_reduce"), 4, 0))
         for seed in range(seeds)]),
 }, timeout=900)
 
