@@ -9,7 +9,7 @@ Models:
   mlp          Linear(13, 37) -> GELU -> Linear(37, 29) -> Linear(29, 7); sizes are divisible by
                neither 2, 3 nor 4, so every shard is padded.  `mlp_nobias` is the same without biases.
   llama        tiny HF LlamaForCausalLM (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads).
-  llama8       the same with 8 decoder layers (host work against depth).
+  llama4       the same with 4 decoder layers (host work against depth).
   llama_tied   the same with tie_word_embeddings=True (embed_tokens.weight is lm_head.weight).
   llama_ckpt   the same with activation checkpointing (gradient_checkpointing_enable()).
   llama_dropout the same with dropout on the attention weights (attention_dropout=0.1).
@@ -371,7 +371,7 @@ _BUILDERS = {
     "mlp": lambda: MLP(bias=True),
     "mlp_nobias": lambda: MLP(bias=False),
     "llama": lambda: _llama(tie=False),
-    "llama8": lambda: _llama(tie=False, layers=8),
+    "llama4": lambda: _llama(tie=False, layers=4),
     "llama_tied": lambda: _llama(tie=True),
     "llama_ckpt": lambda: _llama(tie=False, checkpointed=True),
     "llama_dropout": lambda: _llama(tie=False, dropout=0.1),
@@ -401,7 +401,7 @@ _BUILDERS = {
 COUNTS = (1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 4, 3, 2, 1, 4, 2, 1, 3, 2, 5, 1, 5, 2, 3)
 
 MODEL_NAMES = tuple(_BUILDERS)
-LM_MODELS = ("llama", "llama8", "llama_tied", "llama_ckpt", "llama_dropout", "mixtral",
+LM_MODELS = ("llama", "llama4", "llama_tied", "llama_ckpt", "llama_dropout", "mixtral",
              "mixtral_eager")
 
 

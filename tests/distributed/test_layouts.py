@@ -54,7 +54,7 @@ _FX = [
     _sc("2x2", "hsdp", "llama", record=("report", "comm_groups")),
     _sc("2x2", "hpz", "llama", record=("report", "comm_groups")),
     _sc("2x2", "hpz", "llama_ckpt", "sgd", gas=1, extended=True),
-    _sc("2x2", "hsdp", "llama", stage=1, passes=("bucket_reduce",)),
+    _sc("2x2", "hsdp", "mlp", stage=1, passes=("bucket_reduce",)),
     _sc("2x2", "hsdp", "llama", stage=2, passes=("bucket_reduce",), extended=True),
     _sc("2x2", "hsdp", "mlp", passes=("offload_optimizer", "prefetch"), warmup_steps=1,
         memory_budget=18000, chunk_bytes=256, record=("report",), tags=("offload",)),

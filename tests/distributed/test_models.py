@@ -12,6 +12,10 @@
                    (how one runs a submodule eagerly).
   MoE              tiny Mixtral (4 experts, top-2) in fp32, with transformers' default experts
                    implementation and with the eager one (graph breaks at nonzero).
+
+And the exact checks of tests/_exact.py: the communication counts on the tied Llama (SGD), what
+each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral,
+and the tied Llama in the full matrix).
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import math
 import pytest
 import torch
 
+import _exact
 from _train import Jobs, compare_to_reference, scenario
 
 # each family with one optimizer in the core matrix, both in the full one ([Note: the core
 # matrix] in tests/_train.py)
 _SCENARIOS = [
-    scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory",)),
-    scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1),
+    scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory", "comm")),
+    scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1,
+             record=("memory",), extended=True),
     scenario("graph_break-sgd-gas2-clip", "graph_break", "sgd", 0.1, gas=2, clip=0.1),
     scenario("graph_break-adamw-gas1", "graph_break", "adamw", 1e-2, extended=True),
     scenario("disabled-sgd-gas2", "disabled", "sgd", 0.1, gas=2, record=("memory",)),
@@ -36,7 +42,7 @@ _SCENARIOS = [
     scenario("loop_break-adamw-gas2-clip", "loop_break", "adamw", 1e-2, gas=2, clip=0.1, extended=True),
     scenario("nested_break-sgd-gas2-clip", "nested_break", "sgd", 0.1, gas=2, clip=0.1,
              record=("memory",)),
-    scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2),
+    scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2, record=("memory",)),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1, extended=True),
     scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1,
              record=("memory",)),
@@ -90,6 +96,21 @@ def test_parameters_freed_after_eager_use(sid):
         for snap in [r["memory_init"]] + r["memory_micro"] + r["memory_step"]:
             assert all(n == 0 for n in snap["module_storage_nbytes"]), snap["module_storage_nbytes"]
             assert all(g is None for g in snap["module_grads"]), snap["module_grads"]
+
+
+def test_tied_llama_comm_counts_exact():
+    """The exact communication counts of tests/_exact.py on the tied Llama (ZeRO-3, no pass):
+    the tied table is one parameter, gathered, reduced and saved once."""
+    sid = "llama_tied-sgd-gas1"
+    _exact.check_comm_counts(_BY_ID[sid], _results(sid))
+
+
+@pytest.mark.parametrize("sid", ["llama_tied-sgd-gas1", "llama_tied-adamw-gas2-clip",
+                                 "mixtral-adamw-gas1"])
+def test_each_rank_holds_its_shards_only(sid):
+    """tests/_exact.py's memory checks: no module storage, flat fp32 shards in the optimizer
+    (tied weights: one), shard-sized gradients, and (AdamW) sharded optimizer state."""
+    _exact.check_memory(_BY_ID[sid], _results(sid))
 
 
 # ------------------------------------------- saved views of a parameter, a different number per rank

@@ -12,10 +12,11 @@ hide the bug). Against that:
     fx, 2 ranks {tiny Llama AdamW gas 2 clip, MLP SGD gas 4, MLP AdamW clip}, a submodule run
     eagerly (its forward's hook waits), a graph break with a parameter read by both graphs,
     tied embeddings, the pass timed against the graphs before it (`measure_steps`: the side
-    before refreshes synchronously); 4 ranks {Llama ZeRO-1 AdamW gas 2 clip, MLP ZeRO-2 SGD};
-    1 rank (nothing to defer: the pass plans nothing); Inductor, 2 ranks, ZeRO-1 Llama (the
-    run with the pass off warms up one step longer, so that both compile their final graphs
-    at the same step: the pass adds a profiled step);
+    before refreshes synchronously); 4 ranks {MLP ZeRO-1 AdamW gas 2 clip (with the pass only),
+    Llama ZeRO-1 AdamW gas 2 clip, MLP ZeRO-2 SGD}; 1 rank, MLP (nothing to defer: the pass
+    plans nothing); Inductor, 2 ranks, ZeRO-1 Llama (the run with the pass off warms up one
+    step longer, so that both compile their final graphs at the same step: the pass adds a
+    profiled step);
   * what waits: after `engine.step()` the replicas are pending and the parameters are
     `PendingParameter`s; reading one (an op on it, `model.state_dict()`), running the model
     eagerly, an evaluation forward through the engine (an inference graph: it waits before it
@@ -116,10 +117,10 @@ def _pairs(*args, off=True, **kw):
     return [_sc(*args, on=True, **kw)] + ([_sc(*args, on=False, **kw)] if off else [])
 
 
-# the core matrix ([Note: the core matrix] in tests/_train.py) leaves out the MLP pairs, the
-# second 4-rank pair, and the runs without the pass but ZeRO-1's Llama and the measured MLP
+# the core matrix ([Note: the core matrix] in tests/_train.py) leaves out the MLP pairs, ZeRO-2's
+# Llama pair, and the runs without the pass but ZeRO-1's Llama and the measured MLP
 _FX2 = [s for stage in (1, 2) for s in (
-    *_pairs(stage, "llama", "adamw", 2, CLIP, off=FULL or stage == 1),
+    *(_pairs(stage, "llama", "adamw", 2, CLIP) if FULL or stage == 1 else ()),
     *(_pairs(stage, "mlp", "sgd", 4) if FULL else ()),
     *(_pairs(stage, "mlp", "adamw", 1, CLIP) if FULL else ()),
 )] + [
@@ -129,11 +130,12 @@ _FX2 = [s for stage in (1, 2) for s in (
     # timed against the graphs before it (both passes: 2 + 2 x 2 steps each), then steady
     *_pairs(2, "mlp", "adamw", 2, tag="-measured", measure_steps=2, steps=20),
 ]
-# on 4 ranks and with Inductor the core matrix has the run with the pass (against eager); the
-# full one the run without it too (bitwise the same)
-_FX4 = [*_pairs(1, "llama", "adamw", 2, CLIP), *(_pairs(2, "mlp", "sgd", 1) if FULL else ())]
-_FX4 = _FX4 if FULL else _FX4[:1]
-_FX1 = [_sc(1, "llama", "adamw", 2, CLIP)]
+# on 4 ranks the core matrix has the MLP with the pass (its odd sizes pad every shard), the full
+# one the Llama and the MLP at ZeRO-2 with and without it (bitwise the same); with Inductor the
+# core has the run with the pass (against eager), the full one the run without it too
+_FX4 = [_sc(1, "mlp", "adamw", 2, CLIP),
+        *(_pairs(1, "llama", "adamw", 2, CLIP) + _pairs(2, "mlp", "sgd", 1) if FULL else ())]
+_FX1 = [_sc(1, "mlp", "adamw", 2, CLIP)]
 # the pass adds a profiled step: the run without it warms up one step longer, so that both run
 # their final (Inductor) graphs from the same step on
 _INDUCTOR = [_sc(1, "llama", "adamw", 2, CLIP, compiler="inductor", steps=7),

@@ -12,6 +12,7 @@ Matrix:
   fx, 2 ranks, tiny Llama: 4 combinations that take each value of each factor
   fx, 4 ranks: MLP (AdamW, gas 4, clip), tiny Llama (SGD, gas 2, clip; AdamW, gas 1)
   inductor (marked `inductor`): tiny Llama (AdamW, gas 2, clip) and MLP (SGD), on 2 ranks
+The exact communication counts of tests/_exact.py on the tiny Llama: fx, 2 ranks, SGD, gas 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import itertools
 import pytest
 import torch
 
+import _exact
 from _train import Jobs, compare_to_reference, reference_training, scenario
 
 SGD_LR, ADAMW_LR, CLIP = 0.1, 1e-2, 0.1
@@ -42,8 +44,11 @@ _RECORD = {("sgd", 1, None): ("initial_state",),
 _MLP_ALL = [_sc("mlp", o, g, c, record=_RECORD.get((o, g, c), ()),
                 extended=(o, g, c) in (("sgd", 1, CLIP), ("adamw", 1, CLIP), ("adamw", 4, CLIP)))
             for o, g, c in itertools.product(("sgd", "adamw"), (1, 4), (None, CLIP))]
-_LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state",)),
-            _sc("llama", "adamw", 4, CLIP),
+# SGD gas 1 also records the exact counts (tests/_exact.py); it is the core matrix's
+# ([Note: the core matrix] in tests/_train.py) one cell here: AdamW with accumulation and
+# clipping on the tiny Llama, no pass, is test_prefetch's `llama-adamw-gas2-clip`
+_LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state", "comm")),
+            _sc("llama", "adamw", 4, CLIP, extended=True),
             _sc("llama", "adamw", 1, None, extended=True),
             _sc("llama", "sgd", 4, CLIP, extended=True)]
 _FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",)),
@@ -79,11 +84,18 @@ def test_parity_with_eager_reference(job, sc):
                 assert torch.equal(r["initial_state"][k], v), k
 
 
+def test_llama_comm_counts_exact():
+    """The exact communication counts of tests/_exact.py on the tiny Llama (ZeRO-3, no pass):
+    at initialize, per micro-step in every phase, per optimizer step, full_state_dict."""
+    sc = _LLAMA_2[0]
+    _exact.check_comm_counts(sc, JOBS.results("fx2", sc["id"]))
+
+
 @pytest.mark.inductor
 def test_inductor_comm_counts_match_insertion():
     """Inductor runs the same insertion: per micro-step every parameter is gathered once in the
     forward and reduce-scattered once; the backward re-gathers exactly what fx re-gathers
-    (every parameter but the embedding table: see test_counts)."""
+    (every parameter but the embedding table: see tests/_exact.py)."""
     import math
 
     import _models

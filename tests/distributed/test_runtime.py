@@ -8,7 +8,9 @@ World size 1 (one process, gloo) matches single-process eager with the project's
   ZeRO-1 and ZeRO-2: insertion only, bucket_reduce, every pass;
   Inductor (marked `inductor`): ZeRO-3 with every pass, ZeRO-1 with every pass.
 At world size 1 a gather is a view or a cast of the local shard and a reduction a cast of the
-gradient: no collective runs, and the passes find nothing to plan.
+gradient: no collective runs, and the passes find nothing to plan. Of the fx runs the core
+matrix ([Note: the core matrix] in tests/_train.py) has the two with every pass, ZeRO-3 and
+ZeRO-1, whose graphs are insertion's; the others, and Inductor's, are the full matrix's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ def _w1(stage: int, passes: tuple[str, ...], compiler: str = "fx", **kw) -> dict
                     record=("comm", "report"), **kw)
 
 
-# the core matrix: without passes and with all of them at ZeRO-3 and ZeRO-1, all at ZeRO-2
-_FX1 = ([_w1(3, ())] + [_w1(3, (p,), extended=True) for p in ALL] + [_w1(3, ALL)]
-        + [_w1(stage, p, extended=p == ("bucket_reduce",) or stage == 2 and p != ALL)
+# the core matrix: all the passes at ZeRO-3 and at ZeRO-1. At world size 1 they plan nothing,
+# so those runs compile insertion's graphs; the core's ZeRO-3 Llama without a pass at world
+# size 1 is test_activation_checkpointing's baseline (`llama-adamw-gas2-clip`, compared with
+# eager there), its ZeRO-2 Llama there test_grad_norm's
+_FX1 = ([_w1(3, (), extended=True)] + [_w1(3, (p,), extended=True) for p in ALL] + [_w1(3, ALL)]
+        + [_w1(stage, p, extended=stage == 2 or p != ALL)
            for stage in (1, 2) for p in ((), ("bucket_reduce",), ALL)])
 JOBS = Jobs({
     "fx1": (1, _FX1),
@@ -252,7 +257,7 @@ def _host_calls_job(rank, world, model_name, config):
                  marks=pytest.mark.extended),
 ])
 def test_host_work_per_step_does_not_grow_with_depth(config):
-    """The same tiny Llama at 2 and at 8 decoder layers (21 and 75 parameters), 2 ranks, steady
+    """The same tiny Llama at 2 and at 4 decoder layers (21 and 39 parameters), 2 ranks, steady
     state: deepcompile makes exactly as many Python function calls per optimizer step (the
     lowered graphs hold no Python op; per graph call and per step the runtime runs a fixed
     number of calls, its per-parameter work in C: `map` over tables, foreach ops, one
@@ -261,16 +266,16 @@ def test_host_work_per_step_does_not_grow_with_depth(config):
     unbounded budget; bucket_reduce's buckets live inside the graphs); prefetch's cross-graph
     groups add one call per group and graph call, a number its plan decides from timings."""
     r2 = run_distributed(_host_calls_job, 2, "llama", config, timeout=600)[0]
-    r8 = run_distributed(_host_calls_job, 2, "llama8", config, timeout=600)[0]
+    r4 = run_distributed(_host_calls_job, 2, "llama4", config, timeout=600)[0]
     print(f"\n[host] {config}: deepcompile calls per step: {r2['calls']} at "
-          f"{r2['params']} parameters, {r8['calls']} at {r8['params']}")
-    assert r8["params"] > 3 * r2["params"]
+          f"{r2['params']} parameters, {r4['calls']} at {r4['params']}")
+    assert r4["params"] > 1.5 * r2["params"]
     # Whether selective_unshard accumulates a kept parameter's gradient locally or reduces it
     # every micro-step is a timing decision (the cost model), so the two plans can differ by a
     # call or two per graph call (marking accumulators); a Python call per parameter would add
-    # one per extra parameter (54 more at 8 layers) in each place it ran
-    diff = {f: (r2["by_function"].get(f, 0), r8["by_function"].get(f, 0))
-            for f in set(r2["by_function"]) | set(r8["by_function"])
-            if r2["by_function"].get(f, 0) != r8["by_function"].get(f, 0)}
-    assert r8["calls"] <= r2["calls"] + 8, diff
+    # one per extra parameter (18 more at 4 layers) in each place it ran
+    diff = {f: (r2["by_function"].get(f, 0), r4["by_function"].get(f, 0))
+            for f in set(r2["by_function"]) | set(r4["by_function"])
+            if r2["by_function"].get(f, 0) != r4["by_function"].get(f, 0)}
+    assert r4["calls"] <= r2["calls"] + 8, diff
     assert all(b - a <= 4 for a, b in diff.values()), diff
