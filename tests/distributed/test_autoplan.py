@@ -388,16 +388,16 @@ def _trial_job(rank, world, cases):
     out = []
     for name, eval_before in cases:
         engine = deepcompile.initialize(
-            _models.build_model("llama"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+            _models.build_model("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
             config={"compiler": "fx", "warmup_steps": 1, "passes": (name,)})
         engine._clock = lambda: _NOW[0]
         pipe, step, evals = engine._pipeline, 0, 0
         while pipe.phase is not Phase.STEADY and step < 30:
-            _steps(engine, "llama", rank, world, 1, step)
+            _steps(engine, "mlp", rank, world, 1, step)
             step += 1
             if pipe.phase is Phase.MEASURE and pipe.trial.side == eval_before:
                 with torch.no_grad():
-                    engine(**_models.local_batch("llama", 0, rank, world))
+                    engine(**_models.local_batch("mlp", 0, rank, world))
                 _NOW[0] += 100.0
                 evals += 1
         entry = engine.report().to_dict()["passes"][0]
