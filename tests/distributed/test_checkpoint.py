@@ -172,7 +172,11 @@ def test_engine_save_pretrained(saved):
     assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
 
 
-def test_consolidate_command(saved, tmp_path):
+def test_consolidate_command(saved, tmp_path, capsys):
+    """The console entry point once (`python -m deepcompile consolidate`); its options and its
+    error through `cli.main` in this process."""
+    from deepcompile.tools import cli
+
     tmp, per_rank = saved
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "src"))
@@ -181,18 +185,17 @@ def test_consolidate_command(saved, tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert _max_dev(_from_pretrained(tmp_path / "hf"), per_rank[0]["saved"]["state"]) == 0.0
-    r = subprocess.run([sys.executable, "-m", "deepcompile", "consolidate", str(tmp / "ckpt"),
-                        str(tmp_path / "hf16"), "--dtype", "bfloat16", "--max-shard-size", "20KB"],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
+    rc = cli.main(["consolidate", str(tmp / "ckpt"), str(tmp_path / "hf16"),
+                   "--dtype", "bfloat16", "--max-shard-size", "20KB"])
+    assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "hf16" / "model.safetensors.index.json").exists()
     loaded = _from_pretrained(tmp_path / "hf16")
     assert all(v.dtype == torch.bfloat16 for v in loaded.values())
     assert _max_dev(loaded, {k: v.to(torch.bfloat16) for k, v in
                              per_rank[0]["saved"]["state"].items()}) == 0.0
-    r = subprocess.run([sys.executable, "-m", "deepcompile", "consolidate", str(tmp_path / "nope"),
-                        str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 1 and "no checkpoint at" in r.stderr
+    capsys.readouterr()
+    rc = cli.main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "x")])
+    assert rc == 1 and "no checkpoint at" in capsys.readouterr().err
 
 
 # ---- damaged checkpoints ---------------------------------------------------------------------------
