@@ -16,21 +16,21 @@ from _train import compare_to_reference, scenario
 
 pytest.importorskip("accelerate")
 
-SC = scenario("accelerate-llama-gas2", "llama", "adamw", 1e-2, gas=2, steps=3, zero_stage=3)
+SC = scenario("accelerate-mlp-gas2", "mlp", "adamw", 1e-2, gas=2, steps=3, zero_stage=3)
 
 
 class _Batches(torch.utils.data.Dataset):
-    """Micro-step m's global batch, one sample a row, in order."""
+    """Micro-step m's global batch, one sample (a row of x and of y) a row, in order."""
 
     def __init__(self, micro_steps: int):
-        self.rows = [row for m in range(micro_steps)
-                     for row in _models.global_batch("llama", m)["input_ids"]]
+        batches = [_models.global_batch(SC["model"], m) for m in range(micro_steps)]
+        self.rows = [{"x": x, "y": y} for b in batches for x, y in zip(b["x"], b["y"])]
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+        return self.rows[i]
 
 
 def _job(rank, world):
@@ -41,7 +41,8 @@ def _job(rank, world):
 
     errors = {}
     try:   # Accelerate's own accumulation would scale the loss a second time
-        initialize(Accelerator(cpu=True, gradient_accumulation_steps=2), _models.build_model("llama"))
+        initialize(Accelerator(cpu=True, gradient_accumulation_steps=2),
+                   _models.build_model(SC["model"]))
     except ValueError as e:
         errors["gas"] = str(e)
     gas = SC["config"]["gradient_accumulation_steps"]
@@ -53,12 +54,12 @@ def _job(rank, world):
 
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
     loader = accelerator.prepare(loader)
-    engine = initialize(accelerator, _models.build_model("llama"),
+    engine = initialize(accelerator, _models.build_model(SC["model"]),
                         optimizer=functools.partial(torch.optim.AdamW, **SC["optim"][1]),
                         config=deepcompile.Config(**SC["config"]))
     losses, norms, norm_tensors = [], [], []
     for batch in loader:
-        loss = engine(**batch).loss
+        loss = engine(**batch)   # the MLP returns its loss
         engine.backward(loss)
         if engine.step():   # the step's gradient norm, at each optimizer step
             norms.append(engine.metrics()["grad_norm"])
@@ -71,6 +72,6 @@ def _job(rank, world):
 
 def test_accelerate_route_matches_single_process_training():
     per_rank = run_distributed(_job, 2, timeout=600)
-    compare_to_reference(SC, per_rank, kind="llama/accelerate")
+    compare_to_reference(SC, per_rank, kind="mlp/accelerate")
     assert "gradient_accumulation_steps=2" in per_rank[0]["errors"]["gas"]
     assert "deepcompile.Config(gradient_accumulation_steps=...)" in per_rank[0]["errors"]["gas"]

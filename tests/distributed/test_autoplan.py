@@ -3,15 +3,16 @@
 * `verdict` and `choose` on synthetic inputs (pure);
 * the fusion rules give the same groups under ±20% noise on every profiled time and on the
   cost model;
-* on 2 gloo ranks (tiny Llama, fx): a pass forced to make the step slower, and one forced over
-  the memory budget, are both reverted — graphs, profiles and the runtime state they configured
-  — and reported as such; training goes on with the graphs from before;
-* the trial of a pass times the engine's work only: an evaluation between its steps (on an
-  injected clock) changes no decision; a pass that is certainly kept stops its trial early;
-* `passes="auto"` chooses and keeps the same plan with and without ±20% noise on the profiles
-  and the cost model; the report counts every collective of a steady step where it runs (the
-  kept parameters' refresh after the step included), equal to what `comm_stats()` counted;
-  `metrics()` reports the step; `engine.plot` and `deepcompile report FILE --plot DIR` draw.
+* on 2 gloo ranks (the MLP, fx, on an injected clock): a pass forced to make the step slower,
+  and one forced over the memory budget, are both reverted — graphs, profiles and the runtime
+  state they configured — and reported as such; training goes on with the graphs from before;
+  the trial of a pass times the engine's work only: an evaluation between its steps changes no
+  decision; a pass that is certainly kept stops its trial early;
+* on 2 gloo ranks (tiny Llama, fx): `passes="auto"` chooses and keeps the same plan with and
+  without ±20% noise on the profiles and the cost model; the report counts every collective of
+  a steady step where it runs (the kept parameters' refresh after the step included), equal to
+  what `comm_stats()` counted; `metrics()` reports the step; `engine.plot` and
+  `deepcompile report FILE --plot DIR` draw.
 """
 
 from __future__ import annotations
@@ -285,16 +286,16 @@ def _revert_job(rank, world):
 
     _register()
     engine = deepcompile.initialize(
-        _models.build_model("llama"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        _models.build_model("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
         config={"compiler": "fx", "warmup_steps": 1, "memory_budget": 64 << 20,
                 "passes": ("test_slower", "test_hog")})
     engine._clock = lambda: _CLOCK[0]   # the steps' times: what the passes add, nothing else
-    _steps(engine, "llama", rank, world, 22)
+    _steps(engine, "mlp", rank, world, 22)
     rep = engine.report()
     counts = []
     for s in range(22, 24):
         c0 = engine.comm_stats()
-        _steps(engine, "llama", rank, world, 1, s)
+        _steps(engine, "mlp", rank, world, 1, s)
         c1 = engine.comm_stats()
         counts.append({k: c1[k]["count"] - c0[k]["count"] for k in c1})
     pipe = engine._pipeline
@@ -387,16 +388,16 @@ def _trial_job(rank, world, cases):
     out = []
     for name, eval_before in cases:
         engine = deepcompile.initialize(
-            _models.build_model("llama"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+            _models.build_model("mlp"), optimizer=functools.partial(torch.optim.SGD, lr=0.05),
             config={"compiler": "fx", "warmup_steps": 1, "passes": (name,)})
         engine._clock = lambda: _NOW[0]
         pipe, step, evals = engine._pipeline, 0, 0
         while pipe.phase is not Phase.STEADY and step < 30:
-            _steps(engine, "llama", rank, world, 1, step)
+            _steps(engine, "mlp", rank, world, 1, step)
             step += 1
             if pipe.phase is Phase.MEASURE and pipe.trial.side == eval_before:
                 with torch.no_grad():
-                    engine(**_models.local_batch("llama", 0, rank, world))
+                    engine(**_models.local_batch("mlp", 0, rank, world))
                 _NOW[0] += 100.0
                 evals += 1
         entry = engine.report().to_dict()["passes"][0]

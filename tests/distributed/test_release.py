@@ -27,27 +27,28 @@ from _train import FULL
 
 STEPS = 4
 
-CASES = {
-    "zero3-auto-fx": {"compiler": "fx"},
-    "zero3-offload-fx": {"compiler": "fx", "passes": ("prefetch", "offload_optimizer"),
-                         "memory_budget": 1 << 30},
-    "zero1-fx": {"compiler": "fx", "zero_stage": 1, "gradient_accumulation_steps": 2},
-    "zero3-auto-inductor": {"compiler": "inductor"},
+CASES = {   # name: (model, config)
+    "zero3-auto-fx": ("llama", {"compiler": "fx"}),
+    "zero3-offload-fx": ("mlp", {"compiler": "fx", "passes": ("prefetch", "offload_optimizer"),
+                                 "memory_budget": 1 << 30}),
+    "zero1-fx": ("mlp", {"compiler": "fx", "zero_stage": 1, "gradient_accumulation_steps": 2}),
+    "zero3-auto-inductor": ("llama", {"compiler": "inductor"}),
 }
 
 
-def _train(rank, world, config, steps):
+def _train(rank, world, name, steps):
     import torch
 
     import _models
     import deepcompile
 
-    model = _models.build_model("llama")
+    model_name, config = CASES[name]
+    model = _models.build_model(model_name)
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                     config={"warmup_steps": 1, **config})
     gas = engine.config.gradient_accumulation_steps
     for i in range(steps * gas):
-        batch = _models.local_batch("llama", i, rank, world)
+        batch = _models.local_batch(model_name, i, rank, world)
         engine.backward(_models.loss_of(engine(**batch)))
         engine.step()
     return engine
@@ -59,7 +60,7 @@ def _job(rank, world, names):
 
     out = {}
     for name in names:
-        engine = _train(rank, world, CASES[name], STEPS)
+        engine = _train(rank, world, name, STEPS)
         refs = {"engine": engine, "runtime": engine._runtime, "optimizer": engine.optimizer,
                 "flat master": engine._flat.chunks[0].param, "offloader": engine._offload}
         refs.update({f"host buffer {k}": t for s in engine._offload.slots
@@ -79,7 +80,7 @@ def _job(rank, world, names):
         hooks_left = hooks()
         del model
         # a second engine, on a new model, in the same processes
-        second = _train(rank, world, CASES[name], 2)
+        second = _train(rank, world, name, 2)
         out[name] = {"alive": alive, "host_buffers": host_buffers, "hooks": (hooks_before, hooks_left),
                      "second_steps": second._optimizer_steps}
         del second
@@ -87,10 +88,10 @@ def _job(rank, world, names):
     return out
 
 
-# (world size, case): what the engine holds is the same whatever compiles its graphs and at
-# any world size, so the default suite frees the auto-planned engine at 1 rank and the offloading
-# and ZeRO-1 ones at 2; Inductor's and 2 ranks' auto are the full suite's ([Note: the core
-# matrix] in tests/_train.py)
+# (world size, case): what the engine holds is the same whatever compiles its graphs, whatever
+# the model and at any world size, so the default suite frees the auto-planned engine of the HF
+# Llama at 1 rank and the offloading and ZeRO-1 ones, on the MLP, at 2; Inductor's and 2 ranks'
+# auto are the full suite's ([Note: the core matrix] in tests/_train.py)
 RUNS = [(1, "zero3-auto-fx"), (2, "zero3-offload-fx"), (2, "zero1-fx")]
 FULL_RUNS = [(1, "zero3-auto-inductor"), (2, "zero3-auto-fx")]
 

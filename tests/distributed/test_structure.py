@@ -47,7 +47,7 @@ JOBS = Jobs({
     "structure": (2, [
         _sc("loop-z1-gas2", "loop_count", 1, gas=2),
         _sc("loop-z2", "loop_count", 2, extended=True),
-        _sc("loop-z3", "loop_count", 3),
+        _sc("loop-z3", "loop_count", 3, extended=True),   # loop-z3-gas2 in the core
         _sc("loop-z3-gas2", "loop_count", 3, gas=2),
         _sc("branch-z1", "branch_count", 1),
         _sc("branch-z2", "branch_count", 2, extended=True),

@@ -1,7 +1,8 @@
 """The examples in examples/ run in their smallest setting: 2 CPU ranks launched by torchrun.
-train_llama.py: an uninterrupted run, and one stopped after 3 of its 6 steps and resumed from
-its checkpoint, log the same losses, and no gloo thread of the run is alive when a rank's
-interpreter finalizes; hf_trainer.py trains, checkpoints and saves a model."""
+train_llama.py: an uninterrupted run of 30 steps, and one stopped after 3 of its steps and
+resumed from its checkpoint for 3 more, log the same losses, and no gloo thread of the run is
+alive when a rank's interpreter finalizes; the uninterrupted run also logs its metrics to
+TensorBoard and draws its pictures. hf_trainer.py trains, checkpoints and saves a model."""
 
 from __future__ import annotations
 
@@ -41,26 +42,50 @@ def _losses(out: str) -> dict[int, float]:
             for m in re.finditer(r"^step (\d+)/\d+ loss ([\d.]+) ", out, re.M)}
 
 
-def test_train_llama_runs_and_resumes(tmp_path):
-    common = ["--model", "tiny", "--compiler", "fx", "--steps", "6", "--grad-accum", "2",
-              "--seq-len", "32", "--warmup", "2"]
-    whole = _torchrun("train_llama.py", *common, "--ckpt-dir", str(tmp_path / "a"),
-                      "--save-pretrained", str(tmp_path / "hf"), exit_probe=tmp_path / "gloo")
+STEPS = 30   # the LR schedule's length, the same in every run
+COMMON = ["--model", "tiny", "--compiler", "fx", "--steps", str(STEPS), "--grad-accum", "2",
+          "--seq-len", "32", "--warmup", "2"]
+
+
+def _installed(*modules: str) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, str]:
+    """train_llama.py run for STEPS steps without a stop: a checkpoint at the end, the final
+    model written with --save-pretrained, the gloo threads alive as each rank finalizes
+    probed; with tensorboard and matplotlib installed, also --tensorboard and --plot-dir (the
+    metrics every step, one steady step traced, the report and its pictures). The directory
+    and rank 0's output."""
+    tmp = tmp_path_factory.mktemp("train_llama")
+    draw = (["--tensorboard", str(tmp / "tb"), "--plot-dir", str(tmp / "plots")]
+            if _installed("tensorboard", "matplotlib") else [])
+    out = _torchrun("train_llama.py", *COMMON, "--ckpt-dir", str(tmp / "a"),
+                    "--save-pretrained", str(tmp / "hf"), *draw, exit_probe=tmp / "gloo")
+    return tmp, out
+
+
+def test_train_llama_runs_and_resumes(uninterrupted, tmp_path):
+    tmp, whole = uninterrupted
     assert re.search(r"tokens/s [\d,]+ peak memory [\d.]+ GiB RSS", whole), whole
-    assert "done at step 6" in whole and (tmp_path / "hf" / "model.safetensors").exists()
+    assert f"done at step {STEPS}" in whole and (tmp / "hf" / "model.safetensors").exists()
     if sys.platform == "linux":   # no process group outlives the script into finalization:
         # the engine's are freed at exit ([Note: engines freed before finalization]), the
         # default one by destroy_process_group ([Note: the default group kept by an import])
-        assert [(tmp_path / f"gloo.{r}").read_text() for r in (0, 1)] == ["0", "0"]
-    first = _torchrun("train_llama.py", *common, "--ckpt-dir", str(tmp_path / "b"),
+        assert [(tmp / f"gloo.{r}").read_text() for r in (0, 1)] == ["0", "0"]
+    first = _torchrun("train_llama.py", *COMMON, "--ckpt-dir", str(tmp_path / "b"),
                       "--save-every", "3", "--stop-after", "3")
     assert "done at step 3" in first
-    resumed = _torchrun("train_llama.py", *common, "--ckpt-dir", str(tmp_path / "b"),
-                        "--resume")
-    assert "resumed from" in resumed and "at step 3" in resumed
+    resumed = _torchrun("train_llama.py", *COMMON, "--ckpt-dir", str(tmp_path / "b"),
+                        "--resume", "--stop-after", "3")
+    assert "resumed from" in resumed and "at step 3" in resumed and "done at step 6" in resumed
     a, b, c = _losses(whole), _losses(first), _losses(resumed)
     print(f"\n[examples] uninterrupted {a}\n[examples] stopped {b} resumed {c}")
-    assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [1, 2, 3] and sorted(c) == [4, 5, 6]
+    assert sorted(a) == list(range(1, STEPS + 1))
+    assert sorted(b) == [1, 2, 3] and sorted(c) == [4, 5, 6]
     for step in (1, 2, 3):
         assert b[step] == a[step]
     for step in (4, 5, 6):
@@ -77,28 +102,26 @@ def test_hf_trainer_example(tmp_path):
     assert (tmp_path / "checkpoint-2" / "deepcompile" / "deepcompile-checkpoint.json").exists()
 
 
-def test_train_llama_logs_metrics_and_draws(tmp_path):
+def test_train_llama_logs_metrics_and_draws(uninterrupted):
     """--tensorboard: engine.metrics() every step as TensorBoard scalars; --plot-dir: one
     steady step traced, the report and its pictures written."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("matplotlib")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = _torchrun("train_llama.py", "--model", "tiny", "--compiler", "fx", "--steps", "26",
-                    "--seq-len", "32", "--tensorboard", str(tmp_path / "tb"),
-                    "--plot-dir", str(tmp_path / "plots"))
-    assert "done at step 26" in out and "passes chosen (auto)" in out
+    tmp, out = uninterrupted
+    assert f"done at step {STEPS}" in out and "passes chosen (auto)" in out
     # where deepcompile's setup is, and when it is done (docs/guide/setup.md)
     assert "setup: step 1: warmup" in out and "setup: step 3: profile" in out, out
     assert re.search(r"^setup done \(\d+ steps\): steady state from step \d+$", out, re.M), out
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("step_s", "tokens_per_s", "flops_per_s", "exposed_comm_s", "peak_memory_bytes",
                 "collectives_per_step", "grad_norm"):
         assert f"deepcompile/{key}" in tags, tags
-    assert len(acc.Scalars("deepcompile/step_s")) == 26
+    assert len(acc.Scalars("deepcompile/step_s")) == STEPS
     assert "deepcompile/exposed_comm_s_measured" in tags   # the traced steady step
     for name in ("memory.png", "timeline.png", "passes.png", "steps.png", "report.json",
                  "trace.json"):
-        assert (tmp_path / "plots" / name).stat().st_size > 0, name
+        assert (tmp / "plots" / name).stat().st_size > 0, name
