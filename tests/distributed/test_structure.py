@@ -305,8 +305,15 @@ def test_a_second_structure_on_one_rank_ends_within_the_timeout(diverged):
         assert r["type"] == "DistributedError" and r["step"] == 5 and r["steady"], r
         assert T <= r["elapsed"] < BOUND, r
     assert "rank 1 compiled a new graph g2.fw at step 5" in r1["message"]
-    assert "ranks [0] did not compile it" in r1["message"]
-    assert "graph g2.fw): waits at the agreement" in r0["message"]
+    # rank 1 reports once its wait at the agreement ends, after compiling g2.fw: where that
+    # compile takes longer than rank 0's wait for reports (a loaded machine), rank 0 reports
+    # nothing from it and may have left, and with it the store, before rank 1 reads who
+    # arrived. Either way each rank says what it knows, and rank 1 never names itself.
+    assert ("ranks [0] did not compile it" in r1["message"]
+            or "some rank did not compile it within" in r1["message"]
+            and "the store cannot say" in r1["message"]), r1["message"]
+    assert ("graph g2.fw): waits at the agreement" in r0["message"]
+            or "rank 1: nothing reported within" in r0["message"]), r0["message"]
 
 
 # ------------------------------------- a structure met after a cross-graph prefetch was planned

@@ -68,10 +68,7 @@ class DivergenceChecks:
         try:
             self.store.wait([f"{key}/done"], timedelta(seconds=self._wait_s()))
         except Exception as e:  # noqa: BLE001 -- a timeout: some rank did not compile it
-            absent = [r for r in range(self.world) if not store_has(self.store, f"{key}/at/{r}")]
-            raise self._graph_failure(
-                where, description, f"ranks {absent} did not compile it within "
-                f"{self._wait_s():g} s") from e
+            raise self._graph_failure(where, description, self._absent(key)) from e
         if int(self.store.add(f"{key}/bad", 0)):
             first = self.store.get(key).decode()
             lines = [f"  {first}   <- the first rank to arrive"]
@@ -85,6 +82,18 @@ class DivergenceChecks:
                 "some ranks only, an evaluation run on some ranks only?).")
             self.stopped = err
             raise err
+
+    def _absent(self, key: str) -> str:
+        """Which other ranks did not arrive at the agreement `key`, as far as the store says (it
+        lives with rank 0's process, and may be gone with it)."""
+        within = f"within {self._wait_s():g} s"
+        try:
+            absent = [r for r in range(self.world)
+                      if r != self.rank and not self.store.check([f"{key}/at/{r}"])]
+        except Exception as e:  # noqa: BLE001
+            return (f"some rank did not compile it {within} (which, the store cannot say: "
+                    f"{brief(e)}; it lives with rank 0's process, which probably exited)")
+        return f"ranks {absent} did not compile it {within}"
 
     def _graph_failure(self, where: dict, description: str, why: str) -> DistributedError:
         self.report("new_graph", where, f"waits at the agreement on its new graph "
