@@ -424,8 +424,11 @@ def _killed(rank, group, out, where, stage, passes):
         _step(engine, step, rank)
 
 
-def _kill_job(rank, world, cases):
-    """Pair p runs cases[p]: (where its second rank is killed, ZeRO stage, passes)."""
+def _kill_job(rank, world, cases, done_dir):
+    """Pair p runs cases[p]: (where its second rank is killed, ZeRO stage, passes). The store
+    lives with rank 0's process, and a survivor reads the other ranks' reports from it: rank 0
+    returns only once every pair's survivor has written its file in `done_dir` (or after 120 s),
+    so that no pair's survivor finds the store gone because another pair finished first."""
     import torch.distributed as dist
 
     pair, r = divmod(rank, 2)
@@ -437,12 +440,19 @@ def _kill_job(rank, world, cases):
     except BaseException as e:  # noqa: BLE001
         out["type"], out["message"] = type(e).__name__, str(e)
     out["elapsed"] = time.monotonic() - out.get("t0", time.monotonic())
+    os.close(os.open(os.path.join(done_dir, f"survivor-{pair}"), os.O_CREAT | os.O_WRONLY))
+    if rank == 0:
+        deadline = time.monotonic() + 120
+        while (time.monotonic() < deadline and
+               len(os.listdir(done_dir)) < world // 2):
+            time.sleep(0.05)
     return out
 
 
-def test_a_rank_killed_in_its_forward_or_its_optimizer_step():
+def test_a_rank_killed_in_its_forward_or_its_optimizer_step(tmp_path):
     cases = [("forward", 3, ("prefetch", "bucket_reduce")), ("step", 1, ("bucket_reduce",))]
-    res = run_distributed(_kill_job, 4, cases, timeout=300, failures_ok=True, grace=60)
+    res = run_distributed(_kill_job, 4, cases, str(tmp_path), timeout=300, failures_ok=True,
+                          grace=60)
     for p, (where, stage, _passes) in enumerate(cases):
         survivor, killed = res[2 * p], res[2 * p + 1]
         print(f"\n--- killed in {where} (ZeRO-{stage}), survivor ({survivor.get('elapsed', 0):.1f}s):"
