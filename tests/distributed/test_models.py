@@ -14,8 +14,9 @@
                    implementation and with the eager one (graph breaks at nonzero).
 
 And the exact checks of tests/_exact.py: the communication counts on the tied Llama (SGD), what
-each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral,
-and the tied Llama in the full matrix).
+each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral
+and the tied Llama, in the full matrix; the core checks ZeRO-1/2's in test_zero12's
+test_memory_per_rank).
 """
 
 from __future__ import annotations
