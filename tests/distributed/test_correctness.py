@@ -50,7 +50,8 @@ def _sc(model, stage, optim, gas=1, clip=None, *, compiler="fx", tag="", **kw):
 
 # parameters without a gradient in some optimizer steps (odd_head's `aux` is used in micro-steps
 # 2, 3, 6, 7, ...: with gas 2 in every other optimizer step, with gas 1 in two of every four)
-_UNUSED = [_sc("odd_head", 1, "adamw", 2, CLIP), _sc("odd_head", 2, "adamw", 2),
+# (ZeRO-2 beside ZeRO-1 and 3: the full suite's; [Note: the core matrix] in tests/_train.py)
+_UNUSED = [_sc("odd_head", 1, "adamw", 2, CLIP), _sc("odd_head", 2, "adamw", 2, extended=True),
            _sc("odd_head", 3, "adamw", 2, CLIP), _sc("odd_head", 3, "sgd", 1)]
 # parameters first read without gradients (ZeRO-3; ZeRO-2 once, where nothing is gathered)
 _NOGRAD = [_sc("nograd_read", 3, "adamw", 2), _sc("inference_read", 3, "adamw", 1),
@@ -59,7 +60,9 @@ _NOGRAD = [_sc("nograd_read", 3, "adamw", 2), _sc("inference_read", 3, "adamw", 
            _sc("vq", 3, "adamw", 2), _sc("nograd_read", 2, "adamw", 1)]
 # modules run on some ranks only, eagerly, trained (ZeRO-1/2); the agreement with no
 # divergence check rides a reduction of its own
-_PER_RANK = [_sc("moe_skip_disabled", 1, "adamw", 2), _sc("moe_skip_disabled", 2, "sgd", 1),
+# (ZeRO-2 SGD beside ZeRO-1: the full suite's; ZeRO-2 in the core: the run without the check)
+_PER_RANK = [_sc("moe_skip_disabled", 1, "adamw", 2),
+             _sc("moe_skip_disabled", 2, "sgd", 1, extended=True),
              _sc("moe_skip_disabled", 2, "adamw", 2, tag="-nocheck", divergence_check_every=0)]
 # ... and refused: eagerly at ZeRO-3, compiled at every stage
 _REFUSED = {"moe_skip_disabled-z3-sgd-gas1": ("experts.0.fc", "experts.1.fc"),

@@ -14,8 +14,9 @@
                    implementation and with the eager one (graph breaks at nonzero).
 
 And the exact checks of tests/_exact.py: the communication counts on the tied Llama (SGD), what
-each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral,
-and the tied Llama in the full matrix).
+each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral
+and the tied Llama, in the full matrix; the core checks ZeRO-1/2's in test_zero12's
+test_memory_per_rank).
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ import _exact
 from _train import Jobs, compare_to_reference, scenario
 
 # each family with one optimizer in the core matrix, both in the full one ([Note: the core
-# matrix] in tests/_train.py)
+# matrix] in tests/_train.py); of the HF models the core has the tied Llama and Mixtral's eager
+# experts (the eager hooks, a graph reused for several experts), the full one Mixtral's default
+# experts too; the graph-break model's two graphs are test_zero12's test_no_graph_breaks (ZeRO-2)
+# and its ZeRO-3 parity test_prefetch's fx2-random-times
 _SCENARIOS = [
     scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory", "comm")),
     scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1,
              record=("memory",), extended=True),
-    scenario("graph_break-sgd-gas2-clip", "graph_break", "sgd", 0.1, gas=2, clip=0.1),
+    scenario("graph_break-sgd-gas2-clip", "graph_break", "sgd", 0.1, gas=2, clip=0.1,
+             extended=True),
     scenario("graph_break-adamw-gas1", "graph_break", "adamw", 1e-2, extended=True),
     scenario("disabled-sgd-gas2", "disabled", "sgd", 0.1, gas=2, record=("memory",)),
     scenario("disabled-adamw-gas1-clip", "disabled", "adamw", 1e-2, clip=0.1, extended=True),
@@ -42,7 +47,7 @@ _SCENARIOS = [
     scenario("loop_break-adamw-gas2-clip", "loop_break", "adamw", 1e-2, gas=2, clip=0.1, extended=True),
     scenario("nested_break-sgd-gas2-clip", "nested_break", "sgd", 0.1, gas=2, clip=0.1,
              record=("memory",)),
-    scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2, record=("memory",)),
+    scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2, record=("memory",), extended=True),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1, extended=True),
     scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1,
              record=("memory",)),

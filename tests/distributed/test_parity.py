@@ -45,13 +45,17 @@ _MLP_ALL = [_sc("mlp", o, g, c, record=_RECORD.get((o, g, c), ()),
                 extended=(o, g, c) in (("sgd", 1, CLIP), ("adamw", 1, CLIP), ("adamw", 4, CLIP)))
             for o, g, c in itertools.product(("sgd", "adamw"), (1, 4), (None, CLIP))]
 # SGD gas 1 also records the exact counts (tests/_exact.py); it is the core matrix's
-# ([Note: the core matrix] in tests/_train.py) one cell here: AdamW with accumulation and
-# clipping on the tiny Llama, no pass, is test_prefetch's `llama-adamw-gas2-clip`
+# ([Note: the core matrix] in tests/_train.py) one fx cell here: AdamW with accumulation and
+# clipping on the tiny Llama, no pass, is the Inductor job's core cell below (with fx, the full
+# suite's test_prefetch `llama-adamw-gas2-clip`; the core's fx run of it has prefetch and
+# bucket_reduce, test_prefetch's `llama-adamw-gas2-clip-prefetch-reduce`)
 _LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state", "comm")),
             _sc("llama", "adamw", 4, CLIP, extended=True),
             _sc("llama", "adamw", 1, None, extended=True),
             _sc("llama", "sgd", 4, CLIP, extended=True)]
-_FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",)),
+# 4 ranks: the full suite's (the MLP's shards are padded on 2 ranks too; the core's 4-rank
+# runs are test_layouts.py's)
+_FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",), extended=True),
         _sc("llama", "sgd", 2, CLIP),
         _sc("llama", "adamw", 1, None)]
 # Inductor: the MLP's shards are padded at 2 ranks too (37 and 29 wide layers)

@@ -9,8 +9,8 @@ World size 1 (one process, gloo) matches single-process eager with the project's
   Inductor (marked `inductor`): ZeRO-3 with every pass, ZeRO-1 with every pass.
 At world size 1 a gather is a view or a cast of the local shard and a reduction a cast of the
 gradient: no collective runs, and the passes find nothing to plan. Of the fx runs the core
-matrix ([Note: the core matrix] in tests/_train.py) has the two with every pass, ZeRO-3 and
-ZeRO-1, whose graphs are insertion's; the others, and Inductor's, are the full matrix's.
+matrix ([Note: the core matrix] in tests/_train.py) has the one with every pass at ZeRO-3,
+whose graphs are insertion's; the others, and Inductor's, are the full matrix's.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ def _w1(stage: int, passes: tuple[str, ...], compiler: str = "fx", **kw) -> dict
                     record=("comm", "report"), **kw)
 
 
-# the core matrix: all the passes at ZeRO-3 and at ZeRO-1. At world size 1 they plan nothing,
-# so those runs compile insertion's graphs; the core's ZeRO-3 Llama without a pass at world
-# size 1 is test_activation_checkpointing's baseline (`llama-adamw-gas2-clip`, compared with
-# eager there), its ZeRO-2 Llama there test_grad_norm's
+# the core matrix: all the passes at ZeRO-3. At world size 1 they plan nothing, so the run
+# compiles insertion's graphs; the core's ZeRO-3 Llama without a pass at world size 1 is
+# test_activation_checkpointing's baseline (`llama-adamw-gas2-clip`, compared with eager
+# there), its ZeRO-2 Llama there test_grad_norm's, and ZeRO-1 at world size 1 (a pass that
+# plans nothing there) test_overlap_refresh's fx1
 _FX1 = ([_w1(3, (), extended=True)] + [_w1(3, (p,), extended=True) for p in ALL] + [_w1(3, ALL)]
-        + [_w1(stage, p, extended=stage == 2 or p != ALL)
+        + [_w1(stage, p, extended=True)
            for stage in (1, 2) for p in ((), ("bucket_reduce",), ALL)])
 JOBS = Jobs({
     "fx1": (1, _FX1),
@@ -84,6 +85,10 @@ def _offload_w1_job(rank, world):
             "half": (half, _one_scenario(rank, world, half))}
 
 
+# the full suite's: the engine layer (one rank) offloads the optimizer state under a budget of
+# half of it and trains bitwise as without the pass (tests/engine/test_flat.py's
+# test_auto_offloads_under_a_tight_budget_and_keeps_it)
+@pytest.mark.extended
 def test_world_size_1_offload_matches_training_without_it():
     (r,) = run_distributed(_offload_w1_job, 1, timeout=600)
     (plain_sc, plain), (half_sc, half) = r["plain"], r["half"]
