@@ -368,34 +368,44 @@ def _sc(model, budget, world, *, compiler="fx", passes=("activation_budget",), t
 # 614,400 B; 88% with the experts' loop, whose graphs also hold the full-size gradients the
 # eager experts made, which the pass cannot move: the lowest peak it reaches there is
 # 262,148 B).
+# The core matrix ([Note: the core matrix] in tests/_train.py) runs the pass under a budget
+# below the peak at 2 ranks in inductor2 (and at world size 1 in this process, above), the
+# model's own checkpointing in fx1, and a trade in fx2's "-trade-all" (every pass under one
+# budget); the other scenarios are the full suite's (a trade at world size 1 is
+# tests/engine/test_memory_trade.py's, an unattainable budget tests/tools/test_verify.py's).
 TRADE = ("activation_budget", "selective_unshard")
 JOBS = Jobs({
-    "fx1": (1, [_sc("mixtral", 1_050_000, 1),
-                _sc("llama", 420_000, 1, tag="-unattainable"),
+    "fx1": (1, [_sc("mixtral", 1_050_000, 1, extended=True),
+                _sc("llama", 420_000, 1, tag="-unattainable", extended=True),
                 _sc("llama_ckpt", 650_000, 1)]),
     # Mixtral at world size 2 in the full matrix (fx1 runs it at 1, the Llama here at 2)
-    "fx2": (2, [_sc("llama", 372_000, 2), _sc("mixtral", 553_000, 2, extended=True),
+    "fx2": (2, [_sc("llama", 372_000, 2, extended=True),
+                _sc("mixtral", 553_000, 2, extended=True),
                 _sc("llama_tied", 380_000, 2, extended=True),
                 _sc("mixtral_eager", 275_000, 2, extended=True),
-                _sc("llama", 450_000, 2, passes="auto", tag="-auto", steps=10),
+                _sc("llama", 450_000, 2, passes="auto", tag="-auto", steps=10, extended=True),
                 # [Note: a memory trade]: a budget 5% above the peak, which keeps a part of the
                 # parameters gathered (all of them take 214,272 B more)
-                _sc("llama", 560_000, 2, passes=("selective_unshard",), tag="-unshard", steps=6),
-                _sc("llama", 560_000, 2, passes=TRADE, tag="-trade", steps=6),
-                _sc("llama", 2_000_000, 2, passes=TRADE, tag="-trade-ample", steps=6),
+                _sc("llama", 560_000, 2, passes=("selective_unshard",), tag="-unshard", steps=6,
+                    extended=True),
+                _sc("llama", 560_000, 2, passes=TRADE, tag="-trade", steps=6, extended=True),
+                _sc("llama", 2_000_000, 2, passes=TRADE, tag="-trade-ample", steps=6,
+                    extended=True),
                 # auto: the optimizer state counts in the peak (675.7 KiB); 800,000 B leaves
                 # 105.6 KiB, not enough for every parameter and its accumulator (209.2 KiB)
-                _sc("llama", 800_000, 2, passes="auto", tag="-auto-trade", steps=8),
+                _sc("llama", 800_000, 2, passes="auto", tag="-auto-trade", steps=8,
+                    extended=True),
                 # timed: 2 warm-up steps, a profile, a re-profile after the trade and the pass,
                 # and a trial of up to 2 x measure_steps (fewer where its verdict is certain
                 # sooner: [Note: interleaved measurement]), with steps to spare on a busy machine
                 _sc("llama", 560_000, 2, passes=TRADE, tag="-trade-timed", steps=12,
-                    measure_steps=2),
+                    measure_steps=2, extended=True),
                 # offload_optimizer named: the optimizer state counts in the peak (571.1 KiB)
                 _sc("llama", 615_000, 2, tag="-trade-all", steps=8,
                     passes=("offload_optimizer",) + TRADE + ("prefetch", "bucket_reduce"))]),
     # the "-trade" scenario again in a launch of its own: other processes, profiles timed again
-    "fx2-again": (2, [_sc("llama", 560_000, 2, passes=TRADE, tag="-trade-again", steps=6)]),
+    "fx2-again": (2, [_sc("llama", 560_000, 2, passes=TRADE, tag="-trade-again", steps=6,
+                          extended=True)]),
     "inductor2": (2, [_sc("llama", 400_000, 2, compiler="inductor", core=True)]),
 }, timeout=1500)
 
@@ -427,6 +437,7 @@ def test_within_the_budget_and_as_eager(job, sc):
     assert len({repr(_entry(r)["decisions"]) for r in results}) == 1
 
 
+@pytest.mark.extended
 def test_an_unattainable_budget_says_so_with_the_lowest_peak():
     (sc,) = [s for s in JOBS.jobs["fx1"][1] if "unattainable" in s["id"]]
     (r,) = JOBS.results("fx1", sc["id"])
@@ -450,6 +461,7 @@ def test_the_models_own_checkpointing_is_not_recomputed_twice():
                                 if c["name"].startswith("add_"))
 
 
+@pytest.mark.extended
 def test_auto_trades_activations_with_the_other_passes():
     """Under a budget that the optimizer state alone cannot meet (auto counts it), the
     activations pay for it, and the passes after plan in what is left."""
@@ -470,6 +482,7 @@ def _trade_runs(tag: str) -> tuple[dict, list[dict], list[dict[str, dict]]]:
     return sc, results, [{e["pass"]: e for e in r["report"]["passes"]} for r in results]
 
 
+@pytest.mark.extended
 def test_within_the_budget_activations_pay_for_parameters_kept_gathered():
     """[Note: a memory trade] in passes/activation_budget.py: with the peak within the budget,
     the activations selective_unshard's memory is worth more than are recomputed or offloaded
@@ -504,6 +517,7 @@ def _traded(log: dict[str, dict]) -> tuple:
             sorted(i["param"] for i in log["selective_unshard"]["decisions"]["keep"]))
 
 
+@pytest.mark.extended
 def test_a_second_launch_trades_the_same():
     """The same trade from profiles timed again, in other processes (a launch of its own)."""
     _, _, first = _trade_runs("-trade")
@@ -511,6 +525,7 @@ def test_a_second_launch_trades_the_same():
     assert _traded(first[0]) == _traded(again[0])
 
 
+@pytest.mark.extended
 def test_auto_chooses_the_trade():
     """`passes="auto"` with some room under the budget, not enough for every parameter kept
     gathered: activation_budget is chosen before selective_unshard, trades, and what
@@ -529,6 +544,7 @@ def test_auto_chooses_the_trade():
     assert len({repr({n: e["decisions"] for n, e in lg.items()}) for lg in logs}) == 1
 
 
+@pytest.mark.extended
 def test_with_ample_memory_nothing_is_traded():
     sc, results, logs = _trade_runs("-trade-ample")
     act = logs[0]["activation_budget"]
@@ -556,6 +572,7 @@ def test_every_pass_under_one_budget_with_a_trade():
     assert len({repr({n: e["decisions"] for n, e in lg.items()}) for lg in logs}) == 1
 
 
+@pytest.mark.extended
 def test_a_timed_trade_is_kept_or_reverted_with_the_pass_it_pays_for():
     """Timed, the trade and selective_unshard are one trial against the graphs from before the
     trade ([Note: interleaved measurement]), and share its verdict."""

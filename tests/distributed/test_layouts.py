@@ -50,9 +50,12 @@ def _sc(nodes, layout, model, optim="adamw", gas=2, clip=0.1, stage=3, passes=AL
 
 _COUNTS = [_sc("2x2", lay, "mlp", "sgd", clip=None, passes=(), record=("comm_groups",),
                tags=("counts",)) for lay in ("shard", "hsdp", "hpz")]
+# the tiny Llama's hsdp and hpz with every pass: the full suite's; the core runs the layouts
+# with the passes on the MLP (4 x 1, 1 x 4, auto at 2 x 2) and their collectives per group
+# without passes at 2 x 2 (_COUNTS)
 _FX = [
-    _sc("2x2", "hsdp", "llama", record=("report", "comm_groups")),
-    _sc("2x2", "hpz", "llama", record=("report", "comm_groups")),
+    _sc("2x2", "hsdp", "llama", record=("report", "comm_groups"), extended=True),
+    _sc("2x2", "hpz", "llama", record=("report", "comm_groups"), extended=True),
     _sc("2x2", "hpz", "llama_ckpt", "sgd", gas=1, extended=True),
     _sc("2x2", "hsdp", "mlp", stage=1, passes=("bucket_reduce",)),
     _sc("2x2", "hsdp", "llama", stage=2, passes=("bucket_reduce",), extended=True),
@@ -142,6 +145,7 @@ def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
     assert hpz["world"]["all_gather"][1] == padded   # the forward's only
 
 
+@pytest.mark.extended   # reads the tiny Llama's hsdp and hpz runs (the full suite's)
 def test_hsdp_and_hpz_with_passes_count_per_group():
     """2 x 2 with prefetch, bucket_reduce, selective_unshard: hsdp's gathers and
     reduce-scatters stay in the group and only all-reduces cross; hpz's backward gathers stay

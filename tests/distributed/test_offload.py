@@ -703,21 +703,24 @@ def test_store_moves_whole_chunks_and_the_state_dict_sees_offloaded_values():
 # ------------------------------------------------------------------------------ multi-rank
 WORLD = 2
 STEPS = 8
-# seeds of random profiled times: one in the core matrix ([Note: the core matrix] in
-# tests/_train.py)
-SEEDS = range(3) if FULL else range(1)
+# seeds of random profiled times: the full suite's ([Note: the core matrix] in tests/_train.py);
+# the core runs every pass under one budget with offload_optimizer first in
+# test_activation_budget's trade-all scenario, and the composition with prefetch below
+SEEDS = range(3) if FULL else range(0)
 GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: the core matrix])
-# masters streamed through the device's step (tier 3) and stepped on the host (tier 4); the
-# core runs tier 3 here and tier 4 at world size 1 (tests/engine/test_offload_masters.py)
+# masters streamed through the device's step (tier 3) and stepped on the host (tier 4): the
+# full suite's; the core runs both at world size 1 (tests/engine/test_offload_masters.py, fx
+# and Inductor)
 ALL_MASTER_MODES = (("masters", "never"), ("host", "auto"))
-MASTER_MODES = ALL_MASTER_MODES if FULL else ALL_MASTER_MODES[:1]
+MASTER_MODES = ALL_MASTER_MODES if FULL else ()
 GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
-# gradients on the host (tier 2) in the full suite; the core runs tier 2 at world size 2 in
-# tests/distributed/test_ragged.py and with the masters below (every chunk's gradients go
-# before any master does), at world size 1 in tests/engine/test_offload_grads.py
-GRADS = FULL
+# gradients on the host (tier 2): the core's run of them at world size 2 (accumulation 1; with
+# ragged lengths and a re-plan in tests/distributed/test_ragged.py, the full suite's), at world
+# size 1 in tests/engine/test_offload_grads.py
+GRADS = True
 # the compositions with prefetch: the core plans prefetch first (on the provisional curve),
-# the full suite offload_optimizer first too (as the masters' runs below do in the core)
+# the full suite offload_optimizer first too (as test_activation_budget's trade-all scenario
+# does in the core)
 ALL_ORDERS = (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer"))
 ORDERS = ALL_ORDERS if FULL else ALL_ORDERS[1:]
 
@@ -759,7 +762,8 @@ def _parity_job(rank, world):
     plain = scenario("llama-adamw-bf16", "llama", "adamw", 1e-2, **bf16)
     probe = scenario("llama-adamw-bf16-unbounded", "llama", "adamw", 1e-2,
                      passes=("offload_optimizer",), record=("report",), **bf16)
-    out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain))}
+    if MASTER_MODES:
+        out["masters"] = {"plain": (plain, _one_scenario(rank, world, plain))}
     # streamed through the device's step (tier 3), and stepped on the host (tier 4: on the
     # CPU the host step is the device's without the copies, so "auto" takes it)
     for which, mode in MASTER_MODES:
@@ -1041,6 +1045,11 @@ def _inductor_job(rank, world, budget):
     return sc, _one_scenario(rank, world, sc)
 
 
+# the full suite's: the core runs offloading under Inductor at world size 1, gradients sent from
+# Inductor's graphs (tests/engine/test_offload_grads.py) and masters read through their copies
+# (tests/engine/test_offload_masters.py); a reload op Inductor dropped would leave its chunks
+# to be streamed through the step (training the same, the reload not overlapped)
+@pytest.mark.extended
 @pytest.mark.inductor
 def test_inductor_keeps_and_runs_the_reload_ops(parity):
     budget = parity[0][1]["half"][0]["config"]["memory_budget"]

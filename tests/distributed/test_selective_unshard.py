@@ -346,8 +346,12 @@ GAS = 4
 STEPS = 6
 _UNSHARD = {"passes": ("selective_unshard",), "warmup_steps": 1}
 _REC = ("comm", "report", "unshard")
+# the pass alone at accumulation 4, and the budgets made from its figures (`budget_runs`), in
+# the full suite ([Note: the core matrix] in tests/_train.py): the core runs the pass with
+# prefetch on graph_break here and on the tiny Llama in test_prefetch's fx2-random-times, and
+# under a budget in test_activation_budget's trade-all scenario
 FITS_ALL = scenario("llama-adamw-gas4-clip-unshard", "llama", "adamw", 1e-2, gas=GAS, clip=0.1,
-                    steps=STEPS, record=_REC, **_UNSHARD)
+                    steps=STEPS, record=_REC, extended=True, **_UNSHARD)
 # auto's order: bucket_reduce after selective_unshard buckets the accumulated gradients
 UNSHARD_REDUCE = scenario("llama-adamw-gas4-clip-unshard-reduce", "llama", "adamw", 1e-2,
                           gas=GAS, clip=0.1, steps=STEPS, record=_REC, warmup_steps=1,
@@ -467,6 +471,7 @@ def _padded_bytes(model_name, world):
     return {n: math.ceil(p.numel() / world) * world * 4 for n, p in model.named_parameters()}
 
 
+@pytest.mark.extended
 def test_budget_that_fits_everything_gathers_and_reduces_once_per_parameter(budget_runs):
     base = budget_runs["none"][1][0]   # the collectives of the graphs as compiled
     r = JOBS.results("fx2", FITS_ALL["id"])[0]
@@ -523,6 +528,7 @@ def budget_runs():
     return out
 
 
+@pytest.mark.extended
 def test_budget_that_fits_a_part_keeps_exactly_the_chosen_set_within_budget(budget_runs):
     sc, results = budget_runs["part"]
     budget = sc["config"]["memory_budget"]
@@ -554,6 +560,7 @@ def _all_peaks(result):
             for p in s["profiles"]]
 
 
+@pytest.mark.extended
 def test_budget_shared_with_prefetch_and_bucket_reduce(budget_runs):
     sc, results = budget_runs["shared"]
     budget = sc["config"]["memory_budget"]
@@ -583,6 +590,7 @@ def test_budget_shared_with_prefetch_and_bucket_reduce(budget_runs):
     compare_to_reference(sc, results, kind=_kind(sc) + " (budget)")
 
 
+@pytest.mark.extended
 def test_budget_with_no_spare_memory_changes_nothing(budget_runs):
     sc, results = budget_runs["none"]
     entry = _decisions(results[0])
