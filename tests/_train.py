@@ -27,18 +27,21 @@ job, several scenarios: the processes and the process group are set up once) and
 result dict per scenario.  `torch._dynamo.reset()` separates scenarios.
 
 [Note: the core matrix] The suite runs in two sizes. The default (CI's, the README's test
-command) is the core: every job's scenarios on 2 ranks or fewer with fx, the first scenario of
-each job on more than 2 ranks, and of the Inductor jobs only the scenarios made with
-`core=True` (what the others add is the same code on a slower compiler or more ranks). Inductor
-is in the core where it compiles a mechanism differently: the reordered collectives (prefetch),
-the custom ops (offload, activations), the in-place writes (selective_unshard, offloaded
-gradients), the asynchronous refresh (overlap_refresh), and one plain ZeRO-3 parity job. A
-scenario made with `extended=True`, and a test marked `extended`, are left out too: a repeat
-of what another case of the core runs (a second seed of random times, accumulation 4 beside 1,
-ZeRO-2 beside ZeRO-1 on the same model, a pass alone beside all of them, a run without a pass
-beside one with it, a variant the engine layer runs at world size 1 beside a sibling at 2);
-one made with `core=True` is kept whatever its job. The suite is
-CPU-bound, nearly all of it torch's compile of one engine per scenario and rank: a case costs
+command) is the core, sized to finish in under 15 minutes on 2 CPU cores: it runs each
+mechanism end to end once, on the smallest model that exercises it (the MLP, graph_break and
+the small odd models before the tiny Llama, the tiny Llama before Mixtral), at 2 ranks or fewer
+(4 where a layout needs them), with fx, and with Inductor once per mechanism that Inductor
+compiles differently: the reordered collectives (prefetch), the custom ops (activations,
+offloading at world size 1), the in-place writes (selective_unshard, offloaded gradients), the
+asynchronous refresh (overlap_refresh), and one plain ZeRO-3 parity job. Of a job, the core
+runs its scenarios on 2 ranks or fewer with fx, the first one on more ranks, and of an Inductor
+job only the scenarios made with `core=True`. A scenario made with `extended=True`, and a test
+marked `extended`, run in the full suite only: the same mechanism on a larger model, more ranks
+or the slower compiler, a second seed of random times, accumulation 4 beside 1, ZeRO-2 beside
+ZeRO-1, a pass alone beside all of them, a run without a pass beside one with it, a variant the
+engine layer runs at world size 1. Where what still covers a left-out case is not obvious, the
+case says which test does. The suite is CPU-bound, nearly all of it torch's compile of one
+engine per scenario and rank (a tiny-Llama engine ~10 s of a core, the MLP's ~1 s): a case costs
 what it compiles. `DEEPCOMPILE_FULL_TESTS=1` runs everything. A test left out is skipped,
 saying so.
 """
