@@ -7,7 +7,9 @@ time it hides, most saved per byte first, without the room the budget already le
 step that pays little per byte is merged with the one after it that pays more; every run of
 the first offers is a room the planner was run at, and re-planning there saves what they say;
 nothing with an unbounded budget, with room for everything, or over the budget; collecting the
-moves the budget stops changes no plan; activation_budget's rule trades with these offers.
+moves the budget stops changes no plan; activation_budget's rule trades with these offers, its
+report line names what prefetch bought, and `auto` frees activations for the pass that plans
+right after it.
 """
 
 from __future__ import annotations
@@ -145,3 +147,25 @@ def test_activation_budget_trades_for_the_offers_that_pay():
     best = A.choose_trade(offers, 980, lambda target: (target, (980 - target) * 0.1, target))
     assert best == (960, 20, 6.0, pytest.approx(2.0))
 
+
+def test_the_report_names_what_prefetch_bought():
+    offers = P.offers(_plan_at(GRAPHS), RUNS, 980, BUDGET)
+    t = A.trade_record("prefetch", 20, 980, 2.0, 6.0, offers)
+    assert (t["for"], t["offers"], t["bought"]) == ("prefetch", 2, 1)
+    (line,) = A.summary({"trade": t})
+    assert line == ("traded: freed 20 B below the peak 980 B for prefetch (gathers started "
+                    "earlier: 1 of its 2 offers): +2000.00 ms a step predicted, for 6000.00 ms "
+                    "it predicts to save with it")
+
+
+def test_auto_frees_activations_for_the_pass_that_plans_next():
+    from deepcompile.passes.context import Facts
+
+    # no room: selective_unshard is not chosen, prefetch plans next and is the buyer
+    f = Facts(world_size=2, zero_stage=3, memory_budget=1000, peak_bytes=1000, gathers=4,
+              reduces=4, keep_all_bytes=500)
+    yes, why = A.auto(f)
+    assert yes and "freed for prefetch, which plans next" in why
+    # some room: selective_unshard plans next, and it alone is named
+    yes, why = A.auto(dataclasses.replace(f, memory_budget=1100))
+    assert yes and "freed for selective_unshard, which plans next" in why

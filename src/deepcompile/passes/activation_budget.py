@@ -124,7 +124,8 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 
 # [Note: a memory trade] With the profiled peak within the budget the pass may still free memory,
 # for the pass that plans next when that pass says what more memory is worth to it
-# (`Pass.memory_value`: selective_unshard keeps more parameters gathered): activations are
+# (`Pass.memory_value`: selective_unshard keeps more parameters gathered, prefetch starts gathers
+# earlier): activations are
 # recomputed or offloaded below the budget where the time the next pass predicts to save is at
 # least `SPLIT_MARGIN` times the time they add (both predictions, each within ~±20%, cannot
 # reverse that). The pass plans to a few lower targets (`TRADE_POINTS`: the next pass's
@@ -184,21 +185,26 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
     if best is None:
         return {}
     decisions, freed, value, cost = best
-    decisions["trade"] = trade_record(buyer, freed, level, cost, value, len(offers))
+    decisions["trade"] = trade_record(buyer, freed, level, cost, value, offers)
     log.info("deepcompile activation_budget: %s", _trade_line(decisions["trade"]))
     return decisions
 
 
 def trade_record(buyer: str, freed: int, level: float, cost: float, value: float,
-                 offers: int) -> dict[str, Any]:
-    """What a trade's decisions say of it (the report prints `_trade_line`)."""
+                 offers: list[tuple[int, float]]) -> dict[str, Any]:
+    """What a trade's decisions say of it (the report prints `_trade_line`): `bought`, the
+    buyer's first offers the freed bytes cover."""
+    bought = sum(total <= freed for total in itertools.accumulate(b for b, _ in offers))
     return {"for": buyer, "freed_bytes": int(freed), "peak_before": int(level),
-            "added_s": cost, "value_s": value, "offers": offers}
+            "added_s": cost, "value_s": value, "offers": len(offers), "bought": bought}
 
 
 def _trade_line(t: dict[str, Any]) -> str:
+    buys = get_pass(t["for"]).memory_buys if t["for"] in known_passes() else ""
+    what = (f" ({buys}: {t['bought']} of its {t['offers']} offers)"
+            if buys and "bought" in t else "")
     return (f"freed {size(t['freed_bytes'])} below the peak {size(t['peak_before'])} for "
-            f"{t['for']}: +{t['added_s'] * 1e3:.2f} ms a step predicted, for "
+            f"{t['for']}{what}: +{t['added_s'] * 1e3:.2f} ms a step predicted, for "
             f"{t['value_s'] * 1e3:.2f} ms it predicts to save with it")
 
 
@@ -371,10 +377,11 @@ def summary(decisions: dict[str, Any]) -> list[str]:
 def auto(f: Facts) -> tuple[bool, str]:
     """`passes="auto"`: after `offload_optimizer` (which plans on a step whose peak activations
     it leaves alone), when the budget is bounded and a profiled peak still exceeds it; within
-    the budget, when a pass chosen after it says what more memory is worth to it
-    (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
-    (with room for all of them, more memory is worth nothing): the pass then frees activations
-    for it only where that pays ([Note: a memory trade])."""
+    the budget, when the pass chosen to plan right after it says what more memory is worth to
+    it (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
+    (with room for all of them, more memory is worth nothing: neither more parameters kept nor
+    more gathered early): the pass then frees activations for it only where that pays ([Note: a
+    memory trade])."""
     if f.memory_budget == float("inf"):
         return False, "memory budget unbounded: every saved activation stays"
     if f.peak_bytes <= f.memory_budget:
@@ -383,14 +390,13 @@ def auto(f: Facts) -> tuple[bool, str]:
         if f.memory_budget - f.peak_bytes >= f.keep_all_bytes:
             return False, (f"{within}, with room for every parameter gathered: every saved "
                            "activation stays")
-        buyers = [p.name for p in map(get_pass, known_passes())
-                  if p.memory_value is not None and p.choose is not None and p.order > ORDER
-                  and p.choose(f)[0]]
-        if not buyers:
+        after = [p for p in sorted(map(get_pass, known_passes()), key=lambda p: p.order)
+                 if p.order > ORDER and p.choose is not None and p.choose(f)[0]]
+        if not after or after[0].memory_value is None:
             return False, f"{within}: every saved activation stays"
-        return True, (f"{within}: activations are freed for {', '.join(buyers)} where the time "
-                      f"it predicts to save with them is at least {SPLIT_MARGIN:g}x the time "
-                      "they add")
+        return True, (f"{within}: activations are freed for {after[0].name}, which plans next, "
+                      f"where the time it predicts to save with them is at least "
+                      f"{SPLIT_MARGIN:g}x the time they add")
     return True, (f"profiled peak {mib(f.peak_bytes)} over the budget {mib(f.memory_budget)}: "
                   "the saved activations that are cheapest per byte are recomputed or offloaded")
 

@@ -422,4 +422,5 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=20, choose=auto, asynchronous=True, memory_value=memory_value)
+              order=20, choose=auto, asynchronous=True, memory_value=memory_value,
+              memory_buys="gathers started earlier")

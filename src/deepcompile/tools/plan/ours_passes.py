@@ -452,7 +452,7 @@ def _activations_traded(plan: Plan) -> dict[str, Any]:
     traded, freed, value, cost = best
     traded = plan_activations(plan, traded["budget_bytes"])   # its moves, in `plan.acts`
     traded["trade"] = activation_budget.trade_record("selective_unshard", freed, level, cost,
-                                                     value, len(offers))
+                                                     value, offers)
     return traded
 
 
