@@ -125,17 +125,17 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 # [Note: a memory trade] With the profiled peak within the budget the pass may still free memory,
 # for the pass that plans next when that pass says what more memory is worth to it
 # (`Pass.memory_value`: selective_unshard keeps more parameters gathered, prefetch starts gathers
-# earlier): activations are
-# recomputed or offloaded below the budget where the time the next pass predicts to save is at
-# least `SPLIT_MARGIN` times the time they add (both predictions, each within ~±20%, cannot
-# reverse that). The pass plans to a few lower targets (`TRADE_POINTS`: the next pass's
-# options taken in its order, in equal counts), the peak each plan reaches sets the options
-# the freed bytes buy, and the lowest target that still pays that margin is the plan: a
-# threshold with a margin, not the largest net of two timed figures, so that launches whose
-# profiled times differ a little plan alike. Its decisions say what was traded (`trade`). A
-# trade is judged with the pass it frees memory for (compiler/pipeline.py): not on its own,
-# where it only adds time, but the two together against the graphs from before the trade,
-# kept or reverted together; the trade is reverted as well when that pass changes nothing.
+# earlier): activations are recomputed or offloaded below the budget where the time the next
+# pass predicts to save is at least `SPLIT_MARGIN` times the time they add (both predictions,
+# each within ~±20%, cannot reverse that). The pass plans to a few lower targets
+# (`TRADE_POINTS`: the next pass's options taken in its order, in equal counts), the peak each
+# plan reaches sets the options the freed bytes buy, and the lowest target that still pays that
+# margin is the plan: a threshold with a margin, not the largest net of two timed figures, so
+# that launches whose profiled times differ a little plan alike. Its decisions say what was
+# traded (`trade`). A trade is judged with the pass it frees memory for (compiler/pipeline.py):
+# not on its own, where it only adds time, but the two together against the graphs from before
+# the trade, kept or reverted together; the trade is reverted as well when that pass changes
+# nothing.
 # Over the budget, the pass plans to the budget and trades nothing; with an unbounded budget
 # it plans nothing.
 TRADE_POINTS = 6

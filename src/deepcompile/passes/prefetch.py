@@ -242,8 +242,8 @@ def offers(plan_at: Callable[[float, list[int]], dict[str, Any]], runs: dict[str
             break
         short = []
         room, saved = math.ceil(level - held), base - exposed_s(plan_at(held, short), runs)
-        if points and points[-1][0] == room:   # (a budget or a peak of a fraction of a byte)
-            points.pop()
+        if points and points[-1][0] == room:   # two levels within a byte (a fractional
+            points.pop()                           # budget): the plan with more room stands
         points.append((room, saved))
     hull = [(0, 0.0)]
     for room, saved in points:
