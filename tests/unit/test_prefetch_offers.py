@@ -8,8 +8,8 @@ step that pays little per byte is merged with the one after it that pays more; e
 the first offers is a room the planner was run at, and re-planning there saves what they say;
 nothing with an unbounded budget, with room for everything, or over the budget; collecting the
 moves the budget stops changes no plan; activation_budget's rule trades with these offers, its
-report line names what prefetch bought, and `auto` frees activations for the pass that plans
-right after it.
+report line names what prefetch bought (or, where nothing pays, what each target would have
+freed, added and bought), and `auto` frees activations for the pass that plans right after it.
 """
 
 from __future__ import annotations
@@ -169,3 +169,18 @@ def test_auto_frees_activations_for_the_pass_that_plans_next():
     # some room: selective_unshard plans next, and it alone is named
     yes, why = A.auto(dataclasses.replace(f, memory_budget=1100))
     assert yes and "freed for selective_unshard, which plans next" in why
+
+
+def test_a_trade_that_does_not_pay_says_what_it_tried():
+    # at 1 s per byte freed neither target pays: both are reported with their figures
+    offers = P.offers(_plan_at(GRAPHS), RUNS, 980, BUDGET)
+    tried: list = []
+    assert A.choose_trade(offers, 980, lambda target: (target, (980 - target) * 1.0, target),
+                          tried) is None
+    assert tried == [(20, 6.0, 20.0), (130, 12.0, 130.0)]
+    declined = {"for": "prefetch", "peak_before": 980, "offers": 2,
+                "tried": [{"freed_bytes": f, "value_s": v, "added_s": c} for f, v, c in tried]}
+    assert A.summary({"declined": declined}) == [
+        "not traded for prefetch (gathers started earlier: 2 offers): freeing 20 B below the "
+        "peak 980 B adds +20000.00 ms a step for 6000.00 ms; freeing 130 B below the peak 980 B "
+        "adds +130000.00 ms a step for 12000.00 ms, less than 2x"]
