@@ -142,9 +142,11 @@ def test_choose_reads_stage_world_collectives_and_budget():
     assert "room for every parameter" in {c.name: c.reason for c in out}["activation_budget"]
     chosen, out = choose(_ctx(4, 4, 2, 140.0, 100, gas=2), zero_stage=3, warmup_steps=2)
     assert names(chosen)[:2] == ["activation_budget", "selective_unshard"]
-    # no memory left under the budget: nothing kept gathered
+    # no memory left under the budget: nothing kept gathered; prefetch plans right after
+    # activation_budget, which may free activations for gathers started earlier
     chosen, out = choose(_ctx(4, 4, 2, 100.0, 100), zero_stage=3, warmup_steps=2)
-    assert names(chosen) == ["prefetch", "bucket_reduce"]
+    assert names(chosen) == ["activation_budget", "prefetch", "bucket_reduce"]
+    assert "freed for prefetch, which plans next" in chosen[0].reason
     # the step does not fit: offload first, and the others plan in what it leaves
     chosen, _ = choose(_ctx(4, 4, 2, 150.0, 100, movable=[(0, "exp_avg", 64)], step_bytes=200),
                        zero_stage=3, warmup_steps=2)

@@ -116,7 +116,8 @@ def test_within_the_budget_it_frees_activations_for_parameters_kept_gathered(tin
     """[Note: a memory trade] as the planner models it: named before selective_unshard, with
     the peak within the budget and no room left, the activations it moves pay for parameters
     kept gathered (none without them), by the runtime's rule; the plan stays within the budget;
-    with room for every parameter it trades nothing."""
+    with room for every parameter it trades nothing; with no room, `auto` chooses it for
+    prefetch."""
     peak = ours_passes.plan(setting(tiny, float("inf")), ()).peak()
     pair = ("activation_budget", "selective_unshard")
     alone = ours_passes.plan(setting(tiny, peak), ("selective_unshard",))
@@ -138,8 +139,15 @@ def test_within_the_budget_it_frees_activations_for_parameters_kept_gathered(tin
     chosen, left = ours_passes.auto_choice(setting(tiny, peak + 2 * gathered))
     assert "activation_budget" not in chosen and "selective_unshard" in chosen
     assert "room for every parameter gathered" in left["activation_budget"]
+    # with no room left selective_unshard is not chosen; prefetch, which then plans next, says
+    # what more memory is worth to it: activation_budget is chosen for it, and the planner asks
+    # prefetch's planner, which hides at the peak all that these graphs let it: no offer, no trade
     chosen, left = ours_passes.auto_choice(setting(tiny, peak))
-    assert not {"activation_budget", "selective_unshard"} & set(chosen)
+    assert "selective_unshard" not in chosen
+    assert chosen[:2] == ["activation_budget", "prefetch"], (chosen, left)
+    assert ours_passes._prefetch_offers(ours_passes.plan(setting(tiny, peak), ())) == ([], peak)
+    auto = ours_passes.plan(setting(tiny, peak), tuple(chosen))
+    assert "trade" not in auto.decisions["activation_budget"] and auto.acts == []
 
 
 def test_llama_8b_at_seq_4096_fits_with_it_and_beats_full_checkpointing():

@@ -124,17 +124,19 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 
 # [Note: a memory trade] With the profiled peak within the budget the pass may still free memory,
 # for the pass that plans next when that pass says what more memory is worth to it
-# (`Pass.memory_value`: selective_unshard keeps more parameters gathered): activations are
-# recomputed or offloaded below the budget where the time the next pass predicts to save is at
-# least `SPLIT_MARGIN` times the time they add (both predictions, each within ~±20%, cannot
-# reverse that). The pass plans to a few lower targets (`TRADE_POINTS`: the next pass's
-# options taken in its order, in equal counts), the peak each plan reaches sets the options
-# the freed bytes buy, and the lowest target that still pays that margin is the plan: a
-# threshold with a margin, not the largest net of two timed figures, so that launches whose
-# profiled times differ a little plan alike. Its decisions say what was traded (`trade`). A
-# trade is judged with the pass it frees memory for (compiler/pipeline.py): not on its own,
-# where it only adds time, but the two together against the graphs from before the trade,
-# kept or reverted together; the trade is reverted as well when that pass changes nothing.
+# (`Pass.memory_value`: selective_unshard keeps more parameters gathered, prefetch starts gathers
+# earlier): activations are recomputed or offloaded below the budget where the time the next
+# pass predicts to save is at least `SPLIT_MARGIN` times the time they add (both predictions,
+# each within ~±20%, cannot reverse that). The pass plans to a few lower targets
+# (`TRADE_POINTS`: the next pass's options taken in its order, in equal counts), the peak each
+# plan reaches sets the options the freed bytes buy, and the lowest target that still pays that
+# margin is the plan: a threshold with a margin, not the largest net of two timed figures, so
+# that launches whose profiled times differ a little plan alike. Its decisions say what was
+# traded (`trade`), or, where the next pass offered something and no target paid, what each
+# target would have freed, added and bought (`declined`; no graph changes). A trade is judged with the pass it frees memory for (compiler/pipeline.py):
+# not on its own, where it only adds time, but the two together against the graphs from before
+# the trade, kept or reverted together; the trade is reverted as well when that pass changes
+# nothing.
 # Over the budget, the pass plans to the budget and trades nothing; with an unbounded budget
 # it plans nothing.
 TRADE_POINTS = 6
@@ -142,13 +144,15 @@ ORDER = 5   # before the passes it may free memory for
 
 
 def choose_trade(offers: list[tuple[int, float]], level: float,
-                 plan_at: Callable[[float], tuple[float, float, Any]]
+                 plan_at: Callable[[float], tuple[float, float, Any]],
+                 tried: list[tuple[int, float, float]] | None = None
                  ) -> tuple[Any, int, float, float] | None:
     """[Note: a memory trade], the rule alone (the runtime's pass and `deepcompile plan` both
     use it): `offers` the next pass's `memory_value`, `level` the peak now, `plan_at(target)` ->
     (the peak a plan to `target` reaches, the seconds it adds per optimizer step, the plan).
     Returns (the plan, bytes freed, seconds the next pass saves with them, seconds added) for the
-    lowest target that pays, or None."""
+    lowest target that pays, or None; `tried`, where given, collects (bytes freed, seconds
+    saved, seconds added) of every target planned."""
     upto = list(itertools.accumulate(nbytes for nbytes, _ in offers))
     best = None
     for k in sorted({max(1, round(len(offers) * i / TRADE_POINTS))
@@ -159,6 +163,8 @@ def choose_trade(offers: list[tuple[int, float]], level: float,
         reached, cost, planned = plan_at(target)
         freed = int(level - reached)
         value = sum(saved for (_, saved), total in zip(offers, upto) if total <= freed)
+        if tried is not None:
+            tried.append((freed, value, cost))
         if freed > 0 and value >= SPLIT_MARGIN * cost:
             best = (planned, freed, value, cost)
     return best
@@ -180,26 +186,50 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
                       + [p for key, p in peaks.items() if key not in planned], default=0)
         return reached, sum(pd["added_s"] * ctx.order.count(pd["fw"]) for pd in d.values()), d
 
-    best = choose_trade(offers, level, plan_at)
+    tried: list[tuple[int, float, float]] = []
+    best = choose_trade(offers, level, plan_at, tried)
     if best is None:
-        return {}
+        declined = {"for": buyer, "peak_before": int(level), "offers": len(offers),
+                    "tried": [{"freed_bytes": f, "value_s": v, "added_s": c}
+                              for f, v, c in tried]}
+        log.info("deepcompile activation_budget: %s", _declined_line(declined))
+        return {"declined": declined}
     decisions, freed, value, cost = best
-    decisions["trade"] = trade_record(buyer, freed, level, cost, value, len(offers))
+    decisions["trade"] = trade_record(buyer, freed, level, cost, value, offers)
     log.info("deepcompile activation_budget: %s", _trade_line(decisions["trade"]))
     return decisions
 
 
 def trade_record(buyer: str, freed: int, level: float, cost: float, value: float,
-                 offers: int) -> dict[str, Any]:
-    """What a trade's decisions say of it (the report prints `_trade_line`)."""
+                 offers: list[tuple[int, float]]) -> dict[str, Any]:
+    """What a trade's decisions say of it (the report prints `_trade_line`): `bought`, the
+    buyer's first offers the freed bytes cover."""
+    bought = sum(total <= freed for total in itertools.accumulate(b for b, _ in offers))
     return {"for": buyer, "freed_bytes": int(freed), "peak_before": int(level),
-            "added_s": cost, "value_s": value, "offers": offers}
+            "added_s": cost, "value_s": value, "offers": len(offers), "bought": bought}
+
+
+def _buys(buyer: str) -> str:
+    return get_pass(buyer).memory_buys if buyer in known_passes() else ""
 
 
 def _trade_line(t: dict[str, Any]) -> str:
+    buys = _buys(t["for"])
+    what = (f" ({buys}: {t['bought']} of its {t['offers']} offers)"
+            if buys and "bought" in t else "")
     return (f"freed {size(t['freed_bytes'])} below the peak {size(t['peak_before'])} for "
-            f"{t['for']}: +{t['added_s'] * 1e3:.2f} ms a step predicted, for "
+            f"{t['for']}{what}: +{t['added_s'] * 1e3:.2f} ms a step predicted, for "
             f"{t['value_s'] * 1e3:.2f} ms it predicts to save with it")
+
+
+def _declined_line(t: dict[str, Any]) -> str:
+    buys = _buys(t["for"])
+    tried = "; ".join(f"freeing {size(max(p['freed_bytes'], 0))} below the peak "
+                      f"{size(t['peak_before'])} adds +{p['added_s'] * 1e3:.2f} ms a step for "
+                      f"{p['value_s'] * 1e3:.2f} ms" for p in t["tried"])
+    return (f"not traded for {t['for']} ({buys + ': ' if buys else ''}{t['offers']} offers): "
+            + (f"{tried}, less than {SPLIT_MARGIN:g}x" if tried else
+               "its first offer needs more than the peak"))
 
 
 def _state_reloads(ctx: PassContext, keys: dict[str, str],
@@ -231,7 +261,7 @@ def apply(ctx: PassContext, decisions: dict[str, Any]) -> list[str]:
     store = act_ops.store_of(ctx.runtime)   # before the re-profile: its buffers are host memory
     engine = ctx.runtime.handle   # what the ops find the runtime by
     for key, d in sorted(decisions.items()):
-        if key == "trade" or not d["choices"]:
+        if key in ("trade", "declined") or not d["choices"]:
             continue
         fw_gm, bw_gm = ctx.slots[d["fw"]].gm, ctx.slots[d["bw"]].gm
         _rewrite(fw_gm, bw_gm, d["choices"], engine, store.device)
@@ -344,6 +374,8 @@ def _like(val: torch.Tensor, *, device: torch.device | None = None, shape=None) 
 
 def summary(decisions: dict[str, Any]) -> list[str]:
     lines = [f"traded: {_trade_line(decisions['trade'])}"] if "trade" in decisions else []
+    if "declined" in decisions:
+        lines.append(_declined_line(decisions["declined"]))
     for key, d in sorted(decisions.items()):
         if not isinstance(d, dict) or "choices" not in d:
             continue
@@ -371,10 +403,11 @@ def summary(decisions: dict[str, Any]) -> list[str]:
 def auto(f: Facts) -> tuple[bool, str]:
     """`passes="auto"`: after `offload_optimizer` (which plans on a step whose peak activations
     it leaves alone), when the budget is bounded and a profiled peak still exceeds it; within
-    the budget, when a pass chosen after it says what more memory is worth to it
-    (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
-    (with room for all of them, more memory is worth nothing): the pass then frees activations
-    for it only where that pays ([Note: a memory trade])."""
+    the budget, when the pass chosen to plan right after it says what more memory is worth to
+    it (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
+    (with room for all of them, more memory is worth nothing: neither more parameters kept nor
+    more gathered early): the pass then frees activations for it only where that pays ([Note: a
+    memory trade])."""
     if f.memory_budget == float("inf"):
         return False, "memory budget unbounded: every saved activation stays"
     if f.peak_bytes <= f.memory_budget:
@@ -383,14 +416,13 @@ def auto(f: Facts) -> tuple[bool, str]:
         if f.memory_budget - f.peak_bytes >= f.keep_all_bytes:
             return False, (f"{within}, with room for every parameter gathered: every saved "
                            "activation stays")
-        buyers = [p.name for p in map(get_pass, known_passes())
-                  if p.memory_value is not None and p.choose is not None and p.order > ORDER
-                  and p.choose(f)[0]]
-        if not buyers:
+        after = [p for p in sorted(map(get_pass, known_passes()), key=lambda p: p.order)
+                 if p.order > ORDER and p.choose is not None and p.choose(f)[0]]
+        if not after or after[0].memory_value is None:
             return False, f"{within}: every saved activation stays"
-        return True, (f"{within}: activations are freed for {', '.join(buyers)} where the time "
-                      f"it predicts to save with them is at least {SPLIT_MARGIN:g}x the time "
-                      "they add")
+        return True, (f"{within}: activations are freed for {after[0].name}, which plans next, "
+                      f"where the time it predicts to save with them is at least "
+                      f"{SPLIT_MARGIN:g}x the time they add")
     return True, (f"profiled peak {mib(f.peak_bytes)} over the budget {mib(f.memory_budget)}: "
                   "the saved activations that are cheapest per byte are recomputed or offloaded")
 

@@ -122,6 +122,9 @@ class Pass:
     # step), most saved per byte first -- a pass planning before it may free that memory for
     # it ([Note: a memory trade] in passes/activation_budget.py)
     memory_value: Callable[[PassContext], list[tuple[int, float]]] | None = None
+    # what its `memory_value` offers buy, for a trade's report line (e.g. "parameters kept
+    # gathered")
+    memory_buys: str = ""
     # the DeepSpeed setting it stands for in a DeepSpeed config (_config_io.py), e.g.
     # "zero_optimization.offload_optimizer"
     deepspeed: str | None = None

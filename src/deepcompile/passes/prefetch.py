@@ -22,6 +22,11 @@ Every synchronous `allgather_param` of a partitioned graph becomes `allgather_st
   could not hide, within the budget on A's planned memory curve (`plan_across`). B then takes
   the gathered parameters with `allgather_from_prev` ([Note: cross-graph prefetch]).
 
+What more memory is worth to the pass (`memory_value`: activation_budget may free it, [Note: a
+memory trade] in passes/activation_budget.py): the plan made again with every graph's profiled
+live bytes held at lower levels, at each level where the budget stops one move fewer, and the
+predicted gather time each plan leaves exposed (`offers`).
+
 The simulation is the memory model of the profiler: the plan's predicted curve is what the
 re-profile measures (up to padding of the gathered buffers). The reduce side is the pass
 `bucket_reduce`.
@@ -29,7 +34,10 @@ re-profile measures (up to padding of the gathered buffers). The reduce side is 
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import itertools
+import math
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -44,6 +52,8 @@ from ._common import (Collective, launch_s, NodeIndex, Step, compute_times, firs
 
 
 MAX_FUSED_BYTES = 64 << 20
+OFFER_POINTS = 16   # plans `memory_value` makes at most, one per level where the plan changes
+INF = float("inf")
 
 
 Gather = Collective   # a parameter gather, as the planner sees it
@@ -51,9 +61,13 @@ Gather = Collective   # a parameter gather, as the planner sees it
 
 def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
                max_fused_bytes: int = MAX_FUSED_BYTES, policy: str = "overlap",
-               figure: str = "all_gather") -> dict[str, Any]:
+               figure: str = "all_gather", short: list[int] | None = None) -> dict[str, Any]:
     """The prefetch plan of one graph; pure (unit-tested on synthetic graphs). `figure`: the
-    cost model's figure for its gathers ([Note: a figure per group] in compiler/cost.py)."""
+    cost model's figure for its gathers ([Note: a figure per group] in compiler/cost.py).
+    `short`, where given, collects for each move the budget stops (a start placed one node
+    earlier, a gather fused) the bytes the plan holds above the profiled live bytes where it
+    stops it (the most where several nodes do): with live bytes `budget` less that at those
+    nodes, the move is made (`offers`)."""
     live = [s.live_bytes for s in steps]
     if (over := unattainable(live, budget)) is not None:
         return {**over, "groups": []}
@@ -68,20 +82,31 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
     c = lambda nbytes: cost.collective_s(figure, nbytes)  # noqa: E731
     host = launch_s(cost, "all_gather")
 
-    def point(k: int) -> int:
+    def above(k: int, nbytes: int) -> tuple[int, int]:
+        """(node, bytes the plan holds there above its live bytes) with `nbytes` more."""
         k = max(k, 0)
-        return live[k] + extra[k] + reserve[k]
+        return k, extra[k] + reserve[k] + nbytes
+
+    def stops(checks) -> bool:
+        """Whether the budget fails at one of `checks` ((node, bytes above its live bytes))."""
+        if short is None:
+            return any(live[k] + over > budget for k, over in checks)
+        failing = [over for k, over in checks if live[k] + over > budget]
+        if failing:
+            short.append(max(failing))
+        return bool(failing)
 
     def holds(members: list[Gather], nxt: Gather) -> bool:
         first = members[0]
         total = sum(m.nbytes for m in members)
+        at = max(first.index - 1, 0)
         # the newcomer is held from the group's wait to its use, on top of the members fused
-        # before it (each held from the wait to its own use)
-        return (all(point(j) + nxt.nbytes + sum(m.nbytes for m in members[1:] if j < m.index)
-                    <= budget for j in range(first.index, nxt.index))
-                # where the group's start runs if it cannot move up: the whole group at once
-                and live[max(first.index - 1, 0)] + extra[max(first.index - 1, 0)]
-                + total + nxt.nbytes <= budget)
+        # before it (each held from the wait to its own use); where the group's start runs if
+        # it cannot move up, the whole group at once
+        return not stops(itertools.chain(
+            (above(j, nxt.nbytes + sum(m.nbytes for m in members[1:] if j < m.index))
+             for j in range(first.index, nxt.index)),
+            [(at, extra[at] + total + nxt.nbytes)]))
 
     groups: list[dict[str, Any]] = []
     last_start = 0
@@ -100,7 +125,7 @@ def plan_graph(steps: list[Step], gathers: list[Gather], cost, budget: float,
         s, hidden = first.index, 0.0
         while s > last_start and hidden < need:
             j = s - 1
-            if point(j) + nbytes > budget or point(j - 1) + nbytes > budget:
+            if stops([above(j, nbytes), above(j - 1, nbytes)]):
                 break
             s, hidden = j, hidden + compute[j]
         for j in range(s, first.index):
@@ -132,10 +157,18 @@ def _start_points(groups, steps, live, extra) -> list[int]:
 
 
 def plan(ctx: PassContext) -> dict[str, Any]:
+    return _plan(ctx)
+
+
+def _plan(ctx: PassContext, level: float = INF, short: list[int] | None = None
+          ) -> dict[str, Any]:
+    """The plan, with every graph's profiled live bytes held at `level` at most (`offers`);
+    `short` as `plan_graph`'s."""
     decisions: dict[str, Any] = {}
     if ctx.world_size == 1:   # a gather is a view or a cast of the local shard: nothing to hide
         return decisions
     for key, steps, calls in profiled_graphs(ctx, ops.ALLGATHER):
+        steps = held_steps(steps, level)
         gathers = []
         for i, node in calls:
             entry = lookup(int(node.args[1]))
@@ -143,13 +176,13 @@ def plan(ctx: PassContext) -> dict[str, Any]:
                                   entry.pid, str(entry.compute_dtype)))
         backward = ctx.slots[key].kind == "bw"
         decision = plan_graph(steps, gathers, ctx.cost, ctx.memory_budget, policy=ctx.fusion,
-                              figure="all_gather_bw" if backward else "all_gather")
-        if decision["unattainable"]:
+                              figure="all_gather_bw" if backward else "all_gather", short=short)
+        if decision["unattainable"] and level == INF:
             warn_unattainable("prefetch", key, decision, "no prefetching")
         for g in decision["groups"]:
             g["params"] = [lookup(p).name for p in g["pids"]]
         decisions[key] = decision
-    steps = {k: steps_of(p) for k, p in ctx.profiles.items()}
+    steps = {k: held_steps(steps_of(p), level) for k, p in ctx.profiles.items()}
     # a gather started for the next graph is gathered as that graph gathers; under hpz a
     # forward's and a backward's gathers differ ([Note: secondary shards] in
     # runtime/secondary.py): no start across that boundary
@@ -160,8 +193,77 @@ def plan(ctx: PassContext) -> dict[str, Any]:
         # (a graph whose code has several structures may be followed, or preceded, by another
         # graph in another step: [Note: graph structure] in compiler/families.py)
         if a in steps and b in decisions and not (ctx.slots[a].varies or ctx.slots[b].varies):
-            plan_across(a, b, steps[a], steps[b], decisions, ctx.memory_budget)
+            plan_across(a, b, steps[a], steps[b], decisions, ctx.memory_budget, short)
     return decisions
+
+
+def held_steps(steps: list[Step], level: float) -> list[Step]:
+    """`steps` with their live bytes `level` at most."""
+    if level == INF:
+        return steps
+    return [dataclasses.replace(s, live_bytes=min(s.live_bytes, level)) for s in steps]
+
+
+def exposed_s(decisions: dict[str, Any], runs: dict[str, int]) -> float:
+    """The gather time a plan leaves exposed per optimizer step, predicted: each group's time
+    not hidden behind compute (a group started at the previous graph's tail: what neither graph
+    hides), times its graph's runs in the step (`runs`: slot key -> runs)."""
+    total = 0.0
+    for key, d in decisions.items():
+        exposed = sum(max(g["predicted_s"] - g["hidden_s"], 0.0) for g in d.get("groups", [])
+                      if not g.get("from_prev"))
+        exposed += sum(max(a["exposed_in_next_s"] - a["hidden_s"], 0.0)
+                       for a in d.get("for_next", []))
+        total += runs.get(key, 0) * exposed
+    return total
+
+
+def offers(plan_at: Callable[[float, list[int]], dict[str, Any]], runs: dict[str, int],
+           level: float, budget: float) -> list[tuple[int, float]]:
+    """What memory beyond the room the budget leaves is worth to the planner ([Note: a memory
+    trade] in passes/activation_budget.py): `plan_at(held, short)` plans with every graph's live
+    bytes held at `held` at most (a trade brings every graph's peak to the level it frees
+    memory to; below it the curves may stay as they are), `level` the peak now. From the plan
+    at `level` on, the next plan is made where the first move the budget stops is made (`short`
+    of `plan_graph`: the plan changes nowhere between), up to `OFFER_POINTS` plans; each saves
+    the exposed gather time it hides beyond the plan at `level` (`exposed_s`). Returned: the
+    steps between the rooms at which these savings are the most per byte (the upper concave
+    hull from no room and no saving), as (bytes, predicted seconds saved per optimizer step),
+    most saved per byte first and in the order of the room they need: each run of the first
+    offers sums to a room the planner was run at. Nothing over the budget or without one."""
+    if budget == INF or level > budget:
+        return []
+    short: list[int] = []
+    base = exposed_s(plan_at(level, short), runs)
+    points, held = [], level
+    for _ in range(OFFER_POINTS):
+        held = max((budget - over for over in short if 0 <= budget - over < held), default=None)
+        if held is None:
+            break
+        short = []
+        room, saved = math.ceil(level - held), base - exposed_s(plan_at(held, short), runs)
+        if points and points[-1][0] == room:   # two levels within a byte (a fractional
+            points.pop()                           # budget): the plan with more room stands
+        points.append((room, saved))
+    hull = [(0, 0.0)]
+    for room, saved in points:
+        while len(hull) > 1 and ((hull[-1][1] - hull[-2][1]) * (room - hull[-1][0])
+                                 <= (saved - hull[-1][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((room, saved))
+    while len(hull) > 1 and hull[-1][1] <= hull[-2][1]:
+        hull.pop()
+    return [(b - a, s - r) for (a, r), (b, s) in zip(hull, hull[1:])]
+
+
+def memory_value(ctx: PassContext) -> list[tuple[int, float]]:
+    """The gathers it would start earlier with memory beyond what the budget leaves it, from
+    the agreed profiles, the recorded order and the cost model (`offers`)."""
+    if ctx.memory_budget == INF or ctx.cost is None or ctx.world_size == 1:
+        return []
+    level = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    return offers(lambda held, short: _plan(ctx, held, short),
+                  {k: ctx.order.count(k) for k in ctx.profiles}, level, ctx.memory_budget)
 
 
 def successions(order: list[str]) -> list[tuple[str, str]]:
@@ -181,9 +283,10 @@ def successions(order: list[str]) -> list[tuple[str, str]]:
 
 
 def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
-                decisions: dict[str, Any], budget: float) -> None:
+                decisions: dict[str, Any], budget: float, short: list[int] | None = None) -> None:
     """Move B's first group to A's tail when B could not hide it (see the module docstring);
-    records the decision in both graphs' plans (`for_next` in A's, `from_prev` in B's group)."""
+    records the decision in both graphs' plans (`for_next` in A's, `from_prev` in B's group).
+    `short` as `plan_graph`'s."""
     dec_b = decisions[b]
     if dec_b["unattainable"] or not dec_b["groups"]:
         return
@@ -197,7 +300,14 @@ def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
         "peak_before": max(live_a, default=0), "peak_after": max(live_a, default=0),
         "curve": live_a})
     curve, nbytes = dec_a.get("curve"), first["bytes"]
-    if dec_a["unattainable"] or not curve or curve[-1] + nbytes > budget:
+
+    def stops(ks: list[int]) -> bool:
+        failing = [curve[k] - live_a[k] + nbytes for k in ks if curve[k] + nbytes > budget]
+        if failing and short is not None:
+            short.append(max(failing))
+        return bool(failing)
+
+    if dec_a["unattainable"] or not curve or stops([len(curve) - 1]):
         return
     # The start placed before node s runs after node s-1; its buffer is alive from there on,
     # through the gap between the graphs, to its use in B (where B's plan already counts it).
@@ -205,7 +315,7 @@ def plan_across(a: str, b: str, steps_a: list[Step], steps_b: list[Step],
     s, hidden = len(steps_a), 0.0
     while s > 0 and hidden < need:
         j = s - 1
-        if curve[j] + nbytes > budget or (j > 0 and curve[j - 1] + nbytes > budget):
+        if stops([j, j - 1] if j > 0 else [j]):
             break
         s, hidden = j, hidden + compute_a[j]
     first["from_prev"] = a
@@ -312,4 +422,5 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("prefetch", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=20, choose=auto, asynchronous=True)
+              order=20, choose=auto, asynchronous=True, memory_value=memory_value,
+              memory_buys="gathers started earlier")

@@ -557,4 +557,5 @@ def offers(opts: list[dict[str, Any]], capacity: float) -> list[tuple[int, float
 
 
 register_pass("selective_unshard", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=10, choose=auto, spare_memory=spare_memory, memory_value=memory_value)
+              order=10, choose=auto, spare_memory=spare_memory, memory_value=memory_value,
+              memory_buys="parameters kept gathered")

@@ -36,7 +36,12 @@ REPLICA_REFRESH_BYTES = 256 << 20   # ZeRO-1/2 replica refresh: one collective p
 
 
 # ------------------------------------------------------------------------------- passes
-def _prefetch(plan: Plan) -> dict[str, Any]:
+def _prefetch_plans(plan: Plan, held: float = float("inf"), short: list[int] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, dict[str, int]],
+                               dict[tuple[str, int], list[int]]]:
+    """prefetch's decisions on the plan so far, with the live bytes held at `held` at most
+    (`prefetch.offers`); (decisions, per graph the node of each step, each pre-fused gather's
+    members)."""
     s = plan.s
     decisions: dict[str, Any] = {}
     steps: dict[str, list[Step]] = {}
@@ -45,23 +50,31 @@ def _prefetch(plan: Plan) -> dict[str, Any]:
     members: dict[tuple[str, int], list[int]] = {}
     for key in ("bw", "fw"):     # the pipeline plans graphs in key order: g0.bw, g0.fw
         st, items, where[key] = plan.profile(key)
-        steps[key] = st
+        st = steps[key] = prefetch.held_steps(st, held)
         gathers = [prefetch.Gather(it.name, i, it.nbytes, it.ref[2], str(s.model.dtype))
                    for i, it in enumerate(items) if it.kind == "all_gather"]
         figure = "all_gather_bw" if key == "bw" else "all_gather"
         if forced is None:
             decisions[key] = prefetch.plan_graph(st, gathers, s.planner_cost, s.budget,
-                                                 policy=s.fusion, figure=figure)
+                                                 policy=s.fusion, figure=figure, short=short)
             continue
         # replay: each of the run's groups as one gather at its first member's place, placed
         # by the planner, fused with nothing else
         fused = _prefuse(gathers, forced.get(key, []), s, first=True)
         decisions[key] = prefetch.plan_graph(st, fused, s.planner_cost, s.budget,
-                                             max_fused_bytes=0, policy=s.fusion, figure=figure)
+                                             max_fused_bytes=0, policy=s.fusion, figure=figure,
+                                             short=short)
         for g in fused:
             members[key, g.pid] = _MEMBERS[id(g)]
     if s.layout != "hpz":   # hpz: the backward gathers otherwise (as the runtime's pass)
-        prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget)
+        prefetch.plan_across("fw", "bw", steps["fw"], steps["bw"], decisions, s.budget, short)
+    return decisions, where, members
+
+
+def _prefetch(plan: Plan) -> dict[str, Any]:
+    s = plan.s
+    decisions, where, members = _prefetch_plans(plan)
+    forced = (s.replay or {}).get("prefetch")
     ahead = (decisions["fw"].get("for_next") or [None])[0]
     n_fw = len(plan.model.fw.nodes)
     for key in ("fw", "bw"):
@@ -424,22 +437,37 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
     if "offload_optimizer" in passes:
         pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
     for i, name in enumerate(passes):
-        if name == "activation_budget" and passes[i + 1:i + 2] == ("selective_unshard",):
-            pl.decisions[name] = _activations_traded(pl)
+        buyer = passes[i + 1] if i + 1 < len(passes) else None
+        if name == "activation_budget" and buyer in _OFFERS:
+            pl.decisions[name] = _activations_traded(pl, buyer)
         else:
             pl.decisions[name] = _RUN[name](pl)
     return pl
 
 
-def _activations_traded(plan: Plan) -> dict[str, Any]:
-    """`activation_budget` before `selective_unshard`: within the budget, the activations it
-    frees for the parameters kept gathered where those save twice what they cost, by the rule
-    the runtime's pass applies ([Note: a memory trade] in passes/activation_budget.py)."""
+def _unshard_offers(plan: Plan) -> tuple[list[tuple[int, float]], int]:
+    _, opts, level, capacity = _unshard_options(plan)
+    return selective_unshard.offers(opts, capacity), level
+
+
+def _prefetch_offers(plan: Plan) -> tuple[list[tuple[int, float]], int]:
+    level = plan.peak()
+    return prefetch.offers(lambda held, short: _prefetch_plans(plan, held, short)[0],
+                           {"fw": plan.s.gas, "bw": plan.s.gas}, level, plan.s.budget), level
+
+
+# the passes whose `memory_value` the planner models: (offers, the peak now) on the plan so far
+_OFFERS = {"selective_unshard": _unshard_offers, "prefetch": _prefetch_offers}
+
+
+def _activations_traded(plan: Plan, buyer: str) -> dict[str, Any]:
+    """`activation_budget` before `buyer` (`_OFFERS`): within the budget, the activations it
+    frees for what `buyer` makes of more memory where that saves twice what they cost, by the
+    rule the runtime's pass applies ([Note: a memory trade] in passes/activation_budget.py)."""
     d = plan_activations(plan)
     if "skipped" in d or d["peak_before"] > d["budget_bytes"]:
         return d
-    _, opts, level, capacity = _unshard_options(plan)
-    offers = selective_unshard.offers(opts, capacity)
+    offers, level = _OFFERS[buyer](plan)
 
     def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
         planned = plan_activations(plan, target)
@@ -451,8 +479,7 @@ def _activations_traded(plan: Plan) -> dict[str, Any]:
         return d
     traded, freed, value, cost = best
     traded = plan_activations(plan, traded["budget_bytes"])   # its moves, in `plan.acts`
-    traded["trade"] = activation_budget.trade_record("selective_unshard", freed, level, cost,
-                                                     value, len(offers))
+    traded["trade"] = activation_budget.trade_record(buyer, freed, level, cost, value, offers)
     return traded
 
 
