@@ -63,7 +63,9 @@ def _all_to_host(engine) -> None:
     engine._offload.set_plan({c.index: offload.GRADS for c in engine._flat.chunks})
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
+# with clipping in the full suite: the default run clips gradients on the host in
+# test_gradients_on_the_host_are_unscaled_as_on_the_device[0.05-dynamic]
+@pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.extended)])
 def test_gradients_on_the_host_train_as_on_the_device(group, clip):
     plain = _engine(max_grad_norm=clip)
     _train(plain, 4)
@@ -92,8 +94,11 @@ def test_gradients_on_the_host_train_as_on_the_device(group, clip):
         assert torch.allclose(got[k], v, rtol=0, atol=1e-5), k
 
 
-@pytest.mark.parametrize("loss_scale", [1024.0, "dynamic"])
-@pytest.mark.parametrize("clip", [None, 0.05])
+# the default run has the dynamic scale with clipping (the norm of unscaled host gradients);
+# a static scale, and either without clipping, are the full suite's
+@pytest.mark.parametrize("loss_scale", [pytest.param(1024.0, marks=pytest.mark.extended),
+                                        "dynamic"])
+@pytest.mark.parametrize("clip", [pytest.param(None, marks=pytest.mark.extended), 0.05])
 def test_gradients_on_the_host_are_unscaled_as_on_the_device(group, loss_scale, clip):
     # SGD: a gradient left scaled (or clipped by a norm of scaled gradients) moves the weights
     # by as much more (AdamW's update would hardly show it)
@@ -242,6 +247,13 @@ def test_the_state_of_an_offloaded_chunk_reads_as_meta_not_as_released_memory(gr
                                packed[i][k].reshape(-1)), k
 
 
+# in the full suite: the default run has the pass send gradients to the host at accumulation
+# 2 under Inductor (test_gradients_sent_from_inductor_graphs_are_copied_before_their_buffers_
+# are_reused), within the budget at 2 ranks (tests/distributed/test_offload.py's
+# test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet), and a re-plan in
+# the middle of a window bringing them back (test_a_replan_profiles_the_graphs_without_the_
+# previous_plans_gradient_ops)
+@pytest.mark.extended
 def test_the_pass_sends_gradients_to_the_host_within_the_budget(group):
     from deepcompile.runtime import offload
 

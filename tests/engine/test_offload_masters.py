@@ -62,13 +62,25 @@ def _same(a: dict, b: dict) -> list[str]:
     return [k for k in b if not torch.equal(a[k], b[k])]
 
 
-@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
-# accumulation 1 beside 2 in the full suite ([Note: the core matrix] in tests/_train.py)
-@pytest.mark.parametrize("compiler, gas, clip", [pytest.param("fx", 1, None,
-                                                              marks=pytest.mark.extended),
-                                                 ("fx", 2, 0.05),
-                                                 pytest.param("inductor", 2, None,
-                                                              marks=pytest.mark.inductor)])
+def _train_params():
+    """(compiler, gas, clip, tier) with the ids pytest gave the two stacked parametrizations.
+    The default run ([Note: the core matrix] in tests/_train.py) has each tier once: the host
+    step (tier 4) with fx and clipping, the masters streamed (tier 3) with Inductor (the graphs
+    that read the copies are the same at both tiers); the other cells (accumulation 1 beside
+    2, each tier with the other compiler) are the full suite's."""
+    default = {("fx", 2, 0.05, 4), ("inductor", 2, None, 3)}
+    out = []
+    for compiler, gas, clip in (("fx", 1, None), ("fx", 2, 0.05), ("inductor", 2, None)):
+        for tier, tier_id in ((3, "streamed"), (4, "host-step")):
+            marks = [pytest.mark.inductor] if compiler == "inductor" else []
+            if (compiler, gas, clip, tier) not in default:
+                marks.append(pytest.mark.extended)
+            out.append(pytest.param(compiler, gas, clip, tier, marks=marks,
+                                    id=f"{compiler}-{gas}-{clip}-{tier_id}"))
+    return out
+
+
+@pytest.mark.parametrize("compiler, gas, clip, tier", _train_params())
 def test_masters_on_the_host_train_as_on_the_device(group, compiler, gas, clip, tier):
     """Tier 3 streams each master through the device's step; tier 4 steps it on the host
     ([Note: the host step]): on the CPU both run the same kernels, bitwise."""
@@ -117,7 +129,10 @@ def _close(engine, plain, clip) -> None:
                 else torch.allclose(got[k], want[k], rtol=0, atol=1e-6)), k
 
 
-@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+# the host step (tier 4) in the full suite: its masters are at home on the host as tier 3's
+# are, read and written through the same slot
+@pytest.mark.parametrize("tier", [pytest.param(3, id="streamed"),
+                                  pytest.param(4, id="host-step", marks=pytest.mark.extended)])
 def test_the_masters_are_read_and_written_outside_the_graphs_through_their_home(group, tmp_path,
                                                                               tier):
     """A checkpoint of an engine with its masters on the host holds the masters' values; loaded
@@ -210,10 +225,15 @@ def test_an_unknown_host_step_mode_is_refused():
         deepcompile.Config(host_step="sometimes")
 
 
-# the host step (tier 4) in the full suite: the eager gather reads the copy whatever the tier
+# the host step (tier 4) in the full suite: the eager gather reads the copy whatever the tier;
+# the default run gathers eagerly in `disabled` (a disabled submodule; `disabled_forward`'s
+# disabled forward gathers through the same fallback), and a graph break's graphs read the
+# copies as any graph does (test_masters_on_the_host_train_as_on_the_device)
 @pytest.mark.parametrize("tier", [pytest.param(3, id="streamed"),
                                   pytest.param(4, id="host-step", marks=pytest.mark.extended)])
-@pytest.mark.parametrize("name", ["disabled", "disabled_forward", "graph_break"])
+@pytest.mark.parametrize("name", ["disabled",
+                                  pytest.param("disabled_forward", marks=pytest.mark.extended),
+                                  pytest.param("graph_break", marks=pytest.mark.extended)])
 def test_code_outside_the_graphs_gathers_from_the_copies(group, name, tier):
     """Submodules that run eagerly (`torch.compiler.disable`) gather their parameters outside
     the compiled graphs (runtime/eager.py): with the masters on the host they read the bf16
@@ -252,6 +272,11 @@ def test_code_outside_the_graphs_gathers_from_the_copies(group, name, tier):
     assert not _same(_weights(engine), _weights(plain))
 
 
+# in the full suite: the default run brings the masters back to the device with the plan
+# emptied (test_masters_on_the_host_train_as_on_the_device's last steps), and re-plans on a
+# drift with host gradients (test_offload_grads.py's
+# test_a_replan_profiles_the_graphs_without_the_previous_plans_gradient_ops)
+@pytest.mark.extended
 def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     """A re-plan in the steady state (the step drifted: Engine._replan_on_drift, here by hand)
     brings every master back to the device, profiles the graphs reading the shards, and plans
@@ -284,7 +309,10 @@ def test_a_replan_brings_the_masters_back_and_plans_them_again(group):
     assert not _same(_weights(engine), _weights(plain))
 
 
-@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+# the masters streamed (tier 3) in the full suite: the default run skips the host step
+# (tier 4), whose copies are written outside the device's step
+@pytest.mark.parametrize("tier", [pytest.param(3, id="streamed", marks=pytest.mark.extended),
+                                  pytest.param(4, id="host-step")])
 def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group, tier):
     """An inf gradient with on_nonfinite="skip": no step, so no master moves; the weights and
     the copies the gathers read are the step's before, and the next step trains from them
@@ -308,7 +336,10 @@ def test_a_skipped_step_leaves_the_masters_and_their_copies_as_they_were(group, 
     assert _train(engine, 2, start=2) == _train(plain, 2, start=2)
 
 
-@pytest.mark.parametrize("tier", [3, 4], ids=["streamed", "host-step"])
+# the masters streamed (tier 3) in the full suite: their gradients stay on the device and are
+# unscaled as without offloading; the default run unscales the host step's (tier 4)
+@pytest.mark.parametrize("tier", [pytest.param(3, id="streamed", marks=pytest.mark.extended),
+                                  pytest.param(4, id="host-step")])
 def test_fp16_compute_with_a_dynamic_loss_scale(group, tier):
     """fp16 copies under fp32 masters, the loss scale dynamic (param_dtype float16's default):
     the host gradients are unscaled as the device's are, and training is bitwise the same as
@@ -347,7 +378,11 @@ HOST_OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(HOST_OPTIMIZERS))
+# Adam with amsgrad and SGD with Nesterov momentum in the full suite: the host instance is made
+# of the user's class as AdamW's is (the flat step's own SGD Nesterov: tests/engine/test_flat.py)
+@pytest.mark.parametrize("name", [n if n == "adamw-groups" else
+                                  pytest.param(n, marks=pytest.mark.extended)
+                                  for n in HOST_OPTIMIZERS])
 def test_the_host_step_keeps_the_optimizer_its_groups_and_its_schedule(group, name):
     """[Note: the host step] steps each chunk with a host instance of the user's optimizer
     class, its group's hyperparameters as the LR scheduler sets them each step: losses, weights

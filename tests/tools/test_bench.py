@@ -391,6 +391,11 @@ def test_paired_ratios_cancel_what_slows_a_round(tmp_path):
     assert row["verdict"] == "more than 3% slower" and row["interval"][0] > 1.9
 
 
+# benchmarks/host_step.py and opt_step.py run in the full suite ([Note: the core matrix] in
+# tests/_train.py); in the default run their command lines parse
+# (test_gpu_acceptance_commands_are_valid), and the steps they time train in the engine layer
+# (the host step: tests/engine/test_offload_masters.py; the flat step: test_flat.py)
+@pytest.mark.extended
 def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
     """benchmarks/host_step.py (issue 16: measure a host optimizer step against streaming
     before building one) runs its CPU part on a machine without CUDA and writes its JSON;
@@ -413,6 +418,7 @@ def test_host_step_measures_the_cpu_step_without_cuda(tmp_path):
     assert rec["cpu_step"]["seconds"] > 0 and rec["cpu_step"]["ns_per_param"] > 0
 
 
+@pytest.mark.extended   # with host_step.py's, above
 def test_opt_step_times_each_way_of_stepping(tmp_path):
     """benchmarks/opt_step.py (issue 16 item 4: the flat fused step against torch's
     per-parameter AdamW) steps a workload's parameter shapes every way on the CPU and writes

@@ -2,7 +2,9 @@
 train_llama.py: an uninterrupted run of 30 steps, and one stopped after 3 of its steps and
 resumed from its checkpoint for 3 more, log the same losses, and no gloo thread of the run is
 alive when a rank's interpreter finalizes; the uninterrupted run also logs its metrics to
-TensorBoard and draws its pictures. hf_trainer.py trains, checkpoints and saves a model."""
+TensorBoard and draws its pictures. In the default run ([Note: the core matrix] in
+tests/_train.py) train_llama.py runs once, stopped after its first 3 steps (`FIRST`).
+hf_trainer.py trains, checkpoints and saves a model."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from deepcompile.tools.spawn import free_port
+
+from _train import FULL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +49,12 @@ def _losses(out: str) -> dict[int, float]:
 STEPS = 30   # the LR schedule's length, the same in every run
 COMMON = ["--model", "tiny", "--compiler", "fx", "--steps", str(STEPS), "--grad-accum", "2",
           "--seq-len", "32", "--warmup", "2"]
+# The default run launches train_llama.py once and stops it after the schedule's first FIRST
+# steps: the README's quick start under torchrun, a checkpoint, the model written, the gloo
+# threads at finalization. The full suite runs all STEPS with the metrics and pictures, then
+# stops and resumes another run; a resumed run's losses are the unbroken run's in the default
+# run in tests/distributed/test_resume.py.
+FIRST = 3
 
 
 def _installed(*modules: str) -> bool:
@@ -58,24 +68,33 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, str]:
     """train_llama.py run for STEPS steps without a stop: a checkpoint at the end, the final
     model written with --save-pretrained, the gloo threads alive as each rank finalizes
     probed; with tensorboard and matplotlib installed, also --tensorboard and --plot-dir (the
-    metrics every step, one steady step traced, the report and its pictures). The directory
-    and rank 0's output."""
+    metrics every step, one steady step traced, the report and its pictures). In the default
+    run, stopped after FIRST steps, saved then. The directory and rank 0's output."""
     tmp = tmp_path_factory.mktemp("train_llama")
-    draw = (["--tensorboard", str(tmp / "tb"), "--plot-dir", str(tmp / "plots")]
-            if _installed("tensorboard", "matplotlib") else [])
+    if not FULL:   # the schedule's first FIRST steps, saved (`FIRST`)
+        extra = ["--save-every", str(FIRST), "--stop-after", str(FIRST)]
+    elif _installed("tensorboard", "matplotlib"):
+        extra = ["--tensorboard", str(tmp / "tb"), "--plot-dir", str(tmp / "plots")]
+    else:
+        extra = []
     out = _torchrun("train_llama.py", *COMMON, "--ckpt-dir", str(tmp / "a"),
-                    "--save-pretrained", str(tmp / "hf"), *draw, exit_probe=tmp / "gloo")
+                    "--save-pretrained", str(tmp / "hf"), *extra, exit_probe=tmp / "gloo")
     return tmp, out
 
 
 def test_train_llama_runs_and_resumes(uninterrupted, tmp_path):
     tmp, whole = uninterrupted
+    ran = STEPS if FULL else FIRST
     assert re.search(r"tokens/s [\d,]+ peak memory [\d.]+ GiB RSS", whole), whole
-    assert f"done at step {STEPS}" in whole and (tmp / "hf" / "model.safetensors").exists()
+    assert f"done at step {ran}" in whole and (tmp / "hf" / "model.safetensors").exists()
     if sys.platform == "linux":   # no process group outlives the script into finalization:
         # the engine's are freed at exit ([Note: engines freed before finalization]), the
         # default one by destroy_process_group ([Note: the default group kept by an import])
         assert [(tmp / f"gloo.{r}").read_text() for r in (0, 1)] == ["0", "0"]
+    assert sorted(_losses(whole)) == list(range(1, ran + 1))
+    if not FULL:   # the stopped and resumed runs are the full suite's (`FIRST`)
+        assert (tmp / "a" / "deepcompile-checkpoint.json").exists()
+        return
     first = _torchrun("train_llama.py", *COMMON, "--ckpt-dir", str(tmp_path / "b"),
                       "--save-every", "3", "--stop-after", "3")
     assert "done at step 3" in first
@@ -102,6 +121,9 @@ def test_hf_trainer_example(tmp_path):
     assert (tmp_path / "checkpoint-2" / "deepcompile" / "deepcompile-checkpoint.json").exists()
 
 
+# the full suite's (`FIRST`): engine.metrics() every step and engine.plot() in the default
+# run: tests/distributed/test_autoplan.py and test_grad_norm.py
+@pytest.mark.extended
 def test_train_llama_logs_metrics_and_draws(uninterrupted):
     """--tensorboard: engine.metrics() every step as TensorBoard scalars; --plot-dir: one
     steady step traced, the report and its pictures written."""

@@ -5,10 +5,10 @@ chose: the engine then trains bitwise as eager PyTorch does ([Note: what verify 
 
 One launch of 2 gloo ranks (tests/_dist.py) runs every job of `_jobs()` through verify's own
 rank code, the families for 3 optimizer steps with the fx compiler (warm-up, profile, then the
-passes "auto" chose; and again with `activation_budget` moving every saved value it can); the
-parent runs verify's comparison for each. One launch of 1 rank runs
-the implementation jobs. Small configs built here, nothing downloaded, dropout 0. The CLI runs
-once, on a file of its own.
+passes "auto" chose; and again with `activation_budget` moving every saved value it can): two
+of the families in the default run (`RUN_FAMILIES`), all six in the full suite. The parent runs
+verify's comparison for each. One launch of 1 rank runs the implementation jobs. Small configs
+built here, nothing downloaded, dropout 0. The CLI runs once, on a file of its own.
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ FAMILIES = {
     "resnet-batchnorm": (resnet, _image_batch),
 }
 
-# with activation_budget: one family in the core matrix, all in the full one ([Note: the
-# core matrix] in tests/_train.py)
+# the families the launch runs: a decoder (GPT-2) and a model with BatchNorm's buffers (ResNet)
+# in the core matrix, all six in the full one ([Note: the core matrix] in tests/_train.py); the
+# tiny Llama and Mixtral train against eager in the core's distributed tests (tests/distributed/)
+CORE_FAMILIES = ("gpt2", "resnet-batchnorm")
+RUN_FAMILIES = list(FAMILIES) if _train.FULL else list(CORE_FAMILIES)
+# with activation_budget: one family in the core matrix, all in the full one
 ACTIVATION_FAMILIES = list(FAMILIES) if _train.FULL else list(FAMILIES)[:1]
 
 
@@ -144,7 +148,13 @@ IMPLEMENTATIONS = {
 }
 
 
-def _implementation_jobs():
+# at 2 ranks: AdamW's single-tensor kernel (torch's on the CPU) in the core matrix, every
+# implementation in the full one; the 1-rank launch (`one_rank`) runs every implementation
+IMPLEMENTATIONS_AT_2 = (list(IMPLEMENTATIONS) if _train.FULL
+                        else list(IMPLEMENTATIONS)[:1])
+
+
+def _implementation_jobs(names=tuple(IMPLEMENTATIONS)):
     from deepcompile import Config
     from deepcompile.tools.verify import Job
 
@@ -154,7 +164,7 @@ def _implementation_jobs():
                 config=Config(compiler="fx", passes=(), warmup_steps=1),
                 build_model=functools.partial(_models.build_model, "mlp"),
                 make_batch=functools.partial(_models.global_batch, "mlp"))
-            for n, (opt, _) in IMPLEMENTATIONS.items()]
+            for n, (opt, _) in IMPLEMENTATIONS.items() if n in names]
 
 
 def _jobs():
@@ -169,11 +179,11 @@ def _jobs():
     # (every saved value it can move recomputed or offloaded), the most it ever changes
     acts = Config(compiler="fx", warmup_steps=1, measure_steps=0, passes=("activation_budget",),
                   memory_budget=1)
-    jobs = [Job(name=n, config=cfg, steps=3, build_model=b, make_batch=m)
-            for n, (b, m) in FAMILIES.items()]
+    jobs = [Job(name=n, config=cfg, steps=3, build_model=FAMILIES[n][0],
+                make_batch=FAMILIES[n][1]) for n in RUN_FAMILIES]
     jobs += [Job(name=f"{n}-activation_budget", config=acts, steps=3, build_model=FAMILIES[n][0],
                  make_batch=FAMILIES[n][1]) for n in ACTIVATION_FAMILIES]
-    return jobs + _implementation_jobs() + [
+    return jobs + _implementation_jobs(IMPLEMENTATIONS_AT_2) + [
         # ZeRO-1, accumulation and clipping in the reference too; weight decay 0: this job
         # checks that parameters without a gradient are listed, not how the step treats them
         Job(name="unused-zero1-gas2-clip", steps=2, build_model=WithUnused, make_batch=_xy_batch,
@@ -222,7 +232,8 @@ def one_rank(tmp_path_factory):
     return {f"{k}-1": v for k, v in out.items()}
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [n if n in RUN_FAMILIES else
+                                  pytest.param(n, marks=pytest.mark.extended) for n in FAMILIES])
 def test_a_family_verifies(results, name):
     res = results[name]
     print(f"\n{res}")
@@ -273,8 +284,10 @@ def test_graph_breaks_and_eager_modules_are_listed(results):
     assert "modules that ran eagerly (outside every compiled graph): inner" in str(res)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("name, world", [
+    pytest.param(n, w, id=f"{n}-{w}",
+                 marks=() if w == 1 or n in IMPLEMENTATIONS_AT_2 else pytest.mark.extended)
+    for n in IMPLEMENTATIONS for w in (1, 2)])
 def test_the_optimizer_implementation_chosen_trains_bitwise_as_eager(request, name, world):
     """The implementation the user chose is the flat step's, and the engine's parameters and
     losses are then those of eager PyTorch stepping with it, bit for bit (the eager run forwards
