@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import fx, nn
 
+import _graphs
 import _models
 from _dist import run_distributed
 from _train import Jobs, compare_to_reference, scenario
@@ -554,20 +555,11 @@ def test_inductor_code_keeps_starts_before_the_compute_they_overlap():
 def test_fused_groups_keep_the_budget_on_random_graphs():
     # Fused members are held from the group's wait to their own use: a newcomer must fit on top
     # of the members fused before it (found composing with offload_optimizer's tight budgets).
-    # Profiles as the profiler measures them: a gather's node holds the node before's bytes
-    # plus its own buffer.
     import random
 
     rng = random.Random(0)
     for _ in range(1000):
-        steps, gs = [], []
-        for i in range(rng.randint(6, 30)):
-            if i and rng.random() < 0.5:
-                nbytes = rng.choice([64, 128, 256, 512])
-                gs.append(P.Gather(f"g{len(gs)}", len(steps), nbytes, pid=len(gs)))
-                steps.append(P.Step(f"g{len(gs) - 1}", "all_gather", 0.01,
-                                    steps[-1].live_bytes + nbytes))
-            steps.append(P.Step(f"c{i}", "compute", rng.expovariate(1.0), rng.randint(100, 1000)))
+        steps, gs = _graphs.random_gathers(rng, P)
         budget = max(s.live_bytes for s in steps) + rng.randint(0, 300)
         plan = P.plan_graph(steps, gs, _cost(rng.uniform(0.1, 3.0), 1e-4), budget)
         assert plan["peak_after"] <= budget and max(plan["curve"]) <= budget, plan

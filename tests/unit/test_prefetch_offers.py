@@ -19,6 +19,7 @@ import random
 
 import pytest
 
+import _graphs
 from deepcompile.compiler.cost import LinearCostModel
 from deepcompile.passes import activation_budget as A
 from deepcompile.passes import get_pass
@@ -115,14 +116,7 @@ def test_nothing_with_an_unbounded_budget_room_for_all_or_over_the_budget():
 def test_collecting_the_stopped_moves_changes_no_plan():
     rng = random.Random(0)
     for _ in range(300):
-        steps, gs = [], []
-        for i in range(rng.randint(6, 30)):
-            if i and rng.random() < 0.5:
-                nbytes = rng.choice([64, 128, 256, 512])
-                gs.append(P.Gather(f"g{len(gs)}", len(steps), nbytes, pid=len(gs)))
-                steps.append(P.Step(f"g{len(gs) - 1}", "all_gather", 0.01,
-                                    steps[-1].live_bytes + nbytes))
-            steps.append(P.Step(f"c{i}", "compute", rng.expovariate(1.0), rng.randint(100, 1000)))
+        steps, gs = _graphs.random_gathers(rng, P)
         budget = max(s.live_bytes for s in steps) + rng.randint(0, 300)
         cost = LinearCostModel(coeffs={"all_gather": (rng.uniform(0.1, 3.0), 1e-4)})
         short: list[int] = []
