@@ -133,12 +133,11 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 # margin is the plan: a threshold with a margin, not the largest net of two timed figures, so
 # that launches whose profiled times differ a little plan alike. Its decisions say what was
 # traded (`trade`), or, where the next pass offered something and no target paid, what each
-# target would have freed, added and bought (`declined`; no graph changes). A trade is judged with the pass it frees memory for (compiler/pipeline.py):
-# not on its own, where it only adds time, but the two together against the graphs from before
-# the trade, kept or reverted together; the trade is reverted as well when that pass changes
-# nothing.
-# Over the budget, the pass plans to the budget and trades nothing; with an unbounded budget
-# it plans nothing.
+# target would have freed, added and bought (`declined`; no graph changes). A trade is judged
+# with the pass it frees memory for (compiler/pipeline.py): not on its own, where it only adds
+# time, but the two together against the graphs from before the trade, kept or reverted
+# together; the trade is reverted as well when that pass changes nothing. Over the budget, the
+# pass plans to the budget and trades nothing; with an unbounded budget it plans nothing.
 TRADE_POINTS = 6
 ORDER = 5   # before the passes it may free memory for
 
