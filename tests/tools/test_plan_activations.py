@@ -36,8 +36,8 @@ def tiny() -> compose.Model:
     return compose.compose(graphs, 2, times, name="tiny", batch=2, seq=64, dtype=torch.bfloat16)
 
 
-def setting(model, budget, gas=1) -> Setting:
-    net = Fabric(1, 8, nvlink_bw=450e9, nic_bw=50e9, pcie_bw=55e9)
+def setting(model, budget, gas=1, **fabric) -> Setting:
+    net = Fabric(1, 8, **{"nvlink_bw": 450e9, "nic_bw": 50e9, "pcie_bw": 55e9, **fabric})
     return Setting(model, 8, net, budget, gas, mem_bw=2.68e12, kernel_host_s=0.0,
                    eager_op_host_s=0.0, optimizer_s=1e-3)
 
@@ -152,6 +152,26 @@ def test_within_the_budget_it_frees_activations_for_parameters_kept_gathered(tin
     assert ours_passes._prefetch_offers(ours_passes.plan(setting(tiny, peak), ())) == ([], peak)
     auto = ours_passes.plan(setting(tiny, peak), tuple(chosen))
     assert "trade" not in auto.decisions["activation_budget"] and auto.acts == []
+
+
+def test_a_trade_that_does_not_pay_is_declined_with_what_it_tried(tiny):
+    """Where the gathers a kept parameter saves are ~free (a fabric without latency, 1,000x
+    faster), the activations selective_unshard would buy cost more than twice what they save:
+    the planner, as the runtime's pass, moves nothing and records each target it planned
+    (`declined`), and the plan's table line says so."""
+    from deepcompile.tools.plan import report
+
+    free = {"nvlink_bw": 450e12, "nvlink_hop_s": 0.0, "base_s": 0.0, "launch_host_s": 0.0}
+    peak = ours_passes.plan(setting(tiny, float("inf"), **free), ()).peak()
+    pair = ("activation_budget", "selective_unshard")
+    pl = ours_passes.plan(setting(tiny, peak, **free), pair)
+    d = pl.decisions["activation_budget"]
+    assert "trade" not in d and pl.acts == [] and pl.peak() == peak
+    t = d["declined"]
+    assert t["for"] == "selective_unshard" and t["offers"] > 0 and t["tried"]
+    assert all(p["freed_bytes"] <= 0 or p["value_s"] < 2 * p["added_s"] for p in t["tried"])
+    line = report.summarize_decision("activation_budget", d)
+    assert line.startswith("nothing moved") and "not traded for selective_unshard (" in line
 
 
 @pytest.mark.extended

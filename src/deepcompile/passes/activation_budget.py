@@ -188,10 +188,8 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
     tried: list[tuple[int, float, float]] = []
     best = choose_trade(offers, level, plan_at, tried)
     if best is None:
-        declined = {"for": buyer, "peak_before": int(level), "offers": len(offers),
-                    "tried": [{"freed_bytes": f, "value_s": v, "added_s": c}
-                              for f, v, c in tried]}
-        log.info("deepcompile activation_budget: %s", _declined_line(declined))
+        declined = declined_record(buyer, level, offers, tried)
+        log.info("deepcompile activation_budget: %s", declined_line(declined))
         return {"declined": declined}
     decisions, freed, value, cost = best
     decisions["trade"] = trade_record(buyer, freed, level, cost, value, offers)
@@ -208,6 +206,14 @@ def trade_record(buyer: str, freed: int, level: float, cost: float, value: float
             "added_s": cost, "value_s": value, "offers": len(offers), "bought": bought}
 
 
+def declined_record(buyer: str, level: float, offers: list[tuple[int, float]],
+                    tried: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """What a declined trade's decisions say of it (the report prints `declined_line`): each
+    target planned, as `choose_trade` collected it."""
+    return {"for": buyer, "peak_before": int(level), "offers": len(offers),
+            "tried": [{"freed_bytes": f, "value_s": v, "added_s": c} for f, v, c in tried]}
+
+
 def _buys(buyer: str) -> str:
     return get_pass(buyer).memory_buys if buyer in known_passes() else ""
 
@@ -221,7 +227,7 @@ def _trade_line(t: dict[str, Any]) -> str:
             f"{t['value_s'] * 1e3:.2f} ms it predicts to save with it")
 
 
-def _declined_line(t: dict[str, Any]) -> str:
+def declined_line(t: dict[str, Any]) -> str:
     buys = _buys(t["for"])
     tried = "; ".join(f"freeing {size(max(p['freed_bytes'], 0))} below the peak "
                       f"{size(t['peak_before'])} adds +{p['added_s'] * 1e3:.2f} ms a step for "
@@ -374,7 +380,7 @@ def _like(val: torch.Tensor, *, device: torch.device | None = None, shape=None) 
 def summary(decisions: dict[str, Any]) -> list[str]:
     lines = [f"traded: {_trade_line(decisions['trade'])}"] if "trade" in decisions else []
     if "declined" in decisions:
-        lines.append(_declined_line(decisions["declined"]))
+        lines.append(declined_line(decisions["declined"]))
     for key, d in sorted(decisions.items()):
         if not isinstance(d, dict) or "choices" not in d:
             continue

@@ -473,9 +473,12 @@ def _activations_traded(plan: Plan, buyer: str) -> dict[str, Any]:
         planned = plan_activations(plan, target)
         return plan.peak(), planned["added_s"] * plan.s.gas, planned
 
-    best = activation_budget.choose_trade(offers, level, plan_at) if offers else None
+    tried: list[tuple[int, float, float]] = []
+    best = activation_budget.choose_trade(offers, level, plan_at, tried) if offers else None
     if best is None:
         plan_activations(plan)   # the plan to the budget: nothing moved
+        if offers:
+            d["declined"] = activation_budget.declined_record(buyer, level, offers, tried)
         return d
     traded, freed, value, cost = best
     traded = plan_activations(plan, traded["budget_bytes"])   # its moves, in `plan.acts`

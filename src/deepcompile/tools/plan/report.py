@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...passes import activation_budget
+
 GiB = 2**30
 
 
@@ -135,7 +137,9 @@ def summarize_decision(name: str, d: dict[str, Any]) -> str:
                 f"{d.get('predicted_streamed_s', 0.0) * 1e3:.1f} ms (in and out){grads}")
     if name == "activation_budget":
         if d["peak_before"] <= d["budget_bytes"]:
-            return f"nothing moved: peak {gb(d['peak_before'])} within the budget"
+            return (f"nothing moved: peak {gb(d['peak_before'])} within the budget"
+                    + (f"; {activation_budget.declined_line(d['declined'])}"
+                       if "declined" in d else ""))
         t = d.get("trade")
         traded = (f"traded: freed {gb(t['freed_bytes'])} below the peak for {t['for']} "
                   f"(+{t['added_s'] * 1e3:.1f} ms a step predicted, for {t['value_s'] * 1e3:.1f} "
