@@ -2,12 +2,14 @@
 room under the budget but not enough to keep every parameter's cast copy (and its accumulator),
 `auto` chooses activation_budget before selective_unshard ([Note: a memory trade] in
 passes/activation_budget.py), whatever the trade finds, and training is bitwise the training
-without either pass (a kept copy is the cast a gather makes, made once per optimizer step)."""
+without either pass (a kept copy is the cast a gather makes, made once per optimizer step). The
+MLP (its inputs in the compute dtype); the tiny Llama in the full suite."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import _models
@@ -15,19 +17,26 @@ import _models
 GAS = 2
 
 
-def _run(passes, budget=None):
+def _batch(model: str, micro: int) -> dict:
+    batch = _models.local_batch(model, micro, 0, 1)
+    if model in _models.LM_MODELS:   # token ids
+        return batch
+    return {k: v.to(torch.bfloat16) for k, v in batch.items()}
+
+
+def _run(model, passes, budget=None):
     import deepcompile
 
     torch._dynamo.reset()
     engine = deepcompile.initialize(
-        _models.build_model("llama"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+        _models.build_model(model), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
         config=deepcompile.Config(compiler="fx", param_dtype=torch.bfloat16, passes=passes,
                                   memory_budget=budget, gradient_accumulation_steps=GAS,
                                   measure_steps=0))
     losses = []
     for step in range(8):
         for m in range(GAS):
-            loss = engine(**_models.local_batch("llama", GAS * step + m, 0, 1)).loss
+            loss = _models.loss_of(engine(**_batch(model, GAS * step + m)))
             engine.backward(loss)
             losses.append(loss.item())
         engine.step()
@@ -39,16 +48,17 @@ def _run(passes, budget=None):
     return out
 
 
-def test_auto_chooses_the_trade_at_one_rank(group):
+@pytest.mark.parametrize("model", ["mlp", pytest.param("llama", marks=pytest.mark.extended)])
+def test_auto_chooses_the_trade_at_one_rank(group, model):
     # the step's peak with every optimizer state on the device: offload_optimizer's figures
     # under a budget that never binds (it offloads nothing)
-    plain = _run(("offload_optimizer",), budget=1 << 40)
+    plain = _run(model, ("offload_optimizer",), budget=1 << 40)
     (offload,) = [p for p in plain["passes"] if p["pass"] == "offload_optimizer"]
     peak = offload["decisions"]["peak_before"]
     assert offload["decisions"]["offloaded_bytes"] == 0
     # every parameter's bf16 copy and fp32 accumulator
-    keep_all = sum(p.numel() * (2 + 4) for p in _models.build_model("llama").parameters())
-    auto = _run("auto", budget=peak + keep_all // 3)
+    keep_all = sum(p.numel() * (2 + 4) for p in _models.build_model(model).parameters())
+    auto = _run(model, "auto", budget=peak + keep_all // 3)
     print(f"\n[trade w1] peak {peak}, room {keep_all // 3} of {keep_all}: "
           + "; ".join(f"{p['pass']}: {p['verdict']}" for p in auto["passes"]))
     assert auto["chosen"][:2] == ["activation_budget", "selective_unshard"], auto["chosen"]
