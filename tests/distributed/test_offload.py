@@ -9,7 +9,7 @@ planner fed the profile a GPU produces (a simulated CUDA caching allocator: proc
 counts, 512-byte blocks, other engines alive), replayed under the plan; the run-time store on
 one process (the optimizer's state dict sees offloaded values, a reload op brings back its own
 chunks only, the CPU's deferred copies run only when the step waits for them, reloads the
-device has no room for are left to the step); and multi-rank tests on 2 gloo ranks, tiny
+device has no room for are left to the step); and tests on 1 and 2 gloo ranks, tiny
 Llama, AdamW, fx: parity with and without offloading (with each other at 1e-6 and with the
 eager reference), gradient accumulation 1 and 4, a half-state budget respected by the measured
 re-profile, composition with prefetch (in both orders), checkpoints resumed with and without
@@ -714,15 +714,20 @@ GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: th
 ALL_MASTER_MODES = (("masters", "never"), ("host", "auto"))
 MASTER_MODES = ALL_MASTER_MODES if FULL else ()
 GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
-# gradients on the host (tier 2): the core's run of them at world size 2 (accumulation 1; with
-# ragged lengths and a re-plan in tests/distributed/test_ragged.py, the full suite's), at world
-# size 1 in tests/engine/test_offload_grads.py
+# gradients on the host (tier 2): the core's run of them here (accumulation 1; with ragged
+# lengths and a re-plan in tests/distributed/test_ragged.py, the full suite's), and in
+# tests/engine/test_offload_grads.py
 GRADS = True
-# the compositions with prefetch: the core plans prefetch first (on the provisional curve),
-# the full suite offload_optimizer first too (as test_activation_budget's trade-all scenario
-# does in the core)
+# the compositions with prefetch (under the accumulation-1 budget at 2 ranks): the full
+# suite's. The core composes offload_optimizer and prefetch under a budget that offloads in
+# tests/distributed/test_layouts.py's 2x2 offload scenario, and names them with every pass in
+# test_activation_budget's trade-all scenario
 ALL_ORDERS = (("offload_optimizer", "prefetch"), ("prefetch", "offload_optimizer"))
-ORDERS = ALL_ORDERS if FULL else ALL_ORDERS[1:]
+ORDERS = ALL_ORDERS if FULL else ()
+# the parity runs (accumulation, half the state, gradients on the host) at world size 1 in the
+# core (what a rank offloads is its own; 2 ranks offload in the checkpoint test below), at 1
+# and 2 in the full suite, where the masters, the compositions and the random times run at 2
+PARITY_WORLDS = (1, WORLD) if FULL else (1,)
 
 
 def _offload_report(res: dict) -> dict:
@@ -733,7 +738,7 @@ def _parity_job(rank, world):
     """Per accumulation: a run without the pass, an unbounded run with it (it finds nothing
     to offload once planned; the figures give the budget), then a run under a budget that fits
     half the state, and one under a budget that needs gradients on the host (`GRADS`); then
-    the compositions with prefetch (`ORDERS`) under the accumulation-1 budget."""
+    the compositions with prefetch (`ORDERS`) under the accumulation-1 budget (at `WORLD`)."""
     out = {}
     for gas in GASES:
         plain = scenario(f"llama-adamw-gas{gas}", "llama", "adamw", 1e-2, gas=gas, steps=STEPS,
@@ -756,6 +761,8 @@ def _parity_job(rank, world):
                     "plain": (plain, _one_scenario(rank, world, plain))}
         if GRADS:
             out[gas]["grads"] = (grads, _one_scenario(rank, world, grads))
+    if world != WORLD:
+        return out
     # masters on the host (tier 3): bf16 compute under fp32 masters, with prefetch (its gathers
     # for the next graph read the copies too), under what all state and gradients reach
     bf16 = {"param_dtype": "bfloat16", "chunk_bytes": CHUNK, "warmup_steps": 1, "steps": 4}
@@ -794,98 +801,109 @@ def _parity_job(rank, world):
 
 @pytest.fixture(scope="module")
 def parity():
-    per_rank = run_distributed(_parity_job, WORLD, timeout=900)
-    for r in per_rank:
-        for v in r.values():
-            for sc, res in (v.values() if isinstance(v, dict) else [v]):
-                assert "error" not in res, res.get("error")
-    return per_rank
+    """{world: [rank 0's result, ...]} of `_parity_job` at each of `PARITY_WORLDS`."""
+    out = {}
+    for world in PARITY_WORLDS:
+        per_rank = run_distributed(_parity_job, world, timeout=900)
+        for r in per_rank:
+            for v in r.values():
+                for sc, res in (v.values() if isinstance(v, dict) else [v]):
+                    assert "error" not in res, res.get("error")
+        out[world] = per_rank
+    return out
 
 
-def _runs(parity, key, which=None):
-    entries = [r[key] if which is None else r[key][which] for r in parity]
+def _runs(per_rank, key, which=None):
+    entries = [r[key] if which is None else r[key][which] for r in per_rank]
     return entries[0][0], [res for _, res in entries]
 
 
 @pytest.mark.parametrize("gas", GAS_PARAMS)
 def test_losses_and_parameters_identical_with_and_without_offloading(parity, gas):
-    plain_sc, plain = _runs(parity, gas, "plain")
-    base_sc, base = _runs(parity, gas, "base")
-    half_sc, half = _runs(parity, gas, "half")
-    assert _offload_report(base[0])["decisions"]["chunks"] == []
-    assert _offload_report(half[0])["decisions"]["chunks"]
-    for other in (base, half):
-        loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(other)))
-        param_dev, where = max_param_deviation(other[0]["state"], plain[0]["state"])
-        print(f"\n[offload gas={gas}] {other[0]['id']} vs without the pass: loss {loss_dev:.3g}, "
-              f"param {param_dev:.3g} ({where})")
-        assert loss_dev == 0 and param_dev == 0   # the same arithmetic, only moved
-    compare_to_reference(plain_sc, plain, kind="llama/fx")
-    compare_to_reference(base_sc, base, kind="llama/fx+offload_optimizer(unbounded)")
-    compare_to_reference(half_sc, half, kind="llama/fx+offload_optimizer")
+    for world, per_rank in parity.items():
+        plain_sc, plain = _runs(per_rank, gas, "plain")
+        base_sc, base = _runs(per_rank, gas, "base")
+        half_sc, half = _runs(per_rank, gas, "half")
+        assert _offload_report(base[0])["decisions"]["chunks"] == []
+        assert _offload_report(half[0])["decisions"]["chunks"]
+        for other in (base, half):
+            loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(other)))
+            param_dev, where = max_param_deviation(other[0]["state"], plain[0]["state"])
+            print(f"\n[offload gas={gas} world={world}] {other[0]['id']} vs without the pass: "
+                  f"loss {loss_dev:.3g}, param {param_dev:.3g} ({where})")
+            assert loss_dev == 0 and param_dev == 0   # the same arithmetic, only moved
+        compare_to_reference(plain_sc, plain, kind="llama/fx")
+        compare_to_reference(base_sc, base, kind="llama/fx+offload_optimizer(unbounded)")
+        compare_to_reference(half_sc, half, kind="llama/fx+offload_optimizer")
 
 
 @pytest.mark.parametrize("gas", GAS_PARAMS)
 def test_half_budget_offloads_about_half_within_budget(parity, gas):
-    half_sc, half = _runs(parity, gas, "half")
-    budget = half_sc["config"]["memory_budget"]
-    rep = half[0]["report"]
-    d = _offload_report(half[0])["decisions"]
-    largest = max(c["bytes"] for c in d["chunks"])
-    print(f"\n[offload gas={gas}] budget {budget}: offloaded {d['offloaded_bytes']} of "
-          f"{d['state_bytes']} bytes in {len(d['chunks'])} chunks; peak "
-          f"{d['peak_before']} -> {d['peak_after']}; step {d['step_bytes']}")
-    assert d["state_bytes"] // 2 <= d["offloaded_bytes"] <= d["state_bytes"] // 2 + 2 * largest
-    assert max(d["curve"]) <= budget and d["peak_after"] <= budget
-    # measured: every graph re-profiled with the state offloaded stays within the budget
-    assert_peaks_within(rep, budget)
-    assert {p["label"] for _, p in last_profiles(rep)} == {"after offload_optimizer"}
-    # with all state on the device the step would be over the budget: offloading is what
-    # brings it under; the profiled steps ran with all state off the device
-    assert d["peak_before"] > budget
-    assert d["profiled_offloaded_bytes"] == d["state_bytes"]
-    # bytes moved per step: everything planned leaves after the step and comes back once per
-    # optimizer step (not once per micro-step), in graphs or streamed through the step
-    off = rep["offload"]
-    assert off["offloaded_bytes"] == d["offloaded_bytes"]
-    assert off["last_step"]["d2h_bytes"] == off["last_step"]["h2d_bytes"] == d["offloaded_bytes"]
-    assert off["last_step"]["reloaded_in_graph"] + off["last_step"]["streamed_at_step"] \
-        == len(d["chunks"])
-    in_graph = sum(len(r["chunks"]) for r in d["reloads"])
-    assert off["last_step"]["reloaded_in_graph"] == in_graph
-    # the reload ops are in the backward graph, and ran
-    bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
-    nodes = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "state_reload"]
-    assert len(nodes) == len(d["reloads"])
+    for world, per_rank in parity.items():
+        half_sc, half = _runs(per_rank, gas, "half")
+        budget = half_sc["config"]["memory_budget"]
+        rep = half[0]["report"]
+        d = _offload_report(half[0])["decisions"]
+        largest = max(c["bytes"] for c in d["chunks"])
+        print(f"\n[offload gas={gas} world={world}] budget {budget}: offloaded "
+              f"{d['offloaded_bytes']} of {d['state_bytes']} bytes in {len(d['chunks'])} "
+              f"chunks; peak {d['peak_before']} -> {d['peak_after']}; step {d['step_bytes']}")
+        half_state = d["state_bytes"] // 2
+        assert half_state <= d["offloaded_bytes"] <= half_state + 2 * largest
+        assert max(d["curve"]) <= budget and d["peak_after"] <= budget
+        # measured: every graph re-profiled with the state offloaded stays within the budget
+        assert_peaks_within(rep, budget)
+        assert {p["label"] for _, p in last_profiles(rep)} == {"after offload_optimizer"}
+        # with all state on the device the step would be over the budget: offloading is what
+        # brings it under; the profiled steps ran with all state off the device
+        assert d["peak_before"] > budget
+        assert d["profiled_offloaded_bytes"] == d["state_bytes"]
+        # bytes moved per step: everything planned leaves after the step and comes back once
+        # per optimizer step (not once per micro-step), in graphs or streamed through the step
+        off = rep["offload"]
+        assert off["offloaded_bytes"] == d["offloaded_bytes"]
+        last = off["last_step"]
+        assert last["d2h_bytes"] == last["h2d_bytes"] == d["offloaded_bytes"]
+        assert last["reloaded_in_graph"] + last["streamed_at_step"] == len(d["chunks"])
+        in_graph = sum(len(r["chunks"]) for r in d["reloads"])
+        assert last["reloaded_in_graph"] == in_graph
+        # the reload ops are in the backward graph, and ran
+        bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
+        nodes = [n for s in bw for n in s["profiles"][-1]["nodes"]
+                 if n["kind"] == "state_reload"]
+        assert len(nodes) == len(d["reloads"])
 
 
 @pytest.mark.parametrize("gas", [g if GRADS and g in GASES else
                                  pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)])
 def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(parity, gas):
-    plain_sc, plain = _runs(parity, gas, "plain")
-    sc, runs = _runs(parity, gas, "grads")
-    budget = sc["config"]["memory_budget"]
-    for res in runs:
-        d = _offload_report(res)["decisions"]
-        tier2 = [c for c in d["chunks"] if c["tier"] == R.GRADS]
-        print(f"\n[offload gas={gas}] budget {budget} (all state off: "
-              f"{d['lowest_state_peak_bytes']}, and all gradients: {d['lowest_peak_bytes']}): "
-              f"gradients of {len(tier2)} of {len(d['chunks'])} chunks to the host, "
-              f"{d['offloaded_grad_bytes']} bytes; peak {d['peak_before']} -> {d['peak_after']}")
-        assert tier2 and not d["unattainable"] and d["peak_after"] <= budget
-        assert d["offloaded_bytes"] == d["state_bytes"]
-        rep = res["report"]
-        assert_peaks_within(rep, budget)   # measured with the plan
-        # every micro-step sends them; the step brings each chunk's flat gradient back once
-        last = rep["offload"]["last_step"]
-        assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"]
-        bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
-        sent = [n for s in bw for n in s["profiles"][-1]["nodes"] if n["kind"] == "grad_offload"]
-        assert sent
-    loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
-    param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])
-    assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)
-    check_state_consistent(runs)
+    for world, per_rank in parity.items():
+        plain_sc, plain = _runs(per_rank, gas, "plain")
+        sc, runs = _runs(per_rank, gas, "grads")
+        budget = sc["config"]["memory_budget"]
+        for res in runs:
+            d = _offload_report(res)["decisions"]
+            tier2 = [c for c in d["chunks"] if c["tier"] == R.GRADS]
+            print(f"\n[offload gas={gas} world={world}] budget {budget} (all state off: "
+                  f"{d['lowest_state_peak_bytes']}, and all gradients: "
+                  f"{d['lowest_peak_bytes']}): gradients of {len(tier2)} of {len(d['chunks'])} "
+                  f"chunks to the host, {d['offloaded_grad_bytes']} bytes; peak "
+                  f"{d['peak_before']} -> {d['peak_after']}")
+            assert tier2 and not d["unattainable"] and d["peak_after"] <= budget
+            assert d["offloaded_bytes"] == d["state_bytes"]
+            rep = res["report"]
+            assert_peaks_within(rep, budget)   # measured with the plan
+            # every micro-step sends them; the step brings each chunk's flat gradient back once
+            last = rep["offload"]["last_step"]
+            assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"]
+            bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
+            sent = [n for s in bw for n in s["profiles"][-1]["nodes"]
+                    if n["kind"] == "grad_offload"]
+            assert sent
+        loss_dev = max(abs(a - b) for a, b in zip(mean_losses(plain), mean_losses(runs)))
+        param_dev, where = max_param_deviation(runs[0]["state"], plain[0]["state"])
+        assert loss_dev == 0 and param_dev == 0, (loss_dev, param_dev, where)
+        check_state_consistent(runs)
 
 
 @pytest.mark.parametrize("which", [pytest.param(w, marks=() if (w, m) in MASTER_MODES else
@@ -893,8 +911,8 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
                                    for w, m in ALL_MASTER_MODES])
 def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_meet(parity,
                                                                                  which):
-    plain_sc, plain = _runs(parity, "masters", "plain")
-    sc, runs = _runs(parity, "masters", which)
+    plain_sc, plain = _runs(parity[WORLD], "masters", "plain")
+    sc, runs = _runs(parity[WORLD], "masters", which)
     budget = sc["config"]["memory_budget"]
     tier = R.MASTERS if which == "masters" else R.HOST
     for res in runs:
@@ -919,7 +937,7 @@ def test_masters_go_to_the_host_under_a_budget_all_state_and_gradients_do_not_me
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=() if s in SEEDS else pytest.mark.extended)
                                   for s in range(3)])
 def test_every_pass_under_the_budget_with_random_profiled_times(parity, seed):
-    sc, res = _runs(parity, ("times", seed))
+    sc, res = _runs(parity[WORLD], ("times", seed))
     compare_to_reference(sc, res, kind="llama/fx+every pass, random times")
     budget = sc["config"]["memory_budget"]
     rep = res[0]["report"]
@@ -935,7 +953,7 @@ def test_every_pass_under_the_budget_with_random_profiled_times(parity, seed):
 @pytest.mark.parametrize("order", [o if o in ORDERS else pytest.param(o, marks=pytest.mark.extended)
                                    for o in ALL_ORDERS])
 def test_composes_with_prefetch_under_one_budget(parity, order):
-    sc, res = _runs(parity, order)
+    sc, res = _runs(parity[WORLD], order)
     compare_to_reference(sc, res, kind="llama/fx+" + "+".join(order))
     budget = sc["config"]["memory_budget"]
     rep = res[0]["report"]
@@ -1052,7 +1070,7 @@ def _inductor_job(rank, world, budget):
 @pytest.mark.extended
 @pytest.mark.inductor
 def test_inductor_keeps_and_runs_the_reload_ops(parity):
-    budget = parity[0][1]["half"][0]["config"]["memory_budget"]
+    budget = parity[WORLD][0][1]["half"][0]["config"]["memory_budget"]
     per_rank = run_distributed(_inductor_job, WORLD, budget, timeout=1500)
     sc, results = per_rank[0][0], [r for _, r in per_rank]
     compare_to_reference(sc, results, kind="llama/inductor+offload_optimizer")
