@@ -22,6 +22,7 @@ import torch
 
 import _models
 from _dist import DistributedTestError, run_distributed
+from _train import FULL
 
 MODEL = "llama_tied"
 TOTAL = 6      # optimizer steps of the uninterrupted run
@@ -199,9 +200,21 @@ def test_consolidate_command(saved, tmp_path, capsys):
 
 
 # ---- damaged checkpoints ---------------------------------------------------------------------------
-def _damage_job(rank, world, cases):
-    engine = _engine(3)
-    _steps(engine, rank, world, 0, 1)
+# what is damaged is the checkpoint's files: the default run damages a checkpoint of the MLP (an
+# engine compiled in ~1 s), the full suite that of `saved` (the tiny Llama's)
+DAMAGED_MODEL = MODEL if FULL else "mlp"
+
+
+def _save_two_steps_job(rank, world, path, model):
+    engine = _engine(3, model)
+    _steps(engine, rank, world, 0, 2, model=model)   # one step past the damage job's state
+    engine.save_checkpoint(path, client_state={"epoch": 1, "position": 1234,
+                                               "rng": torch.arange(4), "name": "run-a"})
+
+
+def _damage_job(rank, world, cases, model=MODEL):
+    engine = _engine(3, model)
+    _steps(engine, rank, world, 0, 1, model=model)
     before = engine.full_state_dict()
     opt_before = _full_optimizer(engine)
     out = {}
@@ -214,7 +227,7 @@ def _damage_job(rank, world, cases):
     out["unchanged"] = (_max_dev(engine.full_state_dict(), before) == 0.0 and
                         _max_dev(_full_optimizer(engine), opt_before) == 0.0 and
                         engine._optimizer_steps == 1)
-    out["trains"] = _steps(engine, rank, world, 1, 2)
+    out["trains"] = _steps(engine, rank, world, 1, 2, model=model)
     return out
 
 
@@ -230,35 +243,39 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def test_damaged_checkpoints_fail_on_every_rank_and_change_nothing(saved, tmp_path):
     tmp, _ = saved
+    source = tmp / "ckpt"
+    if DAMAGED_MODEL != MODEL:
+        source = tmp_path / "source"
+        run_distributed(_save_two_steps_job, 2, str(source), DAMAGED_MODEL, timeout=600)
     cases = {}
-    v = _copy(tmp / "ckpt", tmp_path / "truncated")
+    v = _copy(source, tmp_path / "truncated")
     data = v / "__1_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     cases["truncated"] = (tmp_path / "truncated", "__1_0.distcp has", "the save wrote")
-    v = _copy(tmp / "ckpt", tmp_path / "missing")
+    v = _copy(source, tmp_path / "missing")
     (v / "__0_0.distcp").unlink()
     cases["missing"] = (tmp_path / "missing", "__0_0.distcp is missing", "damaged")
-    _copy(tmp / "ckpt", tmp_path / "pointer")
+    _copy(source, tmp_path / "pointer")
     (tmp_path / "pointer" / "deepcompile-checkpoint.json").write_text("{not json")
     cases["pointer"] = (tmp_path / "pointer", "deepcompile-checkpoint.json is unreadable", "damaged")
-    v = _copy(tmp / "ckpt", tmp_path / "uncommitted")
+    v = _copy(source, tmp_path / "uncommitted")
     (v / "commit.json").unlink()
     cases["uncommitted"] = (tmp_path / "uncommitted", "not a complete checkpoint", "commit.json")
     # a planted pickle in place of client_state.pt, with the size commit.json records
-    v = _copy(tmp / "ckpt", tmp_path / "planted")
+    v = _copy(source, tmp_path / "planted")
     planted = pickle.dumps(_Planted())
     size = (v / "client_state.pt").stat().st_size
     (v / "client_state.pt").write_bytes(planted + b"\0" * (size - len(planted)))
     cases["planted"] = (tmp_path / "planted", "is damaged: reading it failed", "")
     # bytes flipped inside a tensor record (sizes intact)
-    v = _copy(tmp / "ckpt", tmp_path / "corrupt")
+    v = _copy(source, tmp_path / "corrupt")
     raw = bytearray((v / "__0_0.distcp").read_bytes())
     raw[:64] = b"\xff" * 64
     (v / "__0_0.distcp").write_bytes(bytes(raw))
     cases["corrupt"] = (tmp_path / "corrupt", "is damaged: reading it failed", "")
     cases["nothing"] = (tmp_path / "does-not-exist", "no checkpoint at", "")
     per_rank = run_distributed(_damage_job, 2, [(k, str(c[0])) for k, c in cases.items()],
-                               timeout=600)
+                               DAMAGED_MODEL, timeout=600)
     for case, (_path, *fragments) in cases.items():
         results = [r[case] for r in per_rank]
         assert results[0][0] == "CheckpointError", (case, results[0])
