@@ -304,7 +304,7 @@ KILL_POINTS = {
     "rank0-writing-state": (0, 1),
     "rank0-before-commit": (0, 1),
     "rank0-before-pointer": (0, 1),
-    "rank0-after-pointer": (0, 3),
+    "rank0-after-pointer": (0, 2),
 }
 
 
@@ -323,10 +323,10 @@ def _kill_job(rank, world, path, expected, point):
     _steps(engine, rank, world, 0, 1, model="mlp")
     engine.save_checkpoint(path)
     v1 = engine.full_state_dict()
-    _steps(engine, rank, world, 1, 3, model="mlp")
-    v3 = engine.full_state_dict()
+    _steps(engine, rank, world, 1, 2, model="mlp")   # still warming up: nothing profiled
+    v2 = engine.full_state_dict()
     if rank == 0:
-        torch.save({1: v1, 3: v3}, expected)
+        torch.save({1: v1, 2: v2}, expected)
     engine._comm.all_gather_object(None)
     killed_rank, _ = KILL_POINTS[point]
     patches = []
