@@ -1,6 +1,7 @@
-"""`deepcompile bench`: a smoke run of the harness (one tiny workload, one launch, two systems)
-and its pieces without spawning. Asserts on structure and on figures that do not depend on the
-machine's load (collectives, loss difference), never on time."""
+"""`deepcompile bench`: a smoke run of the harness (one tiny workload, one launch, two systems;
+in the default run one, ours: `SMOKE_SYSTEMS`) and its pieces without spawning. Asserts on
+structure and on figures that do not depend on the machine's load (collectives, loss
+difference), never on time."""
 
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers")
 
+from _train import FULL  # noqa: E402
 from deepcompile.tools.bench import output, systems  # noqa: E402
 from deepcompile.tools.cli import main  # noqa: E402
+
+# the systems of the smoke launch: ours, a peer (DDP) and one that cannot run here; DDP's launch
+# and the figures compared with it (its collectives, its optimizer state against ZeRO-3's) in
+# the full suite ([Note: the core matrix] in tests/_train.py)
+SMOKE_SYSTEMS = ("ours-z3", "ddp", "ds-deepcompile") if FULL else ("ours-z3", "ds-deepcompile")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench")
-    rc = main(["bench", "--workloads", "tiny-llama", "--systems", "ours-z3", "ddp",
-               "ds-deepcompile", "--launches", "1", "--steps", "2", "--warmup", "1",
+    rc = main(["bench", "--workloads", "tiny-llama", "--systems", *SMOKE_SYSTEMS,
+               "--launches", "1", "--steps", "2", "--warmup", "1",
                "--compiler", "fx", "--out", str(out)])
     assert rc == 0
     return json.loads((out / "bench.json").read_text()), out
@@ -44,8 +51,8 @@ def test_smoke_json_structure(smoke):
     assert meta["hardware"]["cpus"] == os.cpu_count()
     assert meta["versions"]["torch"]
     assert meta["command"].startswith("deepcompile bench --workloads tiny-llama")
-    assert [e["system"] for e in result["results"]] == ["ours-z3", "ddp", "ds-deepcompile"]
-    for name in ("ours-z3", "ddp"):
+    assert [e["system"] for e in result["results"]] == list(SMOKE_SYSTEMS)
+    for name in [n for n in ("ours-z3", "ddp") if n in SMOKE_SYSTEMS]:
         e = _entry(result, name)
         assert e["status"] == "ok", e.get("reason")
         assert len(e["launches"]) == 1 and e["launches"][0]["ok"]
@@ -73,16 +80,17 @@ def test_smoke_json_structure(smoke):
                 assert any("gloo" in t for t in ct["threads"]), ct["threads"]
             shares = [ct["machine"][f"{k}_share"] for k in ("busy", "idle", "steal")]
             assert sum(shares) == pytest.approx(1.0) and all(0 <= x <= 1 for x in shares)
-    # one rank's optimizer state: ZeRO-3's half of DDP's at 2 ranks (up to padding)
-    ours, ddp = (_entry(result, n)["memory"]["optimizer_state"] for n in ("ours-z3", "ddp"))
-    assert 0.45 * ddp < ours < 0.55 * ddp
+    if "ddp" in SMOKE_SYSTEMS:   # one rank's optimizer state: ZeRO-3's half of DDP's at 2
+        # ranks (up to padding)
+        ours, ddp = (_entry(result, n)["memory"]["optimizer_state"] for n in ("ours-z3", "ddp"))
+        assert 0.45 * ddp < ours < 0.55 * ddp
     dc = _entry(result, "ds-deepcompile")
     assert dc["status"] == "unavailable" and "CUDA" in dc["reason"] and not dc["launches"]
 
 
 def test_smoke_collectives_and_losses(smoke):
     result, _ = smoke
-    ours, ddp = _entry(result, "ours-z3"), _entry(result, "ddp")
+    ours = _entry(result, "ours-z3")
     # ZeRO-3: gathers parameters, reduce-scatters gradients (an all-reduce on gloo)
     assert ours["collectives"]["requested"]["all_gather"] > 0
     assert ours["collectives"]["requested"]["reduce_scatter"] > 0
@@ -92,11 +100,14 @@ def test_smoke_collectives_and_losses(smoke):
     assert own["all_gather"]["count"] == ours["collectives"]["requested"]["all_gather"]
     assert own["reduce_scatter"]["count"] == ours["collectives"]["requested"]["reduce_scatter"]
     assert own["all_gather"]["bytes"] == ours["collectives"]["transport"]["all_gather"]["bytes"]
-    # DDP: the gradients in all-reduce buckets, at least their size in bytes
-    numel = ddp["info"]["num_params"]
-    assert ddp["collectives"]["transport"]["all_reduce"]["bytes"] >= 4 * numel
-    assert "all_gather" not in ddp["collectives"]["transport"]
-    for e in (ours, ddp):
+    compared = [ours]
+    if "ddp" in SMOKE_SYSTEMS:   # DDP: the gradients in all-reduce buckets, at least their size
+        ddp = _entry(result, "ddp")
+        numel = ddp["info"]["num_params"]
+        assert ddp["collectives"]["transport"]["all_reduce"]["bytes"] >= 4 * numel
+        assert "all_gather" not in ddp["collectives"]["transport"]
+        compared.append(ddp)
+    for e in compared:
         assert e["collectives"]["count"] > 0
         assert e["collectives"]["same_in_every_launch"]
         assert e["loss"]["max_abs_diff"] < 1e-5, e["loss"]
@@ -132,7 +143,7 @@ def test_smoke_markdown_and_chart(smoke):
     rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| system | step ms")
     assert any(r.startswith("| ours-z3 | ") for r in rows)
-    assert any(r.startswith("| ddp | ") for r in rows)
+    assert any(r.startswith("| ddp | ") for r in rows) == ("ddp" in SMOKE_SYSTEMS)
     assert any(r.startswith("| ds-deepcompile | not available") for r in rows)
     assert "needs CUDA" in md
     try:
@@ -486,6 +497,10 @@ def test_gpu_acceptance_commands_are_valid():
                        "plan_validate", "attention_path", "activation_budget"}, checked
 
 
+# the full suite's, as host_step.py's and opt_step.py's above: in the default run its command
+# line parses (test_gpu_acceptance_commands_are_valid); what it records is how Dynamo and
+# transformers call SDPA, which deepcompile's graphs take as Dynamo gives them
+@pytest.mark.extended
 def test_attention_path_reports_the_sdpa_calls_and_ops(tmp_path):
     """benchmarks/attention_path.py (stop 32): tiny-llama on the CPU, compiled without
     Inductor (`aot_eager`: the same Dynamo graph, no C++ build). Eager Llama calls SDPA with

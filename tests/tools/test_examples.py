@@ -4,7 +4,7 @@ resumed from its checkpoint for 3 more, log the same losses, and no gloo thread 
 alive when a rank's interpreter finalizes; the uninterrupted run also logs its metrics to
 TensorBoard and draws its pictures. In the default run ([Note: the core matrix] in
 tests/_train.py) train_llama.py runs once, stopped after its first 3 steps (`FIRST`).
-hf_trainer.py trains, checkpoints and saves a model."""
+hf_trainer.py trains, checkpoints and saves a model (in the full suite)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,10 @@ def test_train_llama_runs_and_resumes(uninterrupted, tmp_path):
     assert a[6] < a[1]
 
 
+# the full suite's: in the default run tests/distributed/test_hf_trainer.py trains with
+# DeepCompileTrainer on 2 ranks (the Trainer's loop, its checkpoints resumed, save_model), and
+# train_llama.py above runs an example under torchrun
+@pytest.mark.extended
 def test_hf_trainer_example(tmp_path):
     pytest.importorskip("accelerate")
     out = _torchrun("hf_trainer.py", "--max-steps", "2", "--save-steps", "1", "--compiler", "fx",
