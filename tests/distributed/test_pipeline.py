@@ -221,7 +221,7 @@ def test_a_profiled_step_costs_at_most_three_normal_ones(profiled_llama):
 
 
 # ------------------------------------------------- passes, re-profiling, rank consistency
-def _pass_job(rank, world, perturb_rank):
+def _pass_job(rank, world, perturb_rank, trace_path):
     def perturb(prof):
         for i, n in enumerate(prof.nodes):
             if i % 3 == 0:
@@ -233,12 +233,17 @@ def _pass_job(rank, world, perturb_rank):
         perturb=perturb if rank == perturb_rank else None)
     report = engine.report()
     json.dumps(report.to_dict())
-    return {"report": report.to_dict(), "text": str(report)}
+    engine.export_trace(trace_path)   # test_export_trace's
+    collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
+                      if n.kind != "compute")
+    return {"report": report.to_dict(), "text": str(report), "trace": trace_path,
+            "collectives": collectives}
 
 
 @pytest.fixture(scope="module")
-def with_passes():
-    return run_distributed(_pass_job, WORLD, 1, timeout=600)
+def with_passes(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("trace") / "trace.json")
+    return run_distributed(_pass_job, WORLD, 1, path, timeout=600)
 
 
 def test_decisions_are_identical_across_ranks(with_passes):
@@ -303,19 +308,10 @@ def test_plan_cache_skips_profiling_and_rejects_stale_plans(tmp_path):
 
 
 # --------------------------------------------------------------------------------- trace
-def _trace_job(rank, world, path):
-    engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1, "passes": ()}, steps=3)
-    engine.export_trace(path)
-    collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
-                      if n.kind != "compute")
-    return collectives
-
-
-def test_export_trace(tmp_path):
-    path = str(tmp_path / "trace.json")
-    counts = run_distributed(_trace_job, WORLD, path, timeout=300)
-    with open(path) as f:
+def test_export_trace(with_passes):
+    """The trace the passes' run above wrote at its end."""
+    counts = [r["collectives"] for r in with_passes]
+    with open(with_passes[0]["trace"]) as f:
         events = json.load(f)["traceEvents"]
     for rank in range(WORLD):
         lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["pid"] == rank
