@@ -94,7 +94,9 @@ def test_harness_timeout_terminates_children():
     assert time.monotonic() - t0 < 40
 
 
-TRACED = ("mlp", "llama", "graph_break", "nested_break")   # one graph, two, several
+# one graph, two, several; the tiny Llama's in the full suite (the default run's parity tests
+# on it compare its compiled training with eager's)
+TRACED = ("mlp", "graph_break", "nested_break")
 
 
 @pytest.mark.parametrize("name", _models.MODEL_NAMES)

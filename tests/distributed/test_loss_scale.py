@@ -124,8 +124,13 @@ class _PerParameterAdamW(torch.optim.AdamW):
     """Not one of torch.optim's own classes: the engine steps it parameter by parameter."""
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-parameter"])
-@pytest.mark.parametrize("policy", ["raise", "skip"])
+# each step (flat, per parameter) and each policy once; the other two pairs are the full
+# suite's ([Note: the core matrix] in tests/_train.py)
+@pytest.mark.parametrize("policy, flat", [
+    pytest.param("raise", True, id="raise-flat"),
+    pytest.param("raise", False, id="raise-per-parameter", marks=pytest.mark.extended),
+    pytest.param("skip", True, id="skip-flat", marks=pytest.mark.extended),
+    pytest.param("skip", False, id="skip-per-parameter")])
 def test_with_clipping_one_read_serves_the_check_and_the_clip(group, monkeypatch, policy, flat):
     """With clipping and no loss scale, the step computes the gradients' 2-norms once (the
     flat step, and an optimizer stepped parameter by parameter alike): the inf/NaN check

@@ -25,6 +25,7 @@ from deepcompile.compiler.profiler import collectives_launched
 
 import _models
 from _dist import run_distributed
+from _train import FULL
 
 WORLD = 2
 
@@ -76,11 +77,42 @@ def _register_test_passes():
         deepcompile.register_pass("test_slowest", _slowest_plan, lambda ctx, d: [])
 
 
+class _Block(torch.nn.Module):
+    """A small attention block, laid out as the tiny Llama's (a projection each for the queries,
+    keys and values; even sizes): what its graphs hold for the memory model (views: the heads
+    split off and merged back; ops with several outputs: LayerNorm, attention, the
+    cross-entropy), at an MLP's compile cost."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(16)
+        self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.out = torch.nn.Linear(16, 12)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        h = self.norm(x)
+        q, k, v = (f(h).view(b, t, 2, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.out(h.transpose(1, 2).reshape(b, t, 16) + x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 12), y.view(-1))
+
+
+def _batch(model_name, micro, rank, world):
+    if model_name != "block":
+        return _models.local_batch(model_name, micro, rank, world)
+    g = torch.Generator().manual_seed(micro)
+    x, y = torch.randn(8, 6, 16, generator=g), torch.randint(0, 12, (8, 6), generator=g)
+    per = 8 // world
+    return {"x": x[rank * per:(rank + 1) * per], "y": y[rank * per:(rank + 1) * per]}
+
+
 def _train(rank, world, model_name, config, steps, *, perturb=None):
     import deepcompile
 
     _register_test_passes()
-    model = _models.build_model(model_name)
+    model = _Block() if model_name == "block" else _models.build_model(model_name)
     engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.05),
                                     config=config)
     if perturb is not None:
@@ -90,7 +122,7 @@ def _train(rank, world, model_name, config, steps, *, perturb=None):
     for step in range(steps):
         before = engine.comm_stats()
         for micro in range(gas):
-            batch = _models.local_batch(model_name, step * gas + micro, rank, world)
+            batch = _batch(model_name, step * gas + micro, rank, world)
             engine.backward(_models.loss_of(engine(**batch)))
         phase = engine._pipeline.phase.value
         engine.step()
@@ -101,11 +133,12 @@ def _train(rank, world, model_name, config, steps, *, perturb=None):
 
 
 # ------------------------------------------------------------------ profiles and memory model
-def _profile_job(rank, world):
+def _profile_job(rank, world, model_name):
     from deepcompile.compiler.liveness import static_live_bytes
 
-    engine, per_step = _train(rank, world, "llama", {"compiler": "fx", "warmup_steps": 2,
-                                                     "profile_steps": 3, "passes": ()}, steps=12)
+    engine, per_step = _train(rank, world, model_name, {"compiler": "fx", "warmup_steps": 2,
+                                                        "profile_steps": 3, "passes": ()},
+                              steps=12)
     pipe = engine._pipeline
     out = {"per_step": per_step, "timings": pipe.timings, "slots": {},
            "runs_per_step": {k: pipe.order.count(k) for k in pipe.slots}}
@@ -124,8 +157,18 @@ def _profile_job(rank, world):
 
 
 @pytest.fixture(scope="module")
-def profiled():
-    return run_distributed(_profile_job, WORLD, timeout=600)
+def profiled_llama():
+    return run_distributed(_profile_job, WORLD, "llama", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def profiled(request):
+    """Every rank's profiled run of the attention block, and of the tiny Llama in the full suite
+    ([Note: the core matrix] in tests/_train.py), one after the other."""
+    runs = run_distributed(_profile_job, WORLD, "block", timeout=600)
+    if FULL:
+        runs = runs + request.getfixturevalue("profiled_llama")
+    return runs
 
 
 def test_every_node_of_every_graph_is_profiled(profiled):
@@ -141,12 +184,14 @@ def test_cpu_memory_curve_matches_static_liveness(profiled):
             assert s["measured_live"] == s["static_live"], key
 
 
+# the timing tests time the tiny Llama's steps (an MLP-sized graph's step is mostly the host's
+# work outside the graphs)
 @pytest.mark.timing
-def test_node_times_add_up_to_the_step_time(profiled):
+def test_node_times_add_up_to_the_step_time(profiled_llama):
     # the sum of this rank's per-node times over a step (medians over 3 profiled steps, times
     # the runs per step) vs the measured wall time of a normal step (median over the steady
     # steps): what the profile attributes to nodes accounts for the step, within 25%
-    for r in profiled:
+    for r in profiled_llama:
         node_s = sum(s["node_time_s"] * r["runs_per_step"][k] for k, s in r["slots"].items())
         step_s = statistics.median(r["timings"]["steady_steps_s"])
         graph_s = sum(s["run_s"] * r["runs_per_step"][k] for k, s in r["slots"].items())
@@ -168,15 +213,15 @@ def test_a_profiled_step_replays_nothing(profiled):
 
 
 @pytest.mark.timing
-def test_a_profiled_step_costs_at_most_three_normal_ones(profiled):
-    for r in profiled:
+def test_a_profiled_step_costs_at_most_three_normal_ones(profiled_llama):
+    for r in profiled_llama:
         t = r["timings"]
         ratio = statistics.median(t["profiled_steps_s"]) / statistics.median(t["steady_steps_s"])
         assert ratio <= 3.0, ratio
 
 
 # ------------------------------------------------- passes, re-profiling, rank consistency
-def _pass_job(rank, world, perturb_rank):
+def _pass_job(rank, world, perturb_rank, trace_path):
     def perturb(prof):
         for i, n in enumerate(prof.nodes):
             if i % 3 == 0:
@@ -188,12 +233,17 @@ def _pass_job(rank, world, perturb_rank):
         perturb=perturb if rank == perturb_rank else None)
     report = engine.report()
     json.dumps(report.to_dict())
-    return {"report": report.to_dict(), "text": str(report)}
+    engine.export_trace(trace_path)   # test_export_trace's
+    collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
+                      if n.kind != "compute")
+    return {"report": report.to_dict(), "text": str(report), "trace": trace_path,
+            "collectives": collectives}
 
 
 @pytest.fixture(scope="module")
-def with_passes():
-    return run_distributed(_pass_job, WORLD, 1, timeout=600)
+def with_passes(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("trace") / "trace.json")
+    return run_distributed(_pass_job, WORLD, 1, path, timeout=600)
 
 
 def test_decisions_are_identical_across_ranks(with_passes):
@@ -258,19 +308,10 @@ def test_plan_cache_skips_profiling_and_rejects_stale_plans(tmp_path):
 
 
 # --------------------------------------------------------------------------------- trace
-def _trace_job(rank, world, path):
-    engine, _ = _train(rank, world, "mlp", {"compiler": "fx", "warmup_steps": 1,
-                                            "profile_steps": 1, "passes": ()}, steps=3)
-    engine.export_trace(path)
-    collectives = sum(1 for s in engine._pipeline.slots.values() for n in s.local.nodes
-                      if n.kind != "compute")
-    return collectives
-
-
-def test_export_trace(tmp_path):
-    path = str(tmp_path / "trace.json")
-    counts = run_distributed(_trace_job, WORLD, path, timeout=300)
-    with open(path) as f:
+def test_export_trace(with_passes):
+    """The trace the passes' run above wrote at its end."""
+    counts = [r["collectives"] for r in with_passes]
+    with open(with_passes[0]["trace"]) as f:
         events = json.load(f)["traceEvents"]
     for rank in range(WORLD):
         lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["pid"] == rank

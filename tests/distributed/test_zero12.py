@@ -35,7 +35,8 @@ import pytest
 import torch
 
 import _models
-from _train import COMM_KINDS, Jobs, compare_to_reference, mean_losses, reference_training, scenario
+from _train import (COMM_KINDS, FULL, Jobs, compare_to_reference, mean_losses,
+                    reference_training, scenario, tanh_stack)
 
 SGD_LR, ADAMW_LR, CLIP = 0.1, 1e-2, 0.1
 WARMUP_AND_PROFILE = 3     # Config defaults: 2 warm-up steps + 1 profiled step, then the pass
@@ -53,7 +54,9 @@ def _sc(stage, model, optim, gas=1, clip=None, *, compiler="fx", record=RECORD, 
 _FX2 = [s for stage in (1, 2) for s in (
     _sc(stage, "mlp", "sgd", 1, None, extended=True),
     _sc(stage, "mlp", "sgd", 4, CLIP),
-    _sc(stage, "mlp", "adamw", 1, CLIP),
+    # AdamW at ZeRO-2 beside ZeRO-1: the full suite's (ZeRO-2's reductions every micro-step:
+    # z2-mlp-sgd-gas4-clip)
+    _sc(stage, "mlp", "adamw", 1, CLIP, extended=stage == 2),
     _sc(stage, "mlp", "adamw", 4, None, extended=True),
     _sc(stage, "llama", "sgd", 1, None, extended=True),
     # ZeRO-1 fp32 Llama in the core: test_overlap_refresh's fx2 run with its pass (against
@@ -66,7 +69,10 @@ _FX2 = [s for stage in (1, 2) for s in (
     _sc(1, "disabled", "sgd", 3, CLIP),
     _sc(1, "llama_tied", "adamw", 2, None, extended=True),   # tied: test_models
     _sc(2, "graph_break", "sgd", 2, CLIP),
-    _sc(2, "mlp", "sgd", 2, None, tag="-prefetch", passes=("prefetch", "bucket_reduce")),
+    # the full suite's: the default run configures prefetch at ZeRO-1 (a no-op without gathers,
+    # the same checks) in test_composition.py's zero1-all-passes
+    _sc(2, "mlp", "sgd", 2, None, tag="-prefetch", passes=("prefetch", "bucket_reduce"),
+        extended=True),
 ]
 # 4 ranks: the full suite's (what they add is the shard arithmetic, padded on 2 ranks too)
 _FX4 = [_sc(1, "mlp", "adamw", 4, CLIP, extended=True), _sc(2, "mlp", "sgd", 1, None),
@@ -342,6 +348,17 @@ def test_config_stages_and_default_passes():
 
 
 # ------------------------------------------------------------------- insertion (in-process)
+# the 8-layer tanh stack (16 parameters: a backward long enough to spread the reduces through);
+# the tiny Llama's graphs in the full suite too
+_INSERTION_MODELS = ("tanh_stack", "llama") if FULL else ("tanh_stack",)
+
+
+def _loss(engine, name):
+    if name == "tanh_stack":
+        return engine(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))).square().mean()
+    return _models.loss_of(engine(**_models.global_batch(name, 0)))
+
+
 # ZeRO-2's insertion (reduces without a shard): the full suite's; its graphs train in the core's
 # ZeRO-2 parity cells
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.extended)])
@@ -353,23 +370,27 @@ def test_reduces_follow_their_gradients(group, stage):
     import deepcompile
     from deepcompile.runtime import ops
 
-    torch._dynamo.reset()
-    model = _models.build_model("llama")
-    n_params = len(list(model.parameters()))
-    engine = deepcompile.initialize(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                                    config={"zero_stage": stage, "compiler": "fx", "passes": ()})
-    engine.backward(_models.loss_of(engine(**_models.global_batch("llama", 0))))
-    engine.step()
-    slots = engine._pipeline.slots
-    assert sorted(slots) == ["g0.bw", "g0.fw"]
-    fw = [n for n in slots["g0.fw"].gm.graph.nodes if n.op == "call_function"]
-    assert not [n for n in fw if n.target in ops.COMM_KINDS]
-    bw = [n for n in slots["g0.bw"].gm.graph.nodes if n.op == "call_function"]
-    reduces = [i for i, n in enumerate(bw) if n.target in ops.COMM_KINDS]
-    assert len(reduces) == n_params and all(bw[i].target is ops.REDUCE_GRAD for i in reduces)
-    for i in reduces:
-        assert bw[i - 1] is bw[i].args[0], (bw[i - 1], bw[i])
-        shard = ops.reduce_grad_shard(bw[i])
-        assert (shard is not None and shard.op == "placeholder") if stage == 1 else shard is None
-    assert reduces[0] < len(bw) // 4 and reduces[-1] == len(bw) - 1, reduces
-    torch._dynamo.reset()
+    for name in _INSERTION_MODELS:
+        torch._dynamo.reset()
+        model = tanh_stack() if name == "tanh_stack" else _models.build_model(name)
+        n_params = len(list(model.parameters()))
+        engine = deepcompile.initialize(
+            model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            config={"zero_stage": stage, "compiler": "fx", "passes": ()})
+        engine.backward(_loss(engine, name))
+        engine.step()
+        slots = engine._pipeline.slots
+        assert sorted(slots) == ["g0.bw", "g0.fw"]
+        fw = [n for n in slots["g0.fw"].gm.graph.nodes if n.op == "call_function"]
+        assert not [n for n in fw if n.target in ops.COMM_KINDS]
+        bw = [n for n in slots["g0.bw"].gm.graph.nodes if n.op == "call_function"]
+        reduces = [i for i, n in enumerate(bw) if n.target in ops.COMM_KINDS]
+        assert len(reduces) == n_params and all(bw[i].target is ops.REDUCE_GRAD for i in reduces)
+        for i in reduces:
+            assert bw[i - 1] is bw[i].args[0], (name, bw[i - 1], bw[i])
+            shard = ops.reduce_grad_shard(bw[i])
+            assert (shard is not None and shard.op == "placeholder") if stage == 1 \
+                else shard is None
+        assert reduces[0] < len(bw) // 4 and reduces[-1] == len(bw) - 1, (name, reduces)
+        del engine
+        torch._dynamo.reset()
