@@ -379,9 +379,10 @@ def _sc(model, budget, world, *, compiler="fx", passes=("activation_budget",), t
 # below the peak with Inductor on the MLP at world size 1 in inductor1 (its offload ops compiled
 # by Inductor) and with fx on the tiny Llama at world size 1 in this process (above), the
 # model's own checkpointing in fx1, and a trade in fx2's "-trade-all" (every pass under one
-# budget); the other scenarios are the full suite's (the Llama under Inductor at 2 ranks in
-# inductor2, a trade at world size 1 is tests/engine/test_memory_trade.py's, an unattainable
-# budget tests/tools/test_verify.py's).
+# budget); the other scenarios are the full suite's (among them the Llama under Inductor at 2
+# ranks in inductor2 and a trade for prefetch's gathers in "-trade-prefetch"; a trade at world
+# size 1 is tests/engine/test_memory_trade.py's, an unattainable budget
+# tests/tools/test_verify.py's).
 TRADE = ("activation_budget", "selective_unshard")
 JOBS = Jobs({
     "fx1": (1, [_sc("mixtral", 1_050_000, 1, extended=True),
@@ -415,7 +416,7 @@ JOBS = Jobs({
                 # the peak and 792 B: little room for the backward's first gathers to start
                 # earlier (unbounded, prefetch's plan peaks at 581,832 B)
                 _sc("llama", 532_000, 2, passes=("activation_budget", "prefetch"),
-                    tag="-trade-prefetch", steps=6)]),
+                    tag="-trade-prefetch", steps=6, extended=True)]),
     # the "-trade" scenario again in a launch of its own: other processes, profiles timed again
     "fx2-again": (2, [_sc("llama", 560_000, 2, passes=TRADE, tag="-trade-again", steps=6,
                           extended=True)]),
@@ -586,6 +587,10 @@ def test_every_pass_under_one_budget_with_a_trade():
     assert len({repr({n: e["decisions"] for n, e in lg.items()}) for lg in logs}) == 1
 
 
+# the full suite's: the core trades end to end for selective_unshard in "-trade-all", and
+# tests/unit/test_prefetch_offers.py trades for prefetch's offers (those that pay, one that
+# does not, auto's choice of the buyer, the report's line)
+@pytest.mark.extended
 def test_within_the_budget_activations_are_weighed_against_gathers_started_earlier():
     """[Note: a memory trade] with prefetch planning next, under a budget at the profiled peak:
     prefetch says what the memory would hide (`memory_value`: its planner on the same profiles,

@@ -705,12 +705,11 @@ WORLD = 2
 STEPS = 8
 # seeds of random profiled times: the full suite's ([Note: the core matrix] in tests/_train.py);
 # the core runs every pass under one budget with offload_optimizer first in
-# test_activation_budget's trade-all scenario, and the composition with prefetch below
+# test_activation_budget's trade-all scenario
 SEEDS = range(3) if FULL else range(0)
 GASES = (1, 4) if FULL else (1,)   # accumulation 4 in the full suite ([Note: the core matrix])
 # masters streamed through the device's step (tier 3) and stepped on the host (tier 4): the
-# full suite's; the core runs both at world size 1 (tests/engine/test_offload_masters.py, fx
-# and Inductor)
+# full suite's; the core runs both at world size 1 (tests/engine/test_offload_masters.py)
 ALL_MASTER_MODES = (("masters", "never"), ("host", "auto"))
 MASTER_MODES = ALL_MASTER_MODES if FULL else ()
 GAS_PARAMS = [g if g in GASES else pytest.param(g, marks=pytest.mark.extended) for g in (1, 4)]
@@ -1064,9 +1063,9 @@ def _inductor_job(rank, world, budget):
 
 
 # the full suite's: the core runs offloading under Inductor at world size 1, gradients sent from
-# Inductor's graphs (tests/engine/test_offload_grads.py) and masters read through their copies
-# (tests/engine/test_offload_masters.py); a reload op Inductor dropped would leave its chunks
-# to be streamed through the step (training the same, the reload not overlapped)
+# Inductor's graphs (tests/engine/test_offload_grads.py); a reload op Inductor dropped would
+# leave its chunks to be streamed through the step (training the same, the reload not
+# overlapped)
 @pytest.mark.extended
 @pytest.mark.inductor
 def test_inductor_keeps_and_runs_the_reload_ops(parity):

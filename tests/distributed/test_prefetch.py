@@ -258,17 +258,16 @@ JOBS = Jobs({
                  record=("comm",), extended=True, **_PREFETCH),
         # its report's pass entries are the unbounded plan of the budget tests; the full
         # suite's (the core runs both passes on the tiny Llama with the other passes in
-        # test_activation_budget's trade-all scenario, and on graph_break below)
+        # test_activation_budget's trade-all scenario, and on graph_break in fx2-random-times)
         scenario("llama-adamw-gas2-clip-prefetch-reduce", "llama", "adamw", 1e-2, gas=2,
                  clip=0.1, record=("comm", "report"), extended=True, **_BOTH),
         # without a pass: the full suite's (test_buckets_cut_reduce_scatters_per_micro_step); the
         # core's Llama AdamW gas 2 clip at ZeRO-3 without a pass is test_parity's Inductor run
         scenario("llama-adamw-gas2-clip", "llama", "adamw", 1e-2, gas=2, clip=0.1,
                  record=("comm",), warmup_steps=1, extended=True),
-        # graph_break with both passes, on this machine's times (fx2-random-times: on seeded
-        # random ones); its report is test_prefetch_overlaps_gathers_with_compute's
-        scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1,
-                 record=("comm", "report"), **_BOTH),
+        # the core's graph_break with both passes: fx2-random-times (gas 1, the same passes)
+        scenario("graph_break-sgd-prefetch-reduce", "graph_break", "sgd", 0.1, extended=True,
+                 **_BOTH),
     ]),
     "fx4": (4, [scenario("llama-sgd-gas1-prefetch-reduce", "llama", "sgd", 0.1, extended=True,
                          **_BOTH)]),
@@ -284,7 +283,7 @@ JOBS = Jobs({
     "fx2-random-times": (2, [
         scenario(f"{model}-sgd-gas{gas}-{'-'.join(passes)}-times{seed}", model, "sgd", 0.1,
                  gas=gas, steps=4, profile_seed=seed, passes=passes, warmup_steps=1,
-                 extended=seed != core)
+                 record=("report",), extended=seed != core)
         for model, gas, passes, seeds, core in (
             ("graph_break", 1, ("prefetch", "bucket_reduce"), 8, 7),   # a seed that failed
             ("llama", 2, ("selective_unshard", "prefetch", "bucket_reduce"), 4, None))
@@ -349,13 +348,14 @@ def unbounded():
     return {"pass": by_name["prefetch"], "reduce": by_name["bucket_reduce"]}
 
 
-@pytest.mark.parametrize("sid", ["graph_break-sgd-prefetch-reduce",
-                                 pytest.param("llama-adamw-gas2-clip-prefetch-reduce",
-                                              marks=pytest.mark.extended)])
-def test_prefetch_overlaps_gathers_with_compute(sid):
+# the core's: graph_break's plan under seeded random times (the seed the core runs)
+@pytest.mark.parametrize("job, sid", [
+    ("fx2-random-times", "graph_break-sgd-gas1-prefetch-bucket_reduce-times7"),
+    pytest.param("fx2", "llama-adamw-gas2-clip-prefetch-reduce", marks=pytest.mark.extended)])
+def test_prefetch_overlaps_gathers_with_compute(job, sid):
     # Counted, not timed: whether the wait time drops depends on the machine's load (two
     # ranks and gloo's threads share 2 cores here); the measured figures go in the notes.
-    rep = JOBS.results("fx2", sid)[0]["report"]
+    rep = JOBS.results(job, sid)[0]["report"]
     (p,) = [e for e in rep["passes"] if e["pass"] == "prefetch"]
     print(f"exposed comm {p['before']['exposed_comm_s'] * 1e3:.1f} ms -> "
           f"{p['after']['exposed_comm_s'] * 1e3:.1f} ms; collectives "

@@ -64,11 +64,14 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def _train_params():
     """(compiler, gas, clip, tier) with the ids pytest gave the two stacked parametrizations.
-    The default run ([Note: the core matrix] in tests/_train.py) has each tier once: the host
-    step (tier 4) with fx and clipping, the masters streamed (tier 3) with Inductor (the graphs
-    that read the copies are the same at both tiers); the other cells (accumulation 1 beside
-    2, each tier with the other compiler) are the full suite's."""
-    default = {("fx", 2, 0.05, 4), ("inductor", 2, None, 3)}
+    The default run ([Note: the core matrix] in tests/_train.py) has the host step (tier 4)
+    with fx and clipping; the masters streamed (tier 3) train bitwise as on the device, planned
+    by the pass, in test_the_pass_keeps_masters_on_the_host_within_the_budget[never], and
+    Inductor's graphs at world size 1 run offloading's ops in
+    tests/engine/test_offload_grads.py's Inductor test. The other cells (tier 3 with Inductor:
+    the graphs that read the copies are the same at both tiers; accumulation 1 beside 2; each
+    tier with the other compiler) are the full suite's."""
+    default = {("fx", 2, 0.05, 4)}
     out = []
     for compiler, gas, clip in (("fx", 1, None), ("fx", 2, 0.05), ("inductor", 2, None)):
         for tier, tier_id in ((3, "streamed"), (4, "host-step")):
