@@ -15,7 +15,8 @@ On 4 gloo ranks laid out as nodes by LOCAL_WORLD_SIZE (2 x 2, 4 x 1, 1 x 4), in 
 * `layout="auto"` states its choice and every layout's figures in the report; the rule itself
   (compiler/layouts.py) on given figures;
 * checkpoints saved at 2 x 2 (hsdp) load at 1 x 4, 4 x 1, under hpz and on 1 rank, and
-  `save_pretrained` writes the same weights from every layout;
+  `save_pretrained` writes the same weights from every layout: a language model with tied
+  weights and odd sizes, and (the full suite's) the tied tiny Llama;
 * a layout that cannot work is refused on every rank with the same message.
 """
 
@@ -29,7 +30,7 @@ import torch
 
 import _models
 from _dist import run_distributed
-from _train import Jobs, compare_to_reference, scenario
+from _train import FULL, Jobs, compare_to_reference, scenario
 
 ALL = ("prefetch", "bucket_reduce", "selective_unshard")
 NODES = {"2x2": {"LOCAL_WORLD_SIZE": "2"}, "4x1": {"LOCAL_WORLD_SIZE": "1"},
@@ -245,14 +246,40 @@ def test_the_auto_rule_weighs_the_memory_a_layout_takes_by_what_the_passes_make_
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def _engine(layout, env, group_size=None):
+class _TiedLM(torch.nn.Module):
+    """A language model whose output layer is its embedding table (one parameter under two
+    names), with layers no group size divides (each layout pads their shards differently)."""
+
+    def __init__(self, dim: int = 11):
+        super().__init__()
+        torch.manual_seed(_models.SEED)
+        self.embed = torch.nn.Embedding(_models.VOCAB, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, _models.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        logits = self.head(h + torch.tanh(self.mix(self.norm(h))))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 labels[:, 1:].reshape(-1))
+
+
+# the tied models checkpointed: the tied tiny Llama (its Hugging Face directory) is the full
+# suite's; save_pretrained of a Hugging Face model in the default run: test_checkpoint.py's
+_CKPT_MODELS = {"tied_lm": _TiedLM, "llama_tied": lambda: _models.build_model("llama_tied")}
+CKPT_RUN = list(_CKPT_MODELS) if FULL else ["tied_lm"]
+
+
+def _engine(model, layout, env, group_size=None):
     import deepcompile
     from _train import environment
 
     torch._dynamo.reset()
     with environment(env):
         return deepcompile.initialize(
-            _models.build_model("llama_tied"),
+            _CKPT_MODELS[model](),
             functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
             deepcompile.Config(compiler="fx", layout=layout, shard_group_size=group_size))
 
@@ -269,13 +296,13 @@ def _state_of(engine) -> dict:
     return out
 
 
-def _checkpoint_job(rank, world, tmp):
+def _checkpoint_job(rank, world, model, tmp):
     from pathlib import Path
 
     out = {}
-    engine = _engine("hsdp", NODES["2x2"])
-    for step in range(2):
-        engine.backward(_models.loss_of(engine(**_models.local_batch("llama_tied", step, rank,
+    engine = _engine(model, "hsdp", NODES["2x2"])
+    for step in range(2):   # (the tiny Llama's token sequences)
+        engine.backward(_models.loss_of(engine(**_models.local_batch("llama", step, rank,
                                                                       world))))
         engine.step()
     engine.save_checkpoint(Path(tmp) / "ckpt")
@@ -284,7 +311,7 @@ def _checkpoint_job(rank, world, tmp):
     del engine
     for name, layout, nodes in (("1x4-shard", "shard", "1x4"), ("4x1-hsdp", "hsdp", "4x1"),
                                 ("2x2-hpz", "hpz", "2x2")):
-        engine = _engine(layout, NODES[nodes])
+        engine = _engine(model, layout, NODES[nodes])
         assert engine._layout.name == layout
         engine.load_checkpoint(Path(tmp) / "ckpt")
         out[name] = _state_of(engine)
@@ -293,20 +320,25 @@ def _checkpoint_job(rank, world, tmp):
     return out
 
 
-def _one_rank_job(rank, world, tmp):
+def _one_rank_job(rank, world, model, tmp):
     from pathlib import Path
 
-    engine = _engine("auto", {})
+    engine = _engine(model, "auto", {})
     engine.load_checkpoint(Path(tmp) / "ckpt")
     engine.save_pretrained(Path(tmp) / "hf-1")
     return _state_of(engine)
 
 
 def test_checkpoints_across_layouts(tmp_path):
+    for model in CKPT_RUN:
+        _check_checkpoints(model, tmp_path / model)
+
+
+def _check_checkpoints(model, tmp_path):
     from safetensors.torch import load_file
 
-    per_rank = run_distributed(_checkpoint_job, 4, str(tmp_path), timeout=900)
-    one = run_distributed(_one_rank_job, 1, str(tmp_path), timeout=300)[0]
+    per_rank = run_distributed(_checkpoint_job, 4, model, str(tmp_path), timeout=900)
+    one = run_distributed(_one_rank_job, 1, model, str(tmp_path), timeout=300)[0]
     saved = per_rank[0]["saved"]
     for r in per_rank:
         for name in ("saved", "1x4-shard", "4x1-hsdp", "2x2-hpz"):

@@ -4,14 +4,16 @@
                    full_state_dict reports both fqns with the same values.
   graph break      two Dynamo graphs; one parameter (`shared`) used in both.
   eager fallback   a submodule inside a @torch.compiler.disable method, and a loop over a
-                   ModuleList with a graph break in the loop body (Dynamo skips that frame, so
-                   the whole forward runs eagerly): both must train correctly with the module's
-                   parameters freed between uses; and a graph break inside a submodule's
-                   forward followed by an eager loop using that submodule's own parameter;
+                   ModuleList with a graph break in the loop body (the eager hooks gather each
+                   layer, and one graph compiled for the first layer runs for the others):
+                   both must train correctly with the module's parameters freed between
+                   uses; and a graph break inside a submodule's forward followed by an eager
+                   loop using that submodule's own parameter;
                    and a submodule whose forward the user wrapped with torch.compiler.disable
                    (how one runs a submodule eagerly).
   MoE              tiny Mixtral (4 experts, top-2) in fp32, with transformers' default experts
-                   implementation and with the eager one (graph breaks at nonzero).
+                   implementation and with the eager one (graph breaks at nonzero): the full
+                   suite's.
 
 And the exact checks of tests/_exact.py: the communication counts on the tied Llama (SGD), what
 each rank holds between steps on the tied Llama and on Mixtral (AdamW's sharded state: Mixtral
@@ -30,10 +32,12 @@ import _exact
 from _train import Jobs, compare_to_reference, scenario
 
 # each family with one optimizer in the core matrix, both in the full one ([Note: the core
-# matrix] in tests/_train.py); of the HF models the core has the tied Llama and Mixtral's eager
-# experts (the eager hooks, a graph reused for several experts), the full one Mixtral's default
-# experts too; the graph-break model's two graphs are test_zero12's test_no_graph_breaks (ZeRO-2)
-# and its ZeRO-3 parity test_prefetch's fx2-random-times
+# matrix] in tests/_train.py); of the HF models the core has the tied Llama, the full one
+# Mixtral's experts too (default and eager). The eager hooks with one graph run for several
+# parameters are the core's loop_break (test_parameters_freed_after_eager_use checks both there);
+# Mixtral's eager experts with a graph reused for several of them, test_zero12's
+# z1-mixtral_eager. The graph-break model's two graphs are test_zero12's test_no_graph_breaks
+# (ZeRO-2) and its ZeRO-3 parity test_prefetch's fx2-random-times
 _SCENARIOS = [
     scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory", "comm")),
     scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1,
@@ -43,14 +47,14 @@ _SCENARIOS = [
     scenario("graph_break-adamw-gas1", "graph_break", "adamw", 1e-2, extended=True),
     scenario("disabled-sgd-gas2", "disabled", "sgd", 0.1, gas=2, record=("memory",)),
     scenario("disabled-adamw-gas1-clip", "disabled", "adamw", 1e-2, clip=0.1, extended=True),
-    scenario("loop_break-sgd-gas1", "loop_break", "sgd", 0.1, record=("memory",)),
+    scenario("loop_break-sgd-gas1", "loop_break", "sgd", 0.1, record=("memory", "report")),
     scenario("loop_break-adamw-gas2-clip", "loop_break", "adamw", 1e-2, gas=2, clip=0.1, extended=True),
     scenario("nested_break-sgd-gas2-clip", "nested_break", "sgd", 0.1, gas=2, clip=0.1,
              record=("memory",)),
     scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2, record=("memory",), extended=True),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1, extended=True),
     scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1,
-             record=("memory",)),
+             record=("memory",), extended=True),
     # a submodule the user runs eagerly: its forward wrapped with torch.compiler.disable
     scenario("disabled_forward-sgd-gas2-clip", "disabled_forward", "sgd", 0.1, gas=2, clip=0.1,
              record=("memory",)),
@@ -96,11 +100,17 @@ def test_graph_break_model_compiles_two_graphs(sid):
                                  "nested_break-sgd-gas2-clip", "mixtral_eager-adamw-gas2-clip",
                                  "disabled_forward-sgd-gas2-clip"])
 def test_parameters_freed_after_eager_use(sid):
-    """Eagerly run submodules gather their parameters and free them again."""
+    """Eagerly run submodules gather their parameters and free them again. On loop_break the
+    eager hooks gather, and one graph Dynamo compiled for the first layer runs for the others
+    ([Note: graph reuse] in compiler/backend.py)."""
     for r in _results(sid):
         for snap in [r["memory_init"]] + r["memory_micro"] + r["memory_step"]:
             assert all(n == 0 for n in snap["module_storage_nbytes"]), snap["module_storage_nbytes"]
             assert all(g is None for g in snap["module_grads"]), snap["module_grads"]
+        if "report" in r:
+            assert r["report"]["eager_fallback_gathers"] > 0, r["report"]["eager_fallback_gathers"]
+            reused = {n for pair in r["report"]["graph_reuse"] for n in pair}
+            assert {"layers.0.weight", "layers.1.weight", "layers.2.weight"} <= reused, reused
 
 
 def test_tied_llama_comm_counts_exact():

@@ -11,8 +11,9 @@ Matrix:
   fx, 2 ranks, MLP (odd sizes): every combination of {SGD, AdamW} x gas {1, 4} x clip {off, 0.1}
   fx, 2 ranks, tiny Llama: 4 combinations that take each value of each factor
   fx, 4 ranks: MLP (AdamW, gas 4, clip), tiny Llama (SGD, gas 2, clip; AdamW, gas 1)
-  inductor (marked `inductor`): tiny Llama (AdamW, gas 2, clip) and MLP (SGD), on 2 ranks
-The exact communication counts of tests/_exact.py on the tiny Llama: fx, 2 ranks, SGD, gas 1.
+  inductor (marked `inductor`): MLP (SGD) and tiny Llama (AdamW, gas 2, clip), on 2 ranks
+The exact communication counts of tests/_exact.py on the tiny Llama: fx, 2 ranks, SGD, gas 1;
+and with Inductor, on the Inductor runs.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ _MLP_ALL = [_sc("mlp", o, g, c, record=_RECORD.get((o, g, c), ()),
             for o, g, c in itertools.product(("sgd", "adamw"), (1, 4), (None, CLIP))]
 # SGD gas 1 also records the exact counts (tests/_exact.py); it is the core matrix's
 # ([Note: the core matrix] in tests/_train.py) one fx cell here: AdamW with accumulation and
-# clipping on the tiny Llama, no pass, is the Inductor job's core cell below (with fx, the full
-# suite's test_prefetch `llama-adamw-gas2-clip`; the core's fx run of it has prefetch and
-# bucket_reduce, test_prefetch's `llama-adamw-gas2-clip-prefetch-reduce`)
+# clipping on the tiny Llama, no pass, is the full suite's (here with Inductor, and
+# test_prefetch's `llama-adamw-gas2-clip` with fx); the core's fx run of it has prefetch and
+# bucket_reduce, test_prefetch's `llama-adamw-gas2-clip-prefetch-reduce`
 _LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state", "comm")),
             _sc("llama", "adamw", 4, CLIP, extended=True),
             _sc("llama", "adamw", 1, None, extended=True),
@@ -58,9 +59,11 @@ _LLAMA_2 = [_sc("llama", "sgd", 1, None, record=("initial_state", "comm")),
 _FX4 = [_sc("mlp", "adamw", 4, CLIP, record=("initial_state",), extended=True),
         _sc("llama", "sgd", 2, CLIP),
         _sc("llama", "adamw", 1, None)]
-# Inductor: the MLP's shards are padded at 2 ranks too (37 and 29 wide layers)
-_INDUCTOR = [_sc("llama", "adamw", 2, CLIP, compiler="inductor", record=("comm",), core=True),
-             _sc("mlp", "sgd", 1, None, compiler="inductor")]
+# Inductor: the MLP's shards are padded at 2 ranks too (37 and 29 wide layers). The core's
+# plain ZeRO-3 Inductor job is the MLP's; the tiny Llama's (its HF graphs under Inductor) is the
+# full suite's
+_INDUCTOR = [_sc("llama", "adamw", 2, CLIP, compiler="inductor", record=("comm",)),
+             _sc("mlp", "sgd", 1, None, compiler="inductor", record=("comm",), core=True)]
 
 JOBS = Jobs({
     "fx2": (2, _MLP_ALL + _LLAMA_2),
@@ -99,23 +102,26 @@ def test_llama_comm_counts_exact():
 def test_inductor_comm_counts_match_insertion():
     """Inductor runs the same insertion: per micro-step every parameter is gathered once in the
     forward and reduce-scattered once; the backward re-gathers exactly what fx re-gathers
-    (every parameter but the embedding table: see tests/_exact.py)."""
+    (tests/_exact.py: the MLP's fc2 and fc3 weights; every parameter of the tiny Llama but the
+    embedding table). On every Inductor run of the matrix: the MLP's, and in the full suite the
+    tiny Llama's."""
     import math
 
-    import _models
+    world, scenarios = JOBS.jobs["inductor2"]
+    assert scenarios
+    for sc in scenarios:
+        params, fwd, bwd, rs = _exact.comm_expected(sc["model"])
 
-    sc = _INDUCTOR[0]
-    params = dict(_models.build_model("llama").named_parameters())
-    world = JOBS.jobs["inductor2"][0]
+        def count(names):
+            return (len(names),
+                    sum(math.ceil(params[n].numel() / world) * world * 4 for n in names))
 
-    def count(names):
-        return (len(names), sum(math.ceil(params[n].numel() / world) * world * 4 for n in names))
-
-    bwd = [n for n in params if n != "model.embed_tokens.weight"]
-    for r in JOBS.results("inductor2", sc["id"]):
-        for f, b in zip(r["comm_fwd"], r["comm_bwd"]):
-            assert f["all_gather"] == count(list(params)), f
-            assert b["reduce_scatter"] == count(list(params)), b
-            assert b["all_gather"] == count(bwd), b
-        # (the clipping norm rides in the inf/NaN check's reduction: bookkeeping, uncounted)
-        assert all(s["all_reduce"] == (0, 0) for s in r["comm_step"])
+        assert fwd == rs == list(params)
+        for r in JOBS.results("inductor2", sc["id"]):
+            assert len(r["comm_fwd"]) == sc["steps"] * sc["config"]["gradient_accumulation_steps"]
+            for f, b in zip(r["comm_fwd"], r["comm_bwd"]):
+                assert f["all_gather"] == count(fwd), (sc["id"], f)
+                assert b["reduce_scatter"] == count(rs), (sc["id"], b)
+                assert b["all_gather"] == count(bwd), (sc["id"], b)
+            # (the clipping norm rides in the inf/NaN check's reduction: bookkeeping, uncounted)
+            assert all(s["all_reduce"] == (0, 0) for s in r["comm_step"])

@@ -2,11 +2,14 @@
 between ranks train exactly as single-process training does, with every pass, at every ZeRO
 stage ([Note: shape families] in compiler/families.py).
 
-The tiny Llama on 2 gloo ranks, AdamW, 2 micro-steps per optimizer step, 8 steps: the lengths
-differ between the ranks from the first micro-step (warm-up), change again during profiling and
-re-profiling, and after planning (steady state); one rank's batch shrinks in steady state. The
-reference is one process running the same model on every rank's batch of each micro-step, the
-ranks' mean loss per micro-step backpropagated (what data parallelism computes).
+A causal language model on 2 gloo ranks, AdamW, 2 micro-steps per optimizer step, 8 steps: the
+lengths differ between the ranks from the first micro-step (warm-up), change again during
+profiling and re-profiling, and after planning (steady state); one rank's batch shrinks in
+steady state. The reference is one process running the same model on every rank's batch of each
+micro-step, the ranks' mean loss per micro-step backpropagated (what data parallelism computes).
+Every pass on `TinyLM` (one causal attention layer: its mask, scores and shifted labels are
+sized by the length) and on the tiny Llama (HF code: the full suite's); each other list of
+passes on the tiny Llama.
 
 Also checked: every graph a rank compiled for a new shape runs its family's plan (transplanted,
 the same collective sequence), so the plan, its collectives per step and the graphs' keys are
@@ -26,6 +29,8 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import _models
 from _dist import run_distributed
@@ -52,6 +57,43 @@ SHAPES = [
 EVALS = {0: ((2, 10), (2, 15)), 2: ((4, 16), (2, 7)), 5: ((3, 18), (4, 16))}
 
 
+class TinyLM(nn.Module):
+    """A causal language model of one attention layer (a single head) and an MLP: what varies
+    with the length in a Llama (the causal mask, the scores, the shifted labels) in a graph a
+    fraction of the tiny Llama's."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(_models.VOCAB, dim)
+        # no bias: the keys' would have only rounding noise for a gradient (the softmax does not
+        # see a shift of every key), which AdamW turns into steps of lr
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, _models.VOCAB, bias=False)
+
+    def forward(self, input_ids, labels):
+        n = input_ids.shape[1]
+        h = self.embed(input_ids)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
+        h = h + self.proj(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
+        h = h + self.down(torch.tanh(self.up(self.norm(h))))
+        logits = self.head(h)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                               labels[:, 1:].reshape(-1))
+
+
+def _build(model: str) -> nn.Module:
+    if model == "tiny_lm":
+        torch.manual_seed(_models.SEED)
+        return TinyLM()
+    return _models.build_model(model)
+
+
 def _batch(micro: int, rank: int, shapes=SHAPES, seed: int = 7000) -> dict[str, torch.Tensor]:
     b, n = shapes[micro][rank]
     g = torch.Generator().manual_seed(seed + 10 * micro + rank)
@@ -63,21 +105,22 @@ def _batch(micro: int, rank: int, shapes=SHAPES, seed: int = 7000) -> dict[str, 
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(steps: int, shapes: tuple | None = None) -> dict:
+def _reference(steps: int, shapes: tuple | None = None, model_name: str = "llama") -> dict:
     """One process training `steps` optimizer steps on both ranks' batches of `shapes` (per
     micro-step, (rank 0's, rank 1's) (batch, length)), or of SHAPES with EVALS's validation
     forwards when None."""
-    model = _models.build_model("llama")
+    model = _build(model_name)
+    loss_of = _models.loss_of   # (HF's output's .loss, TinyLM's tensor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, evals = [], []
     for micro in range(steps * GAS):
         if shapes is None and micro % GAS == 0 and micro // GAS in EVALS:
             model.eval()
             with torch.no_grad():
-                evals.append([model(**_batch(micro // GAS, r, EVALS, 9000)).loss.item()
+                evals.append([loss_of(model(**_batch(micro // GAS, r, EVALS, 9000))).item()
                               for r in (0, 1)])
             model.train()
-        loss = sum(model(**_batch(micro, r, shapes or SHAPES)).loss for r in (0, 1)) / 2
+        loss = sum(loss_of(model(**_batch(micro, r, shapes or SHAPES))) for r in (0, 1)) / 2
         (loss / GAS).backward()
         losses.append(loss.item())
         if micro % GAS == GAS - 1:
@@ -100,26 +143,27 @@ def _ragged_job(rank, world, configs):
     import deepcompile
 
     out = {}
-    for name, (config, steps) in configs.items():
+    for (name, model), (config, steps) in configs.items():
         torch._dynamo.reset()
         warnings = _Warnings()
         logging.getLogger("deepcompile").addHandler(warnings)
         engine = deepcompile.initialize(
-            _models.build_model("llama"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+            _build(model), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
             config={"compiler": "fx", "gradient_accumulation_steps": GAS, "warmup_steps": 1,
                     **config})
         losses, comm, evals = [], [], []
         for step in range(steps):
             before = engine.comm_stats()
             for m in range(GAS):
-                loss = engine(**_batch(step * GAS + m, rank)).loss
+                loss = _models.loss_of(engine(**_batch(step * GAS + m, rank)))
                 engine.backward(loss)
                 losses.append(loss.item())
                 if m == 0 and step in EVALS:   # a validation forward: nothing planned for it
                     engine.module.eval()
                     with torch.no_grad():
                         evals.append((engine._pipeline.phase.value,
-                                      engine(**_batch(step, rank, EVALS, 9000)).loss.item()))
+                                      _models.loss_of(
+                                          engine(**_batch(step, rank, EVALS, 9000))).item()))
                     engine.module.train()
             engine.step()
             after = engine.comm_stats()
@@ -135,12 +179,13 @@ def _ragged_job(rank, world, configs):
         members = {s.key: {"rep": s.rep.key, "rep_version": s.rep.version,
                            "same_collectives": comm_signature(s.gm) == comm_signature(s.rep.gm)}
                    for s in pipe.slots.values() if s.rep is not None}
-        out[name] = {"losses": losses, "evals": evals, "state": engine.full_state_dict(), "comm": comm,
-                     "phase": pipe.phase.value, "reps": sorted(pipe.runner.planning()),
-                     "members": members, "passes": [(e["pass"], e["changed"]) for e in pipe.pass_log],
-                     "order": list(pipe.order), "warnings": warnings.messages,
-                     "trades": [e["decisions"]["trade"] for e in pipe.pass_log
-                                if "trade" in (e["decisions"] or {})]}
+        out[name, model] = {
+            "losses": losses, "evals": evals, "state": engine.full_state_dict(), "comm": comm,
+            "phase": pipe.phase.value, "reps": sorted(pipe.runner.planning()),
+            "members": members, "passes": [(e["pass"], e["changed"]) for e in pipe.pass_log],
+            "order": list(pipe.order), "warnings": warnings.messages,
+            "trades": [e["decisions"]["trade"] for e in pipe.pass_log
+                       if "trade" in (e["decisions"] or {})]}
         del engine
     return out
 
@@ -161,30 +206,40 @@ CONFIGS = {   # name: (config, optimizer steps)
     "zero3-trade": ({"zero_stage": 3, "measure_steps": 0, "memory_budget": 620_000,
                      "passes": ("activation_budget", "selective_unshard", "prefetch")}, 6),
 }
-# the core matrix ([Note: the core matrix] in tests/_train.py) runs every pass once: it leaves
-# out the measured trial and activation_budget (their shapes follow the representatives as the
-# others' do; test_activation_budget hands activations over between graphs) and offloading with
-# other passes
-RUN = list(CONFIGS) if FULL else ["zero3-all"]
+# the models each list of passes trains: every pass on TinyLM and the tiny Llama, the others on
+# the tiny Llama
+MODELS = {name: ("tiny_lm", "llama") if name == "zero3-all" else ("llama",) for name in CONFIGS}
+# the core matrix ([Note: the core matrix] in tests/_train.py) runs every pass once, on TinyLM:
+# it leaves out the tiny Llama (HF's code around the same ops: rotary embeddings, its mask), the
+# measured trial and activation_budget (their shapes follow the representatives as the others'
+# do; test_activation_budget hands activations over between graphs) and offloading with other
+# passes
+RUN = [(n, m) for n in CONFIGS for m in MODELS[n] if FULL or (n, m) == ("zero3-all", "tiny_lm")]
 
 
 @pytest.fixture(scope="module")
 def ragged():
-    return run_distributed(_ragged_job, 2, {n: CONFIGS[n] for n in RUN}, timeout=900)
+    return run_distributed(_ragged_job, 2, {case: CONFIGS[case[0]] for case in RUN}, timeout=900)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in RUN else pytest.mark.extended)
-                                  for n in CONFIGS])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if any(n == r for r, _ in RUN) else pytest.mark.extended)
+    for n in CONFIGS])
 def test_ragged_lengths_train_like_one_process(ragged, name):
-    ref = _reference(CONFIGS[name][1])
-    r0, r1 = (r[name] for r in ragged)
+    for model in [m for n, m in RUN if n == name]:
+        _check_ragged(ragged, name, model)
+
+
+def _check_ragged(ragged, name, model):
+    ref = _reference(CONFIGS[name][1], None, model)
+    r0, r1 = (r[name, model] for r in ragged)
     assert r0["phase"] == "steady"
     losses = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
     loss_dev = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
     param_dev = max((r0["state"][k] - v).abs().max().item() for k, v in ref["params"].items())
-    moved = max((v - _models.build_model("llama").state_dict()[k]).abs().max().item()
+    moved = max((v - _build(model).state_dict()[k]).abs().max().item()
                 for k, v in ref["params"].items())
-    print(f"\n[ragged] {name}: loss dev {loss_dev:.3g}, param dev {param_dev:.3g}, "
+    print(f"\n[ragged] {name} {model}: loss dev {loss_dev:.3g}, param dev {param_dev:.3g}, "
           f"moved {moved:.3g}; members rank0 {sorted(r0['members'])}, rank1 {sorted(r1['members'])}")
     assert moved > 1e-2
     # validation forwards in warm-up, profiling and the steady state: each rank's loss on its

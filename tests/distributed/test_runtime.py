@@ -24,7 +24,7 @@ import torch
 
 import _models
 from _dist import run_distributed
-from _train import (Jobs, _one_scenario, compare_to_reference, max_param_deviation,
+from _train import (FULL, Jobs, _one_scenario, compare_to_reference, max_param_deviation,
                     mean_losses, scenario)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -225,14 +225,38 @@ def test_a_gradient_the_last_micro_step_did_not_reduce_is_flushed(config):
 
 
 # -------------------------------------------------------------- host work against depth
-def _host_calls_job(rank, world, model_name, config):
+class _TanhStack(torch.nn.Module):
+    """`blocks` Linear(16, 16) + Tanh blocks between an input and an output Linear, on the
+    MLP's data."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(_models.MLP_IN, 16), torch.nn.Tanh()]
+        for _ in range(blocks):
+            layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(16, _models.MLP_OUT))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+# the shallow and the deep model of each pair: (name, builder, the data's model)
+_DEPTHS = {"tanh": (("tanh2", lambda: _TanhStack(2), "mlp"),
+                    ("tanh8", lambda: _TanhStack(8), "mlp")),
+           "llama": (("llama", lambda: _models.build_model("llama"), "llama"),
+                     ("llama4", lambda: _models.build_model("llama4"), "llama4"))}
+
+
+def _host_calls_job(rank, world, pair, deep, config):
     """deepcompile's own Python function calls in one steady optimizer step (2 micro-steps),
     counted with sys.setprofile: calls whose code lives in the deepcompile package. Generated
     code (FX, Inductor) and torch's own Python are not deepcompile's and are not counted."""
     import deepcompile
     from runtime_figures import python_calls
 
-    engine = deepcompile.initialize(_models.build_model(model_name),
+    _name, build, data = _DEPTHS[pair][deep]
+    engine = deepcompile.initialize(build(),
                                     optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                     config={"compiler": "fx", "gradient_accumulation_steps": 2,
                                             "max_grad_norm": 1.0, "warmup_steps": 1,
@@ -242,7 +266,7 @@ def _host_calls_job(rank, world, model_name, config):
     def step():
         nonlocal micro
         for _ in range(2):
-            batch = _models.local_batch(model_name, micro, rank, world)
+            batch = _models.local_batch(data, micro, rank, world)
             engine.backward(_models.loss_of(engine(**batch)))
             micro += 1
         engine.step()
@@ -262,25 +286,30 @@ def _host_calls_job(rank, world, model_name, config):
                  marks=pytest.mark.extended),
 ])
 def test_host_work_per_step_does_not_grow_with_depth(config):
-    """The same tiny Llama at 2 and at 4 decoder layers (21 and 39 parameters), 2 ranks, steady
-    state: deepcompile makes exactly as many Python function calls per optimizer step (the
-    lowered graphs hold no Python op; per graph call and per step the runtime runs a fixed
-    number of calls, its per-parameter work in C: `map` over tables, foreach ops, one
-    collective and one split-copy per refresh group). The passes chosen plan the same
-    structure whatever the timings (selective_unshard keeps every parameter under an
-    unbounded budget; bucket_reduce's buckets live inside the graphs); prefetch's cross-graph
-    groups add one call per group and graph call, a number its plan decides from timings."""
-    r2 = run_distributed(_host_calls_job, 2, "llama", config, timeout=600)[0]
-    r4 = run_distributed(_host_calls_job, 2, "llama4", config, timeout=600)[0]
-    print(f"\n[host] {config}: deepcompile calls per step: {r2['calls']} at "
-          f"{r2['params']} parameters, {r4['calls']} at {r4['params']}")
-    assert r4["params"] > 1.5 * r2["params"]
-    # Whether selective_unshard accumulates a kept parameter's gradient locally or reduces it
-    # every micro-step is a timing decision (the cost model), so the two plans can differ by a
-    # call or two per graph call (marking accumulators); a Python call per parameter would add
-    # one per extra parameter (18 more at 4 layers) in each place it ran
-    diff = {f: (r2["by_function"].get(f, 0), r4["by_function"].get(f, 0))
-            for f in set(r2["by_function"]) | set(r4["by_function"])
-            if r2["by_function"].get(f, 0) != r4["by_function"].get(f, 0)}
-    assert r4["calls"] <= r2["calls"] + 8, diff
-    assert all(b - a <= 4 for a, b in diff.values()), diff
+    """The same model shallow and deep, 2 ranks, steady state: a stack of Linear + Tanh blocks
+    at 2 and at 8 blocks (8 and 20 parameters), and (the full suite's) the tiny Llama at 2 and
+    at 4 decoder layers (21 and 39 parameters). deepcompile makes exactly as many Python
+    function calls per optimizer step (the lowered graphs hold no Python op; per graph call
+    and per step the runtime runs a fixed number of calls, its per-parameter work in C: `map`
+    over tables, foreach ops, one collective and one split-copy per refresh group). The passes
+    chosen plan the same structure whatever the timings (selective_unshard keeps every
+    parameter under an unbounded budget; bucket_reduce's buckets live inside the graphs);
+    prefetch's cross-graph groups add one call per group and graph call, a number its plan
+    decides from timings."""
+    for pair in ("tanh", "llama") if FULL else ("tanh",):
+        r2, r4 = (run_distributed(_host_calls_job, 2, pair, deep, config, timeout=600)[0]
+                  for deep in (0, 1))
+        (name2, *_), (name4, *_) = _DEPTHS[pair]
+        print(f"\n[host] {config}: deepcompile calls per step: {r2['calls']} at "
+              f"{r2['params']} parameters ({name2}), {r4['calls']} at {r4['params']} ({name4})")
+        assert r4["params"] > 1.5 * r2["params"]
+        # Whether selective_unshard accumulates a kept parameter's gradient locally or reduces
+        # it every micro-step is a timing decision (the cost model), so the two plans can differ
+        # by a call or two per graph call (marking accumulators); a Python call per parameter
+        # would add one per extra parameter (12 more at 8 blocks, 18 at 4 layers) in each place
+        # it ran
+        diff = {f: (r2["by_function"].get(f, 0), r4["by_function"].get(f, 0))
+                for f in set(r2["by_function"]) | set(r4["by_function"])
+                if r2["by_function"].get(f, 0) != r4["by_function"].get(f, 0)}
+        assert r4["calls"] <= r2["calls"] + 8, (pair, diff)
+        assert all(b - a <= 4 for a, b in diff.values()), (pair, diff)
