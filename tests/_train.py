@@ -28,22 +28,26 @@ result dict per scenario.  `torch._dynamo.reset()` separates scenarios.
 
 [Note: the core matrix] The suite runs in two sizes. The default (CI's, the README's test
 command) is the core, sized to finish in under 15 minutes on 2 CPU cores: it runs each
-mechanism end to end once, on the smallest model that exercises it (the MLP, graph_break and
-the small odd models before the tiny Llama, the tiny Llama before Mixtral), at 2 ranks or fewer
-(4 where a layout needs them), with fx, and with Inductor once per mechanism that Inductor
-compiles differently: the reordered collectives (prefetch), the custom ops (activations,
-offloading at world size 1), the in-place writes (selective_unshard, offloaded gradients), the
-asynchronous refresh (overlap_refresh), and one plain ZeRO-3 parity job. Of a job, the core
-runs its scenarios on 2 ranks or fewer with fx, the first one on more ranks, and of an Inductor
-job only the scenarios made with `core=True`. A scenario made with `extended=True`, and a test
-marked `extended`, run in the full suite only: the same mechanism on a larger model, more ranks
-or the slower compiler, a second seed of random times, accumulation 4 beside 1, ZeRO-2 beside
-ZeRO-1, a pass alone beside all of them, a run without a pass beside one with it, a variant the
-engine layer runs at world size 1. Where what still covers a left-out case is not obvious, the
-case says which test does. The suite is CPU-bound, nearly all of it torch's compile of one
-engine per scenario and rank (a tiny-Llama engine ~10 s of a core, the MLP's ~1 s): a case costs
-what it compiles. `DEEPCOMPILE_FULL_TESTS=1` runs everything. A test left out is skipped,
-saying so.
+mechanism end to end once, on the cheapest model that exercises it (the MLP, the tanh stack,
+graph_break, TinyLM and the other small odd models before the tiny Llama, a tiny Llama of one
+decoder layer before two, the tiny Llama before Mixtral), at the fewest ranks it needs (1 where
+what it checks is each rank's own work, 2 for the collectives, 4 where a layout needs them),
+with fx, and with Inductor once per mechanism that Inductor compiles differently: the
+reordered collectives (prefetch), the custom ops (activations, offloading at world size 1), the
+in-place writes (selective_unshard, offloaded gradients), the asynchronous refresh
+(overlap_refresh), and one plain ZeRO-3 parity job, each on the cheapest model that runs it.
+The Hugging Face families train against eager in the core too (the tied tiny Llama and
+Mixtral's eager experts in test_models, ResNet with BatchNorm in test_verify, the Trainer and
+checkpoint tests). Of a job, the core runs its scenarios on 2 ranks or fewer with fx, the first
+one on more ranks, and of an Inductor job only the scenarios made with `core=True`. A scenario
+made with `extended=True`, and a test marked `extended`, run in the full suite only: the same
+mechanism on a larger model, more ranks or the slower compiler, a second seed of random times,
+accumulation 4 beside 1, ZeRO-2 beside ZeRO-1, a pass alone beside all of them, a run without a
+pass beside one with it, a variant the engine layer runs at world size 1. Where what still
+covers a left-out case is not obvious, the case says which test does. The suite is CPU-bound,
+nearly all of it torch's compile of one engine per scenario and rank (a tiny-Llama engine ~10 s
+of a core, the MLP's ~1 s): a case costs what it compiles. `DEEPCOMPILE_FULL_TESTS=1` runs
+everything. A test left out is skipped, saying so.
 """
 
 from __future__ import annotations
