@@ -32,8 +32,9 @@ AFTER = 2      # optimizer steps trained after the checkpoint (the unbroken run,
 
 CASES = {   # name: (model, config)
     "fx-fp32": ("llama", {"compiler": "fx", "measure_steps": 0}),
-    "fx-bf16-gas2": ("llama", {"compiler": "fx", "measure_steps": 0,
-                               "param_dtype": torch.bfloat16, "gradient_accumulation_steps": 2}),
+    "fx-bf16-gas2": ("llama" if FULL else "mlp_dropout",
+                     {"compiler": "fx", "measure_steps": 0, "param_dtype": torch.bfloat16,
+                      "gradient_accumulation_steps": 2}),
     "inductor-bf16": ("llama", {"compiler": "inductor", "measure_steps": 0,
                                 "param_dtype": torch.bfloat16}),
     # the default trial; the tiny Llama with dropout in the full suite, the MLP with dropout in
@@ -45,10 +46,11 @@ CASES = {   # name: (model, config)
 # The core matrix ([Note: the core matrix] in tests/_train.py) resumes the MLP with dropout
 # under the default trial: the saved plan (the passes the trial kept) re-applied, and each
 # rank's random streams restored (dropout draws from them at every step), in one case; its
-# checkpoint is test_on_another_world_size_the_engine_plans_afresh's. The others are the full
-# suite's: bf16 with accumulation, ZeRO-1 (its plan with overlap_refresh), and fp32 and
-# Inductor (bf16's without the cast, the fx case compiled otherwise).
-RUN = list(CASES) if FULL else ["fx-dropout-trial"]
+# checkpoint is test_on_another_world_size_the_engine_plans_afresh's; and the same MLP in bf16
+# with accumulation (fp32 masters under bf16 compute, resumed bit for bit). The others are the
+# full suite's: ZeRO-1 (its plan with overlap_refresh), and fp32 and Inductor (bf16's without
+# the cast, the fx case compiled otherwise).
+RUN = list(CASES) if FULL else ["fx-dropout-trial", "fx-bf16-gas2"]
 
 
 class DropoutMLP(nn.Module):
@@ -61,10 +63,10 @@ class DropoutMLP(nn.Module):
         self.fc2 = nn.Linear(37, 29)
         self.fc3 = nn.Linear(29, _models.MLP_OUT)
 
-    def forward(self, x, y):
-        h = F.dropout(F.gelu(self.fc1(x)), 0.1, self.training)
+    def forward(self, x, y):   # inputs in the parameters' dtype, the loss in fp32
+        h = F.dropout(F.gelu(self.fc1(x.to(self.fc1.weight.dtype))), 0.1, self.training)
         h = F.dropout(self.fc2(h), 0.1, self.training)
-        return F.mse_loss(self.fc3(h), y)
+        return F.mse_loss(self.fc3(h).float(), y)
 
 
 def _build(model: str) -> nn.Module:
