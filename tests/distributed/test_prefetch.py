@@ -350,8 +350,10 @@ def unbounded():
 
 # the core's: graph_break's plan under seeded random times (the seed the core runs)
 @pytest.mark.parametrize("job, sid", [
-    ("fx2-random-times", "graph_break-sgd-gas1-prefetch-bucket_reduce-times7"),
-    pytest.param("fx2", "llama-adamw-gas2-clip-prefetch-reduce", marks=pytest.mark.extended)])
+    pytest.param("fx2-random-times", "graph_break-sgd-gas1-prefetch-bucket_reduce-times7",
+                 id="graph_break-times7"),
+    pytest.param("fx2", "llama-adamw-gas2-clip-prefetch-reduce", id="llama",
+                 marks=pytest.mark.extended)])
 def test_prefetch_overlaps_gathers_with_compute(job, sid):
     # Counted, not timed: whether the wait time drops depends on the machine's load (two
     # ranks and gloo's threads share 2 cores here); the measured figures go in the notes.
