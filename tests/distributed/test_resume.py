@@ -6,8 +6,8 @@ fx and Inductor, with the passes `passes="auto"` picks, and with dropout (each r
 number generators come back) — and so is an evaluation after it. On another world size the random states are not restored (a
 warning says so) and the engine plans afresh.
 
-On 2 gloo ranks: the tiny Llama, and in the default run's one case the MLP with dropout
-(`DropoutMLP`). The passes are judged on memory only (`measure_steps=0`) where the test needs
+On 2 gloo ranks: the tiny Llama, and in the default run's two cases (the default trial; bf16
+with accumulation) the MLP with dropout (`DropoutMLP`). The passes are judged on memory only (`measure_steps=0`) where the test needs
 them kept whatever the machine's load; one case runs the default trial.
 """
 
