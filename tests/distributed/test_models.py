@@ -32,13 +32,13 @@ import _exact
 from _train import Jobs, compare_to_reference, scenario
 
 # each family with one optimizer in the core matrix, both in the full one ([Note: the core
-# matrix] in tests/_train.py); of the HF models the core has the tied Llama and Mixtral's eager
-# experts (a graph reused for several experts, the eager hooks between them), the full one
-# Mixtral's default experts too. The eager hooks with one graph run for several parameters are
-# also loop_break's (test_parameters_freed_after_eager_use checks both there); at ZeRO-1,
-# test_zero12's z1-mixtral_eager (the full suite's). The graph-break model's two graphs are
-# test_zero12's test_no_graph_breaks (ZeRO-2) and its ZeRO-3 parity test_prefetch's
-# fx2-random-times
+# matrix] in tests/_train.py); of the HF models the core has the tied Llama, the full one
+# Mixtral's experts too (default and eager). The eager hooks with one graph run for several
+# parameters are the core's loop_break (test_parameters_freed_after_eager_use checks both
+# there), the eager hooks for whatever module call runs eagerly nested_break's and
+# disabled_forward's; Mixtral's eager experts, a graph reused for several experts at ZeRO-1,
+# test_zero12's z1-mixtral_eager. The graph-break model's two graphs are test_zero12's
+# test_no_graph_breaks (ZeRO-2) and its ZeRO-3 parity test_prefetch's fx2-random-times
 _SCENARIOS = [
     scenario("llama_tied-sgd-gas1", "llama_tied", "sgd", 0.1, record=("memory", "comm")),
     scenario("llama_tied-adamw-gas2-clip", "llama_tied", "adamw", 1e-2, gas=2, clip=0.1,
@@ -55,7 +55,7 @@ _SCENARIOS = [
     scenario("mixtral-adamw-gas1", "mixtral", "adamw", 1e-2, record=("memory",), extended=True),
     scenario("mixtral-sgd-gas2-clip", "mixtral", "sgd", 0.1, gas=2, clip=0.1, extended=True),
     scenario("mixtral_eager-adamw-gas2-clip", "mixtral_eager", "adamw", 1e-2, gas=2, clip=0.1,
-             record=("memory",)),
+             record=("memory",), extended=True),
     # a submodule the user runs eagerly: its forward wrapped with torch.compiler.disable
     scenario("disabled_forward-sgd-gas2-clip", "disabled_forward", "sgd", 0.1, gas=2, clip=0.1,
              record=("memory",)),
