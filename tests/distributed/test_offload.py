@@ -894,7 +894,7 @@ def test_gradients_go_to_the_host_under_a_budget_all_the_state_does_not_meet(par
             assert_peaks_within(rep, budget)   # measured with the plan
             # every micro-step sends them; the step brings each chunk's flat gradient back once
             last = rep["offload"]["last_step"]
-            assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"]
+            assert last["grad_d2h_bytes"] == gas * d["offloaded_grad_bytes"] == d["grad_sent_bytes"]
             bw = [s for g in rep["graphs"] for s in g["slots"] if s["kind"] == "bw"]
             sent = [n for s in bw for n in s["profiles"][-1]["nodes"]
                     if n["kind"] == "grad_offload"]

@@ -400,3 +400,47 @@ def test_gradients_sent_from_inductor_graphs_are_copied_before_their_buffers_are
     bad = {k: (got[k] - want[k]).abs().max().item() for k in want
            if not torch.equal(got[k], want[k])}
     assert not bad, bad
+
+
+def test_a_parameter_two_graphs_use_is_sent_from_both_and_the_plan_counts_both(group):
+    """`shared` is used before and after a graph break: each backward makes a gradient of it
+    and sends it to the host (the second added there), so the plan's bytes sent a step count
+    both, not the shard once; training stays bitwise the same."""
+    import deepcompile
+    from deepcompile.runtime import offload
+
+    from _models import GraphBreakModel
+
+    def engine_(**config):
+        torch.manual_seed(0)
+        with chunk_bytes(CHUNK):
+            return deepcompile.initialize(GraphBreakModel(), optimizer=ADAMW, config={
+                "compiler": "fx", "passes": (), "warmup_steps": 1, **config})
+
+    def train(engine, steps):
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 13, generator=g), torch.randn(4, 7, generator=g)
+            engine.backward(engine(x, y))
+            engine.step()
+
+    plain = engine_()
+    train(plain, 4)
+    probe = engine_(passes=("offload_optimizer",))
+    train(probe, 2)
+    d = _decisions(probe)
+    budget = d["lowest_grads_peak_bytes"]
+    engine = engine_(passes=("offload_optimizer",), memory_budget=budget, measure_steps=0)
+    train(engine, 4)
+    d = _decisions(engine)
+    tier2 = {c["chunk"] for c in d["chunks"] if c["tier"] == offload.GRADS}
+    shared = {c.index for c in engine._flat.chunks for e in c.entries
+              if e.name.startswith("shared.")}
+    assert shared <= tier2 and not d["unattainable"], d
+    twice = sum(p.numel() * 4 for n, p in GraphBreakModel().named_parameters()
+                if n.startswith("shared."))
+    assert d["grad_sent_bytes"] == d["offloaded_grad_bytes"] + twice
+    assert engine._offload.last_step["grad_d2h_bytes"] == d["grad_sent_bytes"]
+    got, want = _weights(engine), _weights(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want), \
+        [k for k in want if not torch.equal(got[k], want[k])]

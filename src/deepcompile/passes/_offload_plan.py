@@ -158,7 +158,7 @@ def plan_step(points: list[Point], items: list[Item], step_base: int,
     if d["unattainable"] or d["host_bytes"] <= host_capacity:
         return d
     return {**d, "unattainable": True, "chunks": [], "reloads": [], "offloaded_bytes": 0,
-            "offloaded_grad_bytes": 0, "offloaded_master_bytes": 0,
+            "offloaded_grad_bytes": 0, "grad_sent_bytes": 0, "offloaded_master_bytes": 0,
             "peak_after": d["peak_before"], "curve": [p.live_bytes for p in points],
             "reason": f"the plan keeps {d['host_bytes']} bytes on the host (optimizer state, "
                       f"gradients, masters: pinned) and the host has {int(host_capacity)} for "
@@ -202,7 +202,8 @@ def _plan_step(points: list[Point], items: list[Item], step_base: int,
         "offloaded_bytes": 0, "chunks": [], "reloads": [],
         "predicted_copy_s": 0.0, "predicted_hidden_s": 0.0, "predicted_exposed_s": 0.0,
         "predicted_streamed_s": 0.0, "peak_before": peak_before, "peak_after": peak_before,
-        "curve": live, "offloaded_grad_bytes": 0, "predicted_grad_copy_s": 0.0,
+        "curve": live, "offloaded_grad_bytes": 0, "grad_sent_bytes": 0,
+        "predicted_grad_copy_s": 0.0,
         "offloaded_master_bytes": 0}
     ends = list(itertools.accumulate(p.time_s for p in points))
     queue = (ends, copy_s)   # [Note: gradients on the host]'s copies out, one after another
@@ -366,14 +367,18 @@ def _with_grads(out: dict[str, Any], live: list[int], items: list[Item], grads: 
                "streamed": not (hosted and c in master)}
               for c in sorted(set(state_of) | set(tier))]
     on_host = set(master) if hosted else set()
+    sends = [nb for g in chosen for _, nb in (g.parts or [(g.at, g.nbytes)]) + g.again]
     return {**out, "offloaded_bytes": state, "chunks": chunks, "reloads": [],
             "offloaded_grad_bytes": sum(g.nbytes for g in chosen),
+            # every gradient a backward makes of them goes out: one per micro-step, and one
+            # per graph where two graphs use a parameter
+            "grad_sent_bytes": sum(sends),
             "offloaded_master_bytes": sum(m.nbytes for m in gone),
             "predicted_streamed_s": sum(2 * copy_s(i.nbytes) for i in items
                                         if i.chunk not in on_host)
             + sum(copy_s(g.flat_bytes) for g in chosen if g.chunk not in on_host)
             + sum(2 * copy_s(m.master_bytes) for m in gone if m.chunk not in on_host),
-            "predicted_grad_copy_s": sum(copy_s(g.nbytes) for g in chosen),
+            "predicted_grad_copy_s": sum(copy_s(nb) for nb in sends),
             "host_step": host_out,
             "peak_after": max(curve + [step]), "curve": curve}
 

@@ -365,7 +365,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
     return {k: d[k] for k in ("unattainable", "reason", "offloaded_bytes", "state_bytes",
                               "need_bytes", "predicted_copy_s", "predicted_exposed_s",
                               "predicted_streamed_s", "peak_before", "peak_after",
-                              "offloaded_grad_bytes", "predicted_grad_copy_s",
+                              "offloaded_grad_bytes", "grad_sent_bytes", "predicted_grad_copy_s",
                               "offloaded_master_bytes", "lowest_state_peak_bytes",
                               "lowest_grads_peak_bytes", "lowest_peak_bytes", "host_bytes")} | {
         "host_step": d.get("host_step"), "stepped_on_host": len(plan.hosted)}
