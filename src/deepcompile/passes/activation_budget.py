@@ -176,13 +176,16 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
     if not offers:
         return {}
     peaks = {k: p.peak_bytes for k, p in ctx.profiles.items()}
-    level = max(peaks.values(), default=0)
+    # the optimizer step's bytes are a floor no activation lowers (the buyer's memory stays
+    # through the step): graph bytes freed below it buy nothing
+    floor = ctx.step_bytes()
+    level = max([floor, *peaks.values()])
 
     def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
         d = _plan_at(ctx, target)
         planned = {key for pd in d.values() for key in (pd["fw"], pd["bw"])}
-        reached = max([pd["peak_after"] for pd in d.values()]
-                      + [p for key, p in peaks.items() if key not in planned], default=0)
+        reached = max([floor] + [pd["peak_after"] for pd in d.values()]
+                      + [p for key, p in peaks.items() if key not in planned])
         return reached, sum(pd["added_s"] * ctx.order.count(pd["fw"]) for pd in d.values()), d
 
     tried: list[tuple[int, float, float]] = []

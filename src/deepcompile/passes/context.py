@@ -41,6 +41,18 @@ class PassContext:
     # passes/activation_budget.py reads the next one's `Pass.memory_value`)
     queued: tuple[str, ...] = ()
 
+    def step_bytes(self) -> int:
+        """Device bytes of the optimizer step with the state placed as it is now, where the
+        memory model counts the optimizer state (an offload pass on, or open to auto under a
+        budget; always on CUDA, whose allocator counts it); 0 elsewhere. Memory a pass holds
+        through the step (a kept parameter, an accumulator) adds to it as to the graphs' peaks;
+        memory freed in the graphs below it buys nothing."""
+        rt = self.runtime
+        store = getattr(rt, "offload", None)
+        if store is None or not (rt.count_offload_bytes or store.device.type == "cuda"):
+            return 0
+        return store.step_peak()
+
 
 @dataclasses.dataclass(frozen=True)
 class Facts:

@@ -245,8 +245,8 @@ def candidate(e, world_size: int) -> bool:
 
 
 def _planned(ctx: PassContext) -> tuple[list[Collective], list[dict[str, Any]], int, float]:
-    """(the collectives, every candidate's options, the profiled peak, the room the budget
-    leaves: budget − peak)."""
+    """(the collectives, every candidate's options, the peak — the graphs' profiled peaks and
+    the optimizer step's — and the room the budget leaves: budget − peak)."""
     graphs = {k: s.gm for k, s in ctx.slots.items()}
     colls = collectives_of(graphs, ctx.order,
                            frozenset(k for k, s in ctx.slots.items() if s.kind == "bw"))
@@ -259,7 +259,8 @@ def _planned(ctx: PassContext) -> tuple[list[Collective], list[dict[str, Any]], 
              for e in ctx.registry if e.pid in used and candidate(e, ctx.world_size)]
     excluded = {p for pair in ctx.registry.reuses for p in pair}
     opts = options_of(cands, colls, ctx.cost, gas, excluded)
-    peak = max((p.peak_bytes for p in ctx.profiles.values()), default=0)
+    # a kept copy and its accumulator stay on the device through the optimizer step too
+    peak = max([p.peak_bytes for p in ctx.profiles.values()] + [ctx.step_bytes()])
     return colls, opts, peak, ctx.memory_budget - peak
 
 

@@ -211,6 +211,14 @@ class Offloader:
     def resident_state_bytes(self) -> int:
         return sum(self.state_bytes(s) for s in self.slots if not s.offloaded)
 
+    def step_peak(self) -> int:
+        """Device bytes of the optimizer step with the state placed as it is now: the base,
+        the state on the device, and the state the step streams in (at most LOOKAHEAD + 1
+        chunks at once). A pass that holds memory through the step (kept parameters and their
+        accumulators) plans within the budget less this as well as less the graphs' peaks."""
+        away = sorted((self.state_bytes(s) for s in self.slots if s.offloaded), reverse=True)
+        return self.step_base() + self.resident_state_bytes() + sum(away[:LOOKAHEAD + 1])
+
     def step_base(self) -> int:
         """The device's bytes during the optimizer step with no optimizer state on it: what
         it held when the profiled steps started (CUDA: the allocator's count before the fold,
