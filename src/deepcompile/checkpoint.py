@@ -23,7 +23,9 @@ Each parameter is stored as one flat tensor of `numel` elements, and every rank 
 its shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / S), r its place
 among the S ranks the layout shards over: a DTensor with a Shard(0) placement over a gloo copy
 of that group, which chunks exactly like the registry's shards; under "hsdp" every group holds
-the same chunks, and DCP's planner keeps one writer of each). The optimizer state follows the same rule: a state tensor shaped like the
+the same chunks, and DCP's planner keeps one writer of each; under "hsdp_zero" the ranks trade
+pieces first so that rank r writes piece r, as under "shard": `_in_world_order`). The
+optimizer state follows the same rule: a state tensor shaped like the
 shard is stored flat per parameter (Adam's moments), any other tensor once (Adam's `step`),
 any other value in state.json. Loading builds this rank's slices for the *current* world size
 and layout, and DCP reads whatever saved chunks overlap them: a checkpoint of N ranks loads on
@@ -108,7 +110,7 @@ def _state(engine) -> _EngineCheckpointState:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         st.group = dist.new_group(ranks=ranks, backend="gloo")
         shard = engine._layout.shard
-        if shard is engine._layout.world:
+        if shard is engine._layout.world or engine._layout.primary is not None:
             st.mesh = DeviceMesh.from_group(st.group, "cpu")
         else:   # the shard group's ranks (one mesh per group: made by its members only)
             st.mesh = DeviceMesh.from_group(dist.new_group(
@@ -146,6 +148,43 @@ def _agree(comm, error: str | None) -> None:
     if first is not None:
         rank, text = first
         raise CheckpointError(text if comm.world == 1 else f"{text} [found by rank {rank}]")
+
+
+def _rank(engine) -> int:
+    """This rank's place among the ranks the checkpoint's chunks span (the layout's shard
+    group; hsdp_zero: every rank, `_in_world_order`)."""
+    lay = engine._layout
+    return lay.world.rank if lay.primary is not None else lay.shard.rank
+
+
+def _in_world_order(engine, group, pieces: list[torch.Tensor], back: bool = False
+                    ) -> list[torch.Tensor]:
+    """hsdp_zero's pieces ([Note: pieces in reduction order] in runtime/comm.py) as the
+    checkpoint stores them: rank r's chunk is piece r, as "shard" holds it, so that a checkpoint
+    loads under every layout. Each rank sends its pieces (one flat buffer) to the rank whose
+    chunk they are and receives its chunk from the rank holding it; `back`: the other way, after
+    a load. Each tensor is a whole piece (`shard_numel` elements), on the CPU. Other layouts:
+    `pieces` as they are."""
+    lay = engine._layout
+    if lay.primary is None or not pieces:
+        return pieces
+    me, held = lay.world.rank, lay.primary.rank
+    holds = [None] * lay.world.world
+    dist.all_gather_object(holds, held, group=group)   # world rank -> the piece it holds
+    holder = {piece: rank for rank, piece in enumerate(holds)}
+    send_to, recv_from = (held, holder[me]) if not back else (holder[me], held)
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in pieces])
+    out = torch.empty_like(flat)
+    if send_to == me:
+        out.copy_(flat)
+    else:
+        works = [dist.isend(flat, dist.get_global_rank(group, send_to), group=group),
+                 dist.irecv(out, dist.get_global_rank(group, recv_from), group=group)]
+        for w in works:
+            w.wait()
+    sizes = [t.numel() * t.element_size() for t in pieces]
+    return [part.view(t.dtype).view(t.shape)
+            for part, t in zip(torch.split(out, sizes), pieces)]
 
 
 def _valid(entry, rank: int) -> int:
@@ -237,16 +276,17 @@ def _numpy():
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
+def _collect(engine, ck: _EngineCheckpointState) -> tuple[dict[str, Any], dict]:
     """(the DCP state dict of this rank, the JSON description of the optimizer)."""
-    rank = engine._layout.shard.rank
+    rank, mesh = _rank(engine), ck.mesh
     sd: dict[str, Any] = {}
+    chunks: dict[str, tuple[Any, torch.Tensor]] = {}   # key -> (entry, its whole piece)
     for e in engine._registry:
-        local = _host(e.shard[: _valid(e, rank)])
+        local = _host(e.shard)
         if e.lowp is not None and local.untyped_storage().data_ptr() == \
                 e.shard.untyped_storage().data_ptr():   # a master about to leave (tier 3)
             local = local.clone()
-        sd[f"model/{e.name}"] = _dtensor(local, e.numel, mesh)
+        chunks[f"model/{e.name}"] = (e, local)
     if engine._comm.rank == 0:
         for name, b in persistent_buffers(engine.module).items():
             sd[f"buffer/{name}"] = b.detach().to("cpu")
@@ -278,7 +318,7 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
         for k, v in st.items():
             key = f"optim/{e.name}/{k}"
             if isinstance(v, torch.Tensor) and v.shape == e.shard.shape:
-                sd[key] = _dtensor(_host(v[: _valid(e, rank)]), e.numel, mesh)
+                chunks[key] = (e, _host(v))
                 spec[k] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
             elif isinstance(v, torch.Tensor):
                 sd[key] = _host(v)
@@ -289,6 +329,9 @@ def _collect(engine, mesh) -> tuple[dict[str, Any], dict]:
             else:
                 raise CheckpointError(f"save_checkpoint: optimizer state {k!r} of {e.name} is a "
                                       f"{type(v).__name__}, which a checkpoint cannot hold")
+    ordered = _in_world_order(engine, ck.group, [t for _, t in chunks.values()])
+    for (key, (e, _)), t in zip(chunks.items(), ordered):
+        sd[key] = _dtensor(t[: _valid(e, rank)], e.numel, mesh)
     return sd, {"param_groups": groups, "state": state_spec}
 
 
@@ -371,7 +414,7 @@ def save(engine, path: str | os.PathLike, client_state: Any = None,
     rng = _rng_state(engine.device)   # [Note: random state in a checkpoint]
     try:
         with engine._offload.masters_home():   # [Note: masters on the host]: read them
-            sd, optim = _collect(engine, st.mesh)
+            sd, optim = _collect(engine, st)
         if comm.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             if root.exists() and not root.is_dir():
@@ -450,7 +493,7 @@ def _check_matches(engine, state: dict, version: Path) -> None:
 
 
 def _targets(engine, state: dict, mesh) -> dict[str, Any]:
-    rank = engine._layout.shard.rank
+    rank = _rank(engine)
     targets: dict[str, Any] = {}
     for e in engine._registry:
         targets[f"model/{e.name}"] = _dtensor(
@@ -476,19 +519,28 @@ def _targets(engine, state: dict, mesh) -> dict[str, Any]:
     return targets
 
 
-def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
-    rank = engine._layout.shard.rank
+def _apply(engine, state: dict, targets: dict[str, Any], group) -> None:
     engine._drop_unused_prefetches()   # a parked gather read the shards about to be replaced
+    entries = {e.name: e for e in engine._registry}
+    # every sharded tensor read, as whole pieces (zero past the parameter's end), in this
+    # rank's order (hsdp_zero: `_in_world_order`, back)
+    keys = [(f"model/{e.name}", e) for e in engine._registry] + [
+        (f"optim/{name}/{k}", entries[name]) for name, spec in state["optimizer"]["state"].items()
+        for k, s in spec.items() if s["kind"] == "sharded"]
+    whole = []
+    for key, e in keys:
+        local = targets[key].to_local()
+        full = torch.zeros(e.shard.numel(), dtype=local.dtype)
+        full[: local.numel()] = local
+        whole.append(full)
+    pieces = dict(zip([k for k, _ in keys], _in_world_order(engine, group, whole, back=True)))
     with torch.no_grad():
         for e in engine._registry:
-            valid = _valid(e, rank)
-            e.shard[:valid].copy_(targets[f"model/{e.name}"].to_local())
-            e.shard[valid:].zero_()
+            e.shard.copy_(pieces[f"model/{e.name}"])
         buffers = persistent_buffers(engine.module)
         for name in state.get("buffers", []):
             buffers[name].copy_(targets[f"buffer/{name}"])
     engine._shards_changed(frozen_too=True)
-    entries = {e.name: e for e in engine._registry}
     positions = {e.name: i for i, e in enumerate(_optimizer_index(engine)) if e is not None}
     opt_state = {}
     for name, spec in state["optimizer"]["state"].items():
@@ -496,10 +548,7 @@ def _apply(engine, state: dict, targets: dict[str, Any]) -> None:
         st = {}
         for k, s in spec.items():
             if s["kind"] == "sharded":
-                local = targets[f"optim/{name}/{k}"].to_local()
-                full = torch.zeros(e.shard.numel(), dtype=local.dtype)
-                full[: local.numel()] = local
-                st[k] = full
+                st[k] = pieces[f"optim/{name}/{k}"]
             elif s["kind"] == "replicated":
                 st[k] = targets[f"optim/{name}/{k}"]
             else:
@@ -560,7 +609,7 @@ def load(engine, path: str | os.PathLike) -> Any:
         error = f"load_checkpoint: {version} is damaged: reading it failed ({_describe(e)})"
     _agree(comm, error)
     with engine._offload.masters_home():   # written, then their device copies made anew
-        _apply(engine, state, targets)   # nothing was changed before every rank had read everything
+        _apply(engine, state, targets, st.group)   # nothing was changed before every rank had read everything
     if rng is not None:
         _set_rng_state(rng, engine.device)
     elif state.get("rng") and comm.rank == 0:

@@ -16,7 +16,7 @@ _COMPILERS = ("inductor", "fx")
 _SUPPORTED_STAGES = (1, 2, 3)
 _NONFINITE = ("raise", "skip", "off")
 _HOST_STEP = ("auto", "always", "never")
-_LAYOUTS = ("auto", "shard", "hsdp", "hpz")
+_LAYOUTS = ("auto", "shard", "hsdp", "hsdp_zero", "hpz")
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -122,7 +122,11 @@ class Config:
     layout: how the ranks share the model, in groups of `shard_group_size` ranks (a node):
         "shard" (every parameter sharded over every rank), "hsdp" (sharded within each group,
         replicated across groups: gathers and reduce-scatters stay in the group, gradients
-        are all-reduced across groups; 1/G of the model state per rank), "hpz" (sharded over
+        are all-reduced across groups; 1/G of the model state per rank), "hsdp_zero" (hsdp's
+        collectives with the masters, gradients and optimizer state sharded over every rank:
+        gradients are reduce-scattered across groups, and each group's 1/G block of every
+        parameter, kept in the compute dtype, is gathered across groups after each optimizer
+        step; ZeRO-3 only), "hpz" (sharded over
         every rank; the forward keeps a secondary shard of 1/G of each gathered parameter so
         that the backward re-gathers within the group; ZeRO-3 only), or "auto" (the default:
         "shard" with one group; else chosen when the engine is made from the model's size,
@@ -260,6 +264,11 @@ class Config:
                              f"{self.zero_stage}; its secondary shards serve the backward's "
                              "re-gathers, which only ZeRO-3 has (allowed: 'shard', 'hsdp', "
                              "'auto')")
+        if self.layout == "hsdp_zero" and self.zero_stage != 3:
+            raise ValueError(f"Config.layout: 'hsdp_zero' is not allowed with zero_stage="
+                             f"{self.zero_stage}; it keeps ZeRO-3's gathers within the group, "
+                             "and ZeRO-1/2 already shard the optimizer state over every rank "
+                             "under 'shard' (allowed: 'shard', 'hsdp', 'auto')")
         from .passes import known_passes  # late: passes may import config
         unknown = [p for p in self.pass_list if p not in known_passes()]
         if unknown:

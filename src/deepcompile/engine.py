@@ -327,7 +327,7 @@ class Engine:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
         if host_sq is not None:
             local = local + (host_sq if host_scale is None else host_sq * host_scale.square())
-        if self._layout.replicate is not None and self._layout.replicate.rank != 0:
+        if self._layout.replicated and self._layout.replicate.rank != 0:
             # hsdp: every group holds each gradient once ([Note: layouts] in runtime/mesh.py);
             # the sum over every rank counts the first group's (times 0 keeps an inf/NaN)
             local = local * 0.0

@@ -1,6 +1,7 @@
 """Data-parallel layouts past one node ([Note: layouts] in runtime/mesh.py): "shard", "hsdp"
-(sharded within groups of G ranks, replicated across them) and "hpz" (sharded over every rank,
-secondary shards for the backward's re-gathers within the group).
+(sharded within groups of G ranks, replicated across them), "hsdp_zero" (hsdp's gathers within
+the group, the state sharded over every rank) and "hpz" (sharded over every rank, secondary
+shards for the backward's re-gathers within the group).
 
 On 4 gloo ranks laid out as nodes by LOCAL_WORLD_SIZE (2 x 2, 4 x 1, 1 x 4), in one launch:
 
@@ -10,11 +11,12 @@ On 4 gloo ranks laid out as nodes by LOCAL_WORLD_SIZE (2 x 2, 4 x 1, 1 x 4), in 
   one Inductor case (marked `inductor`);
 * the collectives per group per optimizer step (comm_stats(by_group=True)) against the
   formula: what crosses the group boundary is every collective under "shard", the all-reduce of
-  each rank's 1/G slice of the gradients under "hsdp", the forward's gathers and the
-  reduce-scatters under "hpz";
+  each rank's 1/G slice of the gradients under "hsdp", its reduce-scatter and the refresh's
+  all-gather under "hsdp_zero", the forward's gathers and the reduce-scatters under "hpz";
 * `layout="auto"` states its choice and every layout's figures in the report; the rule itself
   (compiler/layouts.py) on given figures;
-* checkpoints saved at 2 x 2 (hsdp) load at 1 x 4, 4 x 1, under hpz and on 1 rank, and
+* checkpoints saved at 2 x 2 (hsdp) load at 1 x 4, 4 x 1, under hpz, under hsdp_zero (whose
+  save loads under shard, hsdp_zero at 4 x 1 and on 1 rank) and on 1 rank, and
   `save_pretrained` writes the same weights from every layout: a language model with tied
   weights and odd sizes, and (the full suite's) the tied tiny Llama;
 * a layout that cannot work is refused on every rank with the same message.
@@ -50,7 +52,7 @@ def _sc(nodes, layout, model, optim="adamw", gas=2, clip=0.1, stage=3, passes=AL
 
 
 _COUNTS = [_sc("2x2", lay, "mlp", "sgd", clip=None, passes=(), record=("comm_groups",),
-               tags=("counts",)) for lay in ("shard", "hsdp", "hpz")]
+               tags=("counts",)) for lay in ("shard", "hsdp", "hsdp_zero", "hpz")]
 # the tiny Llama's hsdp and hpz with every pass: the full suite's; the core runs the layouts
 # with the passes on the MLP (4 x 1, 1 x 4, auto at 2 x 2) and their collectives per group
 # without passes at 2 x 2 (_COUNTS)
@@ -58,6 +60,8 @@ _FX = [
     _sc("2x2", "hsdp", "llama", record=("report", "comm_groups"), extended=True),
     _sc("2x2", "hpz", "llama", record=("report", "comm_groups"), extended=True),
     _sc("2x2", "hpz", "llama_ckpt", "sgd", gas=1, extended=True),
+    _sc("2x2", "hsdp_zero", "llama", record=("report", "comm_groups"), extended=True),
+    _sc("2x2", "hsdp_zero", "mlp", record=("report", "comm_groups")),
     _sc("2x2", "hsdp", "mlp", stage=1, passes=("bucket_reduce",)),
     _sc("2x2", "hsdp", "llama", stage=2, passes=("bucket_reduce",), extended=True),
     _sc("2x2", "hsdp", "mlp", passes=("offload_optimizer", "prefetch"), warmup_steps=1,
@@ -66,13 +70,17 @@ _FX = [
     _sc("2x2", "auto", "mlp", record=("report",)),
     _sc("4x1", "hsdp", "mlp", record=("comm_groups",)),
     _sc("4x1", "hpz", "mlp", "sgd", record=("comm_groups",)),
+    _sc("4x1", "hsdp_zero", "mlp", "sgd", record=("comm_groups",)),
+    _sc("2x2", "hsdp_zero", "mlp", passes=("offload_optimizer", "prefetch"), warmup_steps=1,
+        memory_budget=18000, chunk_bytes=256, record=("report",), tags=("offload",),
+        extended=True),
     _sc("4x1", "hsdp", "mlp", stage=2, passes=("bucket_reduce",), extended=True),
     _sc("1x4", "hsdp", "mlp", record=("report",)),
 ] + _COUNTS
 # Inductor compiles a layout's collectives as any group's (test_parity's Inductor job): the
 # full suite's only
-_INDUCTOR = [_sc("2x2", "hpz", "llama", compiler="inductor", passes=("prefetch", "bucket_reduce"),
-                 extended=True)]
+_INDUCTOR = [_sc("2x2", lay, "llama", compiler="inductor", passes=("prefetch", "bucket_reduce"),
+                 extended=True) for lay in ("hpz", "hsdp_zero")]
 
 JOBS = Jobs({"fx4": (4, _FX), "inductor4": (4, _INDUCTOR)}, timeout=1500)
 
@@ -110,9 +118,14 @@ def test_bytes_across_the_group_boundary_per_step():
       shard: every collective crosses: k (4 P_4 + 4 P_4) + B on "world";
       hsdp:  only the all-reduce of each rank's 1/G slice crosses: k 4 P_2 / 2 on "inter";
       hpz:   the forward's gathers and the reduce-scatters: k (4 P_4 + 4 P_4) on "world";
-             the backward's re-gathers (B) stay on "intra"."""
+             the backward's re-gathers (B) stay on "intra";
+      hsdp_zero: the reduce-scatter of each rank's 1/G slice in every micro-step and, once per
+             step, the all-gather of the updated pieces into the secondary shards: (k + 1)
+             4 P_4 / 2 on "inter" (the same counted bytes as hsdp's k 4 P_2 / 2 plus one refresh;
+             on the wire a reduce-scatter moves half an all-reduce's); its gathers, forward
+             and backward, stay on "intra"."""
     k, ids = 2, {sc["config"]["layout"]: sc["id"] for sc in _COUNTS}
-    shard, hsdp, hpz = (_groups("fx4", ids[n]) for n in ("shard", "hsdp", "hpz"))
+    shard, hsdp, hpz, hz = (_groups("fx4", ids[n]) for n in ("shard", "hsdp", "hpz", "hsdp_zero"))
     p4, p2 = 4 * _padded(4), 4 * _padded(2)
     n = len(list(_models.build_model("mlp").parameters()))
     assert set(shard) == {"world"} and set(hsdp) == {"intra", "inter"}
@@ -124,17 +137,24 @@ def test_bytes_across_the_group_boundary_per_step():
     assert hsdp["inter"] == {"all_reduce": (k * n, k * p2 // 2)}
     assert hsdp["intra"]["reduce_scatter"] == (k * n, k * p2)
     assert hpz["world"] == {"all_gather": (k * n, k * p4), "reduce_scatter": (k * n, k * p4)}
+    assert set(hz) == {"intra", "inter"}
+    assert hz["inter"] == {"reduce_scatter": (k * n, k * p4 // 2), "all_gather": (1, p4 // 2)}
+    # the gathers shard's run over every rank, in the group
+    assert hz["intra"] == {"all_gather": shard["world"]["all_gather"],
+                           "reduce_scatter": (k * n, k * p4)}
     crossing = {name: sum(b for g, kinds in st.items() if g in ("world", "inter")
                           for _, b in kinds.values())
-                for name, st in (("shard", shard), ("hsdp", hsdp), ("hpz", hpz))}
-    assert crossing == {"shard": 2 * k * p4 + back, "hsdp": k * p2 // 2, "hpz": 2 * k * p4}
+                for name, st in (("shard", shard), ("hsdp", hsdp), ("hpz", hpz),
+                                 ("hsdp_zero", hz))}
+    assert crossing == {"shard": 2 * k * p4 + back, "hsdp": k * p2 // 2, "hpz": 2 * k * p4,
+                        "hsdp_zero": (k + 1) * p4 // 2}
 
 
 def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
     """4 x 1: hsdp shards over one rank (no gather, no reduce-scatter: an all-reduce per
     parameter per micro-step across the 4 groups; clipping's norm is the rank's own, its
     shards being whole parameters); hpz keeps the whole parameter as its secondary shard (no
-    backward gather at all)."""
+    backward gather at all), and so does hsdp_zero (no gather in a graph at all)."""
     model = _models.build_model("mlp")
     params, numel = len(list(model.parameters())), sum(p.numel() for p in model.parameters())
     hsdp = _groups("fx4", "4x1-hsdp-z3-mlp-adamw-gas2-clip")
@@ -144,6 +164,11 @@ def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
     assert set(hpz) == {"world"}, hpz
     assert hpz["world"]["reduce_scatter"][1] == padded
     assert hpz["world"]["all_gather"][1] == padded   # the forward's only
+    # hsdp_zero: its secondary shard is the whole parameter, refreshed across the 4 groups
+    # once per step; each micro-step reduce-scatters every gradient across them
+    hz = _groups("fx4", "4x1-hsdp_zero-z3-mlp-sgd-gas2-clip")
+    assert hz == {"inter": {"reduce_scatter": (2 * params, padded),
+                            "all_gather": (1, padded // 2)}}, hz
 
 
 @pytest.mark.extended   # reads the tiny Llama's hsdp and hpz runs (the full suite's)
@@ -309,13 +334,22 @@ def _checkpoint_job(rank, world, model, tmp):
     out["saved"] = _state_of(engine)
     engine.save_pretrained(Path(tmp) / "hf-2x2-hsdp")
     del engine
-    for name, layout, nodes in (("1x4-shard", "shard", "1x4"), ("4x1-hsdp", "hsdp", "4x1"),
-                                ("2x2-hpz", "hpz", "2x2")):
+    # hsdp_zero's pieces are not in rank order ([Note: pieces in reduction order]): loaded
+    # from hsdp, saved again, and that checkpoint loaded under shard and hsdp_zero at 4 x 1
+    for name, layout, nodes, src in (("2x2-hsdp_zero", "hsdp_zero", "2x2", "ckpt"),
+                                     ("1x4-shard", "shard", "1x4", "ckpt"),
+                                     ("4x1-hsdp", "hsdp", "4x1", "ckpt"),
+                                     ("2x2-hpz", "hpz", "2x2", "ckpt"),
+                                     ("hz-1x4-shard", "shard", "1x4", "ckpt-hz"),
+                                     ("hz-4x1-hsdp_zero", "hsdp_zero", "4x1", "ckpt-hz")):
         engine = _engine(model, layout, NODES[nodes])
         assert engine._layout.name == layout
-        engine.load_checkpoint(Path(tmp) / "ckpt")
+        engine.load_checkpoint(Path(tmp) / src)
         out[name] = _state_of(engine)
-        engine.save_pretrained(Path(tmp) / f"hf-{name}")
+        if src == "ckpt":
+            engine.save_pretrained(Path(tmp) / f"hf-{name}")
+        if name == "2x2-hsdp_zero":
+            engine.save_checkpoint(Path(tmp) / "ckpt-hz")
         del engine
     return out
 
@@ -324,9 +358,11 @@ def _one_rank_job(rank, world, model, tmp):
     from pathlib import Path
 
     engine = _engine(model, "auto", {})
+    engine.load_checkpoint(Path(tmp) / "ckpt-hz")
+    from_hz = _state_of(engine)
     engine.load_checkpoint(Path(tmp) / "ckpt")
     engine.save_pretrained(Path(tmp) / "hf-1")
-    return _state_of(engine)
+    return {**_state_of(engine), "from_hz": from_hz}
 
 
 def test_checkpoints_across_layouts(tmp_path):
@@ -341,14 +377,17 @@ def _check_checkpoints(model, tmp_path):
     one = run_distributed(_one_rank_job, 1, model, str(tmp_path), timeout=300)[0]
     saved = per_rank[0]["saved"]
     for r in per_rank:
-        for name in ("saved", "1x4-shard", "4x1-hsdp", "2x2-hpz"):
+        for name in ("saved", "2x2-hsdp_zero", "1x4-shard", "4x1-hsdp", "2x2-hpz",
+                     "hz-1x4-shard", "hz-4x1-hsdp_zero"):
             assert set(r[name]) == set(saved)
             for k, v in saved.items():
                 assert torch.equal(r[name][k], v), (name, k)
+    from_hz = one.pop("from_hz")
     for k, v in saved.items():
         assert torch.equal(one[k], v), k
+        assert torch.equal(from_hz[k], v), k
     files = {n: load_file(str(tmp_path / f"hf-{n}" / "model.safetensors"))
-             for n in ("2x2-hsdp", "1x4-shard", "4x1-hsdp", "2x2-hpz", "1")}
+             for n in ("2x2-hsdp", "2x2-hsdp_zero", "1x4-shard", "4x1-hsdp", "2x2-hpz", "1")}
     base = files["2x2-hsdp"]
     for n, f in files.items():
         assert set(f) == set(base) and all(torch.equal(f[k], base[k]) for k in base), n

@@ -113,13 +113,15 @@ def calibrate(comm, device: torch.device, repeats: int = 5, layout=None) -> Line
 # lowering runs each collective: "all_gather" (a forward gather), "all_gather_bw" (a backward
 # re-gather: hpz's runs within the group from the secondary shard) and "reduce_scatter" (a
 # gradient's reduction: hsdp's is the reduce-scatter in the group plus the all-reduce across
-# the groups of its 1/G slice, one after the other).
+# the groups of its 1/G slice, one after the other; hsdp_zero's the reduce-scatter in the group
+# plus a reduce-scatter of the slice across the groups, and every gather runs in the group).
 def group_kinds(layout) -> list[tuple[Any, tuple[str, ...]]]:
     """(comm, the kinds the layout runs on it), per group of `layout`."""
     out = [(layout.shard, ("all_gather", "reduce_scatter"))]
     if layout.replicate is not None:
-        out.append((layout.replicate, ("all_reduce",)))
-    if layout.secondary is not None:
+        out.append((layout.replicate, ("reduce_scatter", "all_gather") if layout.primary
+                    is not None else ("all_reduce",)))
+    if layout.secondary is not None and layout.secondary is not layout.shard:
         out.append((layout.secondary, ("all_gather",)))
     return out
 
@@ -133,8 +135,10 @@ def compose(coeffs: dict[str, tuple[float, float]], layout) -> dict[str, tuple[f
     if layout.secondary is not None:
         out["all_gather_bw"] = coeffs.get(f"{layout.secondary.label}:all_gather", zero)
     if layout.replicate is not None:
-        a, b = coeffs.get(f"{layout.replicate.label}:all_reduce", zero)
-        # the all-reduce carries 1/G of the reduce-scatter's (full-tensor) bytes
+        across = "reduce_scatter" if layout.primary is not None else "all_reduce"
+        a, b = coeffs.get(f"{layout.replicate.label}:{across}", zero)
+        # the collective across the groups carries 1/G of the reduce-scatter's (full-tensor)
+        # bytes
         out["reduce_scatter"] = (rs[0] + a, rs[1] + b / layout.shard.world)
     return out
 

@@ -27,7 +27,9 @@ runs in: `hsdp` gathers and reduce-scatters within the group and all-reduces eac
 across the groups ([Note: hierarchical reduction]); `hpz` gathers over every rank in a forward
 graph, copying each rank's secondary block out of the gathered buffer into a runtime buffer
 (an extra input, written in place), and in a backward graph all-gathers those blocks within the
-group ([Note: secondary shards] in runtime/secondary.py).
+group ([Note: secondary shards] in runtime/secondary.py); `hsdp_zero` gathers every parameter,
+forward and backward, within the group from its secondary shard, and reduce-scatters each
+reduced slice across the groups.
 
 This module is one job, longer than most: `_Lowering` has a method for each row of the table,
 and they share one lowering's state (the new graph, its extra inputs and outputs, the counts).
@@ -155,15 +157,19 @@ class _Lowering:
         # [Note: layouts] in runtime/mesh.py. Gathers: over the ranks the primary shards span,
         # or (hpz, a backward graph) within the group, from the secondary shards the forward
         # keeps (`keeps_secondary`: [Note: secondary shards] in runtime/secondary.py).
-        self.secondary = lay.secondary is not None and kind == "bw"
-        self.keeps_secondary = lay.secondary is not None and kind == "fw"
+        # hsdp_zero: every gather reads the secondary shards (refreshed after the step)
+        self.secondary = lay.secondary is not None and (kind == "bw" or lay.refreshed_secondary)
+        self.keeps_secondary = lay.secondary is not None and kind == "fw" and \
+            not lay.refreshed_secondary
         gathers = lay.secondary if self.secondary else lay.shard
         self.world = gathers.world           # ranks one gather spans
         self.group = gathers.group_name
         self.label = gathers.label
-        # reductions: a reduce-scatter over the shard group, then (hsdp) an all-reduce across
-        # the groups; the mean divides by every rank
+        # reductions: a reduce-scatter over the shard group, then across the groups an
+        # all-reduce (hsdp) or a reduce-scatter (hsdp_zero: `across_rs`); the mean divides by
+        # every rank
         self.shard_comm, self.replicate = lay.shard, lay.replicate
+        self.across_rs = lay.primary is not None and lay.replicate is not None
         self.ranks = lay.world.world
         self.local_reduce = lay.shard.world == 1 and lay.replicate is None
         self.last = last
@@ -420,7 +426,9 @@ class _Lowering:
 
     def reduce_flat(self, grad: fx.Node, e: ParamEntry) -> fx.Node:
         """The gradient as the [S, shard_numel] rows of a reduce-scatter input (S: the ranks of
-        the shard group)."""
+        the shard group); hsdp_zero: [G, R, piece numel], so that a bucket concatenated along
+        the last dim leaves, after the reduce-scatter in the group, the [R, sum of pieces] rows
+        the reduce-scatter across the groups takes ([Note: pieces in reduction order])."""
         val = grad.meta.get("val")
         flat = self.op(aten.reshape.default, grad, [-1])
         have = val.dtype if isinstance(val, torch.Tensor) else None
@@ -428,11 +436,15 @@ class _Lowering:
             flat = self.op(_CAST, flat, e.reduce_dtype)
         if e.padded_numel != e.numel:
             flat = self.op(aten.constant_pad_nd.default, flat, [0, e.padded_numel - e.numel], 0.0)
+        if self.across_rs:
+            return self.op(aten.view.default, flat,
+                           [self.shard_comm.world, self.replicate.world, e.shard.numel()])
         return self.op(aten.view.default, flat, [self.shard_comm.world, e.shard.numel()])
 
     # [Note: hierarchical reduction] Under hsdp a bucket's gradients are reduce-scattered
     # (summed) in the shard group and the slice is all-reduced (summed) across the groups, then
-    # divided by every rank. The all-reduce needs the reduce-scatter's result, so it is launched
+    # divided by every rank (hsdp_zero: reduce-scattered across the groups, each rank keeping
+    # its piece). The all-reduce needs the reduce-scatter's result, so it is launched
     # after a wait for it: where the next bucket starts (the reduce-scatter has had that
     # bucket's compute to finish; the all-reduce then runs under the next bucket's), or at the
     # bucket's own wait if that comes first. The two collectives run on different groups (on
@@ -443,7 +455,7 @@ class _Lowering:
         for started in list(self.reducing):   # [Note: hierarchical reduction]
             self.launch_all_reduce(started)
         rows = [self.reduce_flat(g, e) for g, e in zip(grads, entries)]
-        bucket = rows[0] if len(rows) == 1 else self.op(aten.cat.default, rows, 1)
+        bucket = rows[0] if len(rows) == 1 else self.op(aten.cat.default, rows, -1)
         bucket = self.op(aten.view.default, bucket, [-1])
         sc = self.shard_comm
         if sc.world == 1:
@@ -459,15 +471,21 @@ class _Lowering:
         return started
 
     def launch_all_reduce(self, started: dict) -> None:
-        """hsdp: the all-reduce across the groups of a started bucket's slice."""
+        """hsdp: the all-reduce across the groups of a started bucket's slice (hsdp_zero: its
+        reduce-scatter)."""
         summed = started.pop("summed", None)
         if summed is None:
             summed = self.op(_WAIT, started.pop("scattered"))
         entries, rep = started["entries"], self.replicate
-        self.count("all_reduce",
-                   sum(e.shard.numel() for e in entries) * entries[0].reduce_dtype.itemsize,
-                   rep.label)
-        started["all_reduced"] = self.op(_AR, summed, "sum", rep.group_name)
+        if self.across_rs:
+            self.count("reduce_scatter", sum(e.shard.numel() for e in entries) * rep.world
+                       * entries[0].reduce_dtype.itemsize, rep.label)
+            started["all_reduced"] = self.op(_RS, summed, "sum", rep.world, rep.group_name)
+        else:
+            self.count("all_reduce",
+                       sum(e.shard.numel() for e in entries) * entries[0].reduce_dtype.itemsize,
+                       rep.label)
+            started["all_reduced"] = self.op(_AR, summed, "sum", rep.group_name)
         self.reducing.remove(started)
 
     def reduce_split(self, started: dict, zero: list[fx.Node] = ()) -> list[fx.Node]:

@@ -127,7 +127,8 @@ def master_items(ctx: PassContext, points: list[Point]) -> list[MasterItem]:
     """Per chunk whose master may live on the host ([Note: masters on the host] in
     runtime/offload/): what that saves the device. Not a chunk with a parameter kept gathered
     or accumulated locally (`selective_unshard`: their refresh and tables read the shard), or
-    whose graph Dynamo reuses (the gathers read the copy as a fixed input).
+    whose graph Dynamo reuses (the gathers read the copy as a fixed input); none under
+    hsdp_zero.
 
     On CUDA every master is on the device all the time ([Note: the device's memory model]): the
     saving is the same at every point. The CPU model counts a shard only in the graphs that
@@ -135,6 +136,8 @@ def master_items(ctx: PassContext, points: list[Point]) -> list[MasterItem]:
     buffer): there the saving at a point is the chunk's shards that its graph takes, less the
     copy, and may be negative."""
     store = ctx.runtime.offload
+    if ctx.runtime.layout.refreshed_secondary:
+        return []   # hsdp_zero: the secondary shards' refresh after the step reads every master
     held = {e.pid for e in ctx.runtime.kept.entries}
     reused = {pid for pair in ctx.registry.reuses for pid in pair}
     cpu = store.device.type != "cuda"

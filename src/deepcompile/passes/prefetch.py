@@ -185,8 +185,9 @@ def _plan(ctx: PassContext, level: float = INF, short: list[int] | None = None
     steps = {k: held_steps(steps_of(p), level) for k, p in ctx.profiles.items()}
     # a gather started for the next graph is gathered as that graph gathers; under hpz a
     # forward's and a backward's gathers differ ([Note: secondary shards] in
-    # runtime/secondary.py): no start across that boundary
-    split = ctx.layout is not None and ctx.layout.secondary is not None
+    # runtime/secondary.py): no start across that boundary (hsdp_zero's are alike)
+    split = ctx.layout is not None and ctx.layout.secondary is not None \
+        and not ctx.layout.refreshed_secondary
     for a, b in successions(ctx.order):
         if split and ctx.slots[a].kind != ctx.slots[b].kind:
             continue

@@ -9,6 +9,16 @@ its collectives run in.
   (summed) across the groups ("inter": the ranks at the same position of every group) and
   divided by W. Masters, gradients and optimizer state are 1/G of the model per rank; the
   optimizer steps the same shard on every group (redundantly), so the replicas stay equal.
+* "hsdp_zero": HSDP's collectives with ZeRO-3's optimizer memory. Masters, gradients and
+  optimizer state are 1/W per rank, each rank's piece in the order the reduction leaves it
+  ([Note: pieces in reduction order] in runtime/comm.py); every rank also holds block l of G of
+  each parameter in the compute dtype (its secondary shard, runtime/secondary.py), which every
+  gather reads, forward and backward, within the group ("intra"). A gradient is reduce-scattered
+  in the group, then its 1/G block reduce-scattered across the groups ("inter") and divided by
+  W; after each optimizer step the updated pieces are all-gathered across the groups into the
+  secondary shards. What crosses the groups per step is HSDP's (a reduce-scatter and an
+  all-gather of 1/G of the model move an all-reduce's bytes); the price is the secondary
+  shards: 1/G of the parameters in the compute dtype. ZeRO-3 only.
 * "hpz": sharded over every rank (the primary shard: masters, gradients and optimizer state
   1/W per rank; the forward's gathers and the reduce-scatters span all W, as "shard"); each
   forward gather also keeps block l of G of the gathered parameter (l: the rank's position in
@@ -42,9 +52,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from .comm import Comm, Pieces
 
-LAYOUTS = ("auto", "shard", "hsdp", "hpz")
+LAYOUTS = ("auto", "shard", "hsdp", "hsdp_zero", "hpz")
 
 
 class LayoutError(ValueError):
@@ -58,10 +68,30 @@ class Layout:
     world: Comm                    # every rank
     shard: Comm                    # the ranks a parameter's shards span
     replicate: Comm | None = None  # hsdp: the ranks holding the same shard (one per group)
-    secondary: Comm | None = None  # hpz: the group the backward re-gathers in
+    secondary: Comm | None = None  # hpz: the group the backward re-gathers in; hsdp_zero: the
+                                   # group every gather runs in
+    # the ranks a parameter's pieces span as the registry and the runtime read them (its rank:
+    # this rank's piece); None: `shard`. hsdp_zero: `Pieces` over intra and inter
+    primary: Any = None
     reason: str = ""               # why this layout (the report says it)
     mesh: Any = None               # the DeviceMesh of the groups (None: one group)
     alternatives: dict[str, Any] = dataclasses.field(default_factory=dict)   # auto's figures
+
+    @property
+    def pieces(self) -> Any:
+        """What the registry shards over (`Comm`, or hsdp_zero's `Pieces`)."""
+        return self.primary if self.primary is not None else self.shard
+
+    @property
+    def replicated(self) -> bool:
+        """Every group holds the same shards (hsdp): a sum over every rank counts one group's."""
+        return self.replicate is not None and self.primary is None
+
+    @property
+    def refreshed_secondary(self) -> bool:
+        """The secondary shards are gathered after each optimizer step and every gather reads
+        them (hsdp_zero); else (hpz) the forward's gathers write them for the backward."""
+        return self.secondary is not None and self.primary is not None
 
     @property
     def groups(self) -> int:
@@ -79,9 +109,12 @@ class Layout:
 
     def reduce_avg(self, full: torch.Tensor) -> torch.Tensor:
         """The mean over every rank of `full` (flat, padded), this rank's shard slice (new
-        memory): reduce-scattered in the shard group, all-reduced across the groups (hsdp)."""
+        memory): reduce-scattered in the shard group, all-reduced (hsdp) or reduce-scattered
+        (hsdp_zero) across the groups."""
         out = self.shard.reduce_scatter_sum(full)
-        if self.replicate is not None:
+        if self.primary is not None:   # hsdp_zero: this rank's piece of the group's block
+            out = self.replicate.reduce_scatter_sum(out)
+        elif self.replicate is not None:
             self.replicate.all_reduce(out)
         return out.div_(self.world.world)
 
@@ -251,6 +284,9 @@ def build(config, world: Comm, device: torch.device, mesh=None, choose=None) -> 
         "hsdp": Layout("hsdp", group_size, world, intra, replicate=inter, mesh=mesh),
         "hpz": Layout("hpz", group_size, world, world, secondary=intra, mesh=mesh),
     }
+    if config.zero_stage == 3:
+        candidates["hsdp_zero"] = Layout("hsdp_zero", group_size, world, intra, replicate=inter,
+                                         secondary=intra, primary=Pieces(intra, inter), mesh=mesh)
     if config.layout != "auto":
         layout = candidates[config.layout]
         layout.reason = "Config.layout"

@@ -45,12 +45,12 @@ def groups(entries: list[ParamEntry], max_bytes: int) -> list[list[ParamEntry]]:
 class _Group:
     __slots__ = ("shards", "dtype", "sizes", "outs", "comm")
 
-    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor]) -> None:
+    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], comm) -> None:
         self.shards = [e.shard for e in entries]   # the live leaves: their values change in place
         self.dtype = entries[0].compute_dtype
         self.sizes = [e.shard.numel() for e in entries]
         self.outs = dests
-        self.comm = entries[0].comm
+        self.comm = comm
 
     def launch(self):
         src = self.shards[0].detach() if len(self.shards) == 1 else torch.cat(self.shards)
@@ -69,21 +69,24 @@ class _Group:
 class RegatherPlan:
     """Gather `entries` from their shards into `dests`, each the [world, shard_numel] view of a
     padded full buffer in the compute dtype (`registry.padded_view`); prepared once, run after
-    every optimizer step."""
+    every optimizer step. `comm`: the ranks to gather over, where not the ones the shards span
+    (hsdp_zero's secondary shards: across the groups only, `dests` [R, shard_numel])."""
 
     def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], max_bytes: int,
-                 label: str | None = None) -> None:
+                 label: str | None = None, comm=None) -> None:
+        comm = comm if comm is not None else (entries[0].comm if entries else None)
         for e, d in zip(entries, dests):
-            want = (e.comm.world, e.shard.numel())
+            want = (comm.world, e.shard.numel())
             if tuple(d.shape) != want or d.dtype != e.compute_dtype or not d.is_contiguous():
                 raise RuntimeError(f"deepcompile: cannot re-gather {e.name!r} into a {d.dtype} "
                                    f"tensor of shape {tuple(d.shape)} (expected {want})")
         dest = {e.pid: d for e, d in zip(entries, dests)}
-        self.groups = [_Group(g, [dest[e.pid] for e in g]) for g in groups(entries, max_bytes)]
+        self.groups = [_Group(g, [dest[e.pid] for e in g], comm)
+                       for g in groups(entries, max_bytes)]
         self.label = label
         # world size 1: (destinations, shards), made once (the shards are the live leaves)
         self._local = None
-        if entries and entries[0].comm.world == 1:
+        if entries and comm.world == 1:
             self._local = ([d[0] for d in dests], [e.shard for e in entries])
 
     def __len__(self) -> int:

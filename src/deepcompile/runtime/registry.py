@@ -47,7 +47,7 @@ class ParamEntry:
     shard: nn.Parameter            # this rank's flat padded shard (master)
     compute_dtype: torch.dtype     # dtype of the gathered parameter
     reduce_dtype: torch.dtype      # dtype of the gradient reduce-scatter
-    comm: Comm                     # the ranks the shards span (the layout's `shard`)
+    comm: Comm                     # the ranks the shards span (the layout's `pieces`)
     layout: "Layout"
     zero_stage: int = 3            # 3: param storage freed; 1, 2: param replicated
     # ZeRO-1/2: the replicated parameter's detached alias (same memory), which compiled graphs
@@ -125,7 +125,7 @@ class ParamRegistry:
                  reduce_dtype: torch.dtype | None, zero_stage: int = 3,
                  on_reuse: Callable[[ParamEntry, ParamEntry], None] | None = None) -> None:
         self.layout = layout
-        self.comm = layout.shard
+        self.comm = layout.pieces   # (hsdp_zero: [Note: pieces in reduction order])
         self.zero_stage = zero_stage
         self.entries: list[ParamEntry] = []
         self._by_id: dict[int, ParamEntry] = {}

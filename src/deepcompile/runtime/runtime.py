@@ -121,7 +121,7 @@ class EngineRuntime:
         self.parked = ParkedGathers()
         self.replicas = Replicas(registry.entries) if registry.zero_stage < 3 else None
         self.layout = registry.layout
-        self.secondary = SecondaryShards(self.entry_by_ptr) \
+        self.secondary = SecondaryShards(self.entry_by_ptr, self.layout.refreshed_secondary) \
             if self.layout.secondary is not None else None
         self.offload: Any = None          # runtime/offload/ (its Offloader is made after this)
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
@@ -194,8 +194,9 @@ class EngineRuntime:
 
     def after_step_collectives(self) -> list[dict[str, Any]]:
         """The collectives the runtime runs after every optimizer step, outside the graphs:
-        ZeRO-1/2's replica refresh and the kept parameters' refresh (one all-gather per fused
-        group, nothing where the shards span one rank)."""
+        ZeRO-1/2's replica refresh, hsdp_zero's secondary shards' refresh and the kept
+        parameters' refresh (one all-gather per fused group, nothing where the shards span one
+        rank)."""
         out = []
         if self.replicas is not None and self.replicas.groups is not None:
             groups = self.replicas.groups   # [Note: deferred refresh] in runtime/replicas.py
@@ -206,11 +207,13 @@ class EngineRuntime:
         else:
             plans = [("replica refresh", getattr(self.replicas, "plan", None)),
                      ("kept-parameter refresh", self.kept.plan)]
+        if self.secondary is not None:
+            plans.insert(0, ("secondary-shard refresh", self.secondary.plan))
         for what, plan in plans:
             if plan is not None and len(plan) and plan.communicates:
                 out.append({"where": "after the optimizer step", "what": what,
                             "kind": "all_gather", "count": len(plan), "bytes": plan.nbytes(),
-                            "group": self.layout.shard.label})
+                            "group": plan.groups[0].comm.label})
         return out
 
     # -- around the optimizer step -------------------------------------------------------------
@@ -253,7 +256,10 @@ class EngineRuntime:
     def shards_changed(self, frozen_too: bool = False) -> None:
         """What is derived from the shards follows them (after the optimizer step, after loading
         a checkpoint): ZeRO-1/2's replicated parameters (the frozen ones only where they changed
-        too: a checkpoint load) and the parameters kept gathered."""
+        too: a checkpoint load), hsdp_zero's secondary shards and the parameters kept
+        gathered."""
         if self.replicas is not None:
             self.replicas.refresh(frozen_too)
+        if self.secondary is not None:
+            self.secondary.refresh(frozen_too)
         self.kept.refresh()
