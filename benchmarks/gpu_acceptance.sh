@@ -33,7 +33,7 @@
 #                                pinned buffers (tests, fx and Inductor); llama-1b at 1 x 4096
 #                                tokens: ours against HF full checkpointing and torch's
 #                                activation_memory_budget at the same profiled peak, paired
-#   layouts     42     4         2 GPUs (not part of `all`): hsdp and hpz over NCCL sub-groups
+#   layouts     42     4         2 GPUs (not part of `all`): hsdp, hsdp_zero and hpz over NCCL sub-groups
 #                                made at initialize, parity with eager, collectives per group
 set -u
 part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|layouts|all}

@@ -67,6 +67,7 @@ _FX = [
     _sc("2x2", "hsdp", "mlp", passes=("offload_optimizer", "prefetch"), warmup_steps=1,
         memory_budget=18000, chunk_bytes=256, record=("report",), tags=("offload",)),
     _sc("2x2", "hsdp", "disabled", "sgd", extended=True),
+    _sc("2x2", "hsdp_zero", "disabled", "sgd", extended=True),
     _sc("2x2", "auto", "mlp", record=("report",)),
     _sc("4x1", "hsdp", "mlp", record=("comm_groups",)),
     _sc("4x1", "hpz", "mlp", "sgd", record=("comm_groups",)),
@@ -171,7 +172,7 @@ def test_one_rank_groups_and_the_hsdp_all_reduce_in_every_step():
                             "all_gather": (1, padded // 2)}}, hz
 
 
-@pytest.mark.extended   # reads the tiny Llama's hsdp and hpz runs (the full suite's)
+@pytest.mark.extended   # reads the tiny Llama's layout runs (the full suite's)
 def test_hsdp_and_hpz_with_passes_count_per_group():
     """2 x 2 with prefetch, bucket_reduce, selective_unshard: hsdp's gathers and
     reduce-scatters stay in the group and only all-reduces cross; hpz's backward gathers stay
@@ -181,6 +182,10 @@ def test_hsdp_and_hpz_with_passes_count_per_group():
     assert set(hsdp["inter"]) == {"all_reduce"}
     hpz = _groups("fx4", "2x2-hpz-z3-llama-adamw-gas2-clip")
     assert set(hpz["intra"]) <= {"all_gather"}
+    # hsdp_zero: every gather in the group; across, the reductions' second step and the refresh
+    hz = _groups("fx4", "2x2-hsdp_zero-z3-llama-adamw-gas2-clip")
+    assert set(hz) == {"intra", "inter"} and set(hz["inter"]) == {"reduce_scatter", "all_gather"}
+    assert set(hz["intra"]) == {"all_gather", "reduce_scatter"}
     report = JOBS.results("fx4", "2x2-hsdp-z3-llama-adamw-gas2-clip")[0]["report"]
     assert report["comm_by_group"]["inter"]["all_reduce"]["count"] > 0
     assert report["layout"]["reason"] == "Config.layout"
@@ -188,9 +193,9 @@ def test_hsdp_and_hpz_with_passes_count_per_group():
 
 def test_auto_states_its_choice():
     lay = JOBS.results("fx4", "2x2-auto-z3-mlp-adamw-gas2-clip")[0]["report"]["layout"]
-    assert lay["layout"] in ("shard", "hsdp", "hpz")
+    assert lay["layout"] in ("shard", "hsdp", "hsdp_zero", "hpz")
     assert lay["reason"].startswith("auto: ")
-    assert set(lay["alternatives"]) == {"shard", "hsdp", "hpz"}
+    assert set(lay["alternatives"]) == {"shard", "hsdp", "hsdp_zero", "hpz"}
     figures = lay["alternatives"]
     best = min(f["comm_s"] for f in figures.values())
     assert figures[lay["layout"]]["comm_s"] <= best * 1.02 + 1e-12
@@ -238,15 +243,23 @@ def test_the_auto_rule_on_given_figures():
     state = {n: f["state_bytes"] for n, f in figures.items()}
     name, why, figures = _rule(1e-9, budget=2 * (state["hpz"] + state["hsdp"]) / 2)
     assert name == "hpz" and not figures["hsdp"]["fits"], why
+    # hsdp_zero holds what hpz holds (1/16 of the state, 1/8 of the parameters in bf16) and
+    # crosses the nodes with 1/8 of the bytes: with accumulation (its refresh once a step,
+    # hpz's forward gathers in every micro-step across the nodes) it wins where hsdp does
+    # not fit
+    assert state["hsdp_zero"] == state["hpz"]
+    assert figures["hsdp_zero"]["crossing_bytes"] * 8 == figures["hpz"]["crossing_bytes"]
+    name, why, figures = _rule(1e-9, budget=2 * (state["hpz"] + state["hsdp"]) / 2, gas=4)
+    assert name == "hsdp_zero" and not figures["hsdp"]["fits"], why
     # nothing fits: shard, the least memory
     name, why, _ = _rule(1e-9, budget=1.0)
     assert name == "shard" and "half the memory budget" in why
     # the network as fast across the nodes as within: a tie goes to the least memory
     name, _, figures = _rule(1e-11)
     assert name == "shard", figures
-    # ZeRO-1/2 have no hpz
+    # ZeRO-1/2 have no hpz, nor hsdp_zero
     _, _, figures = _rule(1e-9, stage=2)
-    assert "hpz" not in figures
+    assert "hpz" not in figures and "hsdp_zero" not in figures
 
 
 def test_the_auto_rule_weighs_the_memory_a_layout_takes_by_what_the_passes_make_of_it():
@@ -264,8 +277,10 @@ def test_the_auto_rule_weighs_the_memory_a_layout_takes_by_what_the_passes_make_
         == (4 * 2**20, 2 * 2**20)
     assert figures["shard"]["comm_s"] < figures["hpz"]["comm_s"] < figures["hpz"]["comm_before_s"]
     assert "selective_unshard would make of the memory left (4.0 MiB used)" in why, why
-    # across a slow network hpz's gathers within the node still win
-    assert _rule(1e-9, budget=budget, gas=4, passes=("selective_unshard",))[0] == "hpz"
+    # across a slow network the layouts that gather within the node win: hsdp_zero (every
+    # gather there, hpz's memory) over hpz (its backward's)
+    name, _, figures = _rule(1e-9, budget=budget, gas=4, passes=("selective_unshard",))
+    assert name == "hsdp_zero" and figures["hpz"]["comm_s"] < figures["shard"]["comm_s"], figures
     # passes that make nothing of memory change nothing
     assert _rule(1e-10, budget=budget, gas=4, passes=("prefetch", "bucket_reduce"))[0] == "hpz"
 
@@ -450,6 +465,8 @@ def test_layouts_that_cannot_work_are_refused_on_every_rank_and_a_users_mesh_is_
 
     with pytest.raises(ValueError, match="'hpz' is not allowed with zero_stage=2"):
         deepcompile.Config(layout="hpz", zero_stage=2)
+    with pytest.raises(ValueError, match="'hsdp_zero' is not allowed with zero_stage=1"):
+        deepcompile.Config(layout="hsdp_zero", zero_stage=1)
     with pytest.raises(ValueError, match="Config.layout"):
         deepcompile.Config(layout="fsdp")
     with pytest.raises(ValueError, match="shard_group_size"):

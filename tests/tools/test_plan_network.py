@@ -118,3 +118,32 @@ def test_a_collective_is_read_off_the_sweep_not_its_line():
     # without points, the line stands in (as for a network given as coefficients)
     bare = Measured(2, {"all_gather": line})
     assert bare.collective_s("all_gather", 19_000) == pytest.approx(line[0] + line[1] * 19_000)
+
+
+def test_layout_fabrics_run_each_collective_in_its_group():
+    """[Note: layouts in the plan]: under hsdp and hsdp_zero every gather runs in the group
+    (a node's NVLink), a gradient's reduction in the group and then its 1/G slice across the
+    groups (hsdp: an all-reduce; hsdp_zero: a reduce-scatter, half the ring's bytes); under hpz
+    only the backward's gathers stay in the group."""
+    from deepcompile.tools.plan.network import LayoutFabric
+
+    world = fabric(4, 8)
+    nbytes = 64 * MB
+    for name in ("hsdp", "hsdp_zero", "hpz"):
+        f = LayoutFabric(world, name, 8)
+        intra, inter = f.fabrics["intra"], f.fabrics["inter"]
+        bw = intra.collective_s("all_gather", nbytes)
+        assert f.collective_s("all_gather_bw", nbytes) == bw
+        fw = f.collective_s("all_gather", nbytes)
+        rs = f.collective_s("reduce_scatter", nbytes)
+        if name == "hpz":
+            assert fw == world.collective_s("all_gather", nbytes)
+            assert rs == world.collective_s("reduce_scatter", nbytes)
+            continue
+        assert fw == bw
+        across = inter.collective_s("all_reduce" if name == "hsdp" else "reduce_scatter",
+                                    nbytes // 8)
+        assert rs == pytest.approx(intra.collective_s("reduce_scatter", nbytes) + across)
+    hsdp, hz = (LayoutFabric(world, n, 8).collective_s("reduce_scatter", nbytes)
+                for n in ("hsdp", "hsdp_zero"))
+    assert hz < hsdp

@@ -9,22 +9,22 @@ rank:
 * the cluster's shape: W ranks in groups of G (runtime/mesh.py);
 * the memory budget (`Config.memory_budget`, agreed over the ranks; unbounded on the CPU);
 * the collectives, measured: all-gather and reduce-scatter over every rank and within a group,
-  all-reduce across the groups (`compiler/cost.py::measure_groups`, the slowest rank's
+  all-reduce (and at ZeRO-3 reduce-scatter and all-gather) across the groups
+  (`compiler/cost.py::measure_groups`, the slowest rank's
   timings, a few milliseconds on GPUs).
 
-Per layout it predicts one optimizer step's communication (`predict`: every parameter's
-collectives under the layout, as the lowering runs them, without overlap: the compute that
-could hide them is not known yet, and is the same under every layout) and the model state per
-rank (masters, gradients, an Adam-like optimizer's two moments per master element, ZeRO-1/2's
-replicated parameters, hpz's secondary shards). The memory a layout leaves free is worth
-communication: the model state takes half the budget at most (the other half: the activations
-and the gathered parameters, which no layout changes), and what it leaves of that half goes to
-the passes that will run and say what they make of it (`Pass.spare_memory`: selective_unshard
-keeps parameters gathered, saving their gathers). It takes the layout of least predicted
-communication, after those savings, among those whose model state fits; "shard" when none fits
-(the least memory). Ties (within `TIE`) go to the layout with less memory. The report states
-the choice and every layout's figures; `deepcompile plan` shows the layouts side by side with
-their simulated steps.
+Per layout it predicts one optimizer step's communication (`predict`: every parameter's collectives
+under the layout, as the lowering runs them, without overlap: the compute that could hide them is
+not known yet, and is the same under every layout) and the model state per rank (masters,
+gradients, an Adam-like optimizer's two moments per master element, ZeRO-1/2's replicated
+parameters, hpz's and hsdp_zero's secondary shards). The memory a layout leaves free is worth
+communication: the model state takes half the budget at most (the other half: the activations and
+the gathered parameters, which no layout changes), and what it leaves of that half goes to the
+passes that will run and say what they make of it (`Pass.spare_memory`: selective_unshard keeps
+parameters gathered, saving their gathers). It takes the layout of least predicted communication,
+after those savings, among those whose model state fits; "shard" when none fits (the least memory).
+Ties (within `TIE`) go to the layout with less memory. The report states the choice and every
+layout's figures; `deepcompile plan` shows the layouts side by side with their simulated steps.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..passes.context import Keepable, SpareMemory, get_pass
 
 TIE = 0.02                  # predicted times within 2% are a tie
 ADAM_STATE = 2              # optimizer state per master element, in master elements (assumed)
-ORDER = ("shard", "hpz", "hsdp")   # least memory first
+ORDER = ("shard", "hpz", "hsdp_zero", "hsdp")   # least memory first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,7 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
     label, kind, bytes)`; bytes per group label) and the model state per rank; and every
     parameter as one kept gathered would save (ZeRO-3)."""
     shards = group if name == "hsdp" else world
+    in_group = name in ("hsdp", "hsdp_zero")   # gathers and the first reduce-scatter
     seconds, nbytes, state = 0.0, {}, 0
     keepable = []
 
@@ -85,15 +86,19 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
         shard = -(-p.numel // shards)
         padded = shard * shards
         state += shard * p.master_bytes * (2 + ADAM_STATE)
-        home = "intra" if name == "hsdp" else wide
+        home = "intra" if in_group else wide
         if stage == 3:
             size = padded * p.compute_bytes
             fw_s = add(home, "all_gather", size, gas)                    # the forward's
-            bw = "intra" if name in ("hsdp", "hpz") else wide
+            bw = "intra" if name in ("hsdp", "hsdp_zero", "hpz") else wide
             bw_s = add(bw, "all_gather", size, gas)                      # the backward's
-            keepable.append(Keepable(size, fw_s + bw_s, fw_s))   # the refresh: the forward's
-            if name == "hpz":
+            # a kept copy's refresh: the forward's gather (hsdp_zero: from the secondary shards,
+            # refreshed after each step whether or not a parameter is kept)
+            keepable.append(Keepable(size, fw_s + bw_s, fw_s))
+            if name in ("hpz", "hsdp_zero"):
                 state += -(-padded // group) * p.compute_bytes           # the secondary shard
+            if name == "hsdp_zero" and world > group:   # the secondary shard's refresh
+                add("inter", "all_gather", padded // group * p.compute_bytes, 1)
         else:
             state += p.numel * p.compute_bytes                           # the replica
             add(home, "all_gather", padded * p.compute_bytes, 1)         # after the step
@@ -101,6 +106,8 @@ def predict(name: str, params: list[ParamFacts], world: int, group: int, stage: 
         add(home, "reduce_scatter", padded * p.reduce_bytes, reductions)
         if name == "hsdp" and world > group:
             add("inter", "all_reduce", shard * p.reduce_bytes, reductions)
+        if name == "hsdp_zero" and world > group:   # the group's slice, across the groups
+            add("inter", "reduce_scatter", padded // group * p.reduce_bytes, reductions)
     crossing = sum(b for label, b in nbytes.items() if label in ("world", "inter"))
     return ({"comm_s": seconds, "bytes": nbytes, "crossing_bytes": crossing,
              "state_bytes": state}, tuple(keepable))
@@ -116,7 +123,7 @@ def choose(params: list[ParamFacts], world: int, group: int, stage: int, gas: in
     room = budget / 2
     figures = {}
     for n in names:
-        if n == "hpz" and stage != 3:
+        if n in ("hpz", "hsdp_zero") and stage != 3:
             continue
         f, keepable = predict(n, params, world, group, stage, gas, collective_s)
         spare = SpareMemory(stage, gas, room - f["state_bytes"], keepable)
@@ -166,8 +173,10 @@ def auto(candidates: dict[str, Any], module: torch.nn.Module, config, device: to
 
     hsdp = candidates["hsdp"]
     world = hsdp.world
+    across = ("all_reduce", "reduce_scatter", "all_gather") if "hsdp_zero" in candidates \
+        else ("all_reduce",)
     groups = [(world, ("all_gather", "reduce_scatter")),
-              (hsdp.shard, ("all_gather", "reduce_scatter")), (hsdp.replicate, ("all_reduce",))]
+              (hsdp.shard, ("all_gather", "reduce_scatter")), (hsdp.replicate, across)]
     times = measure_groups(groups, device, repeats)
     keys = list(times)
     flat = torch.tensor([t for k in keys for t in times[k]], dtype=torch.float64, device=device)
@@ -184,5 +193,6 @@ def auto(candidates: dict[str, Any], module: torch.nn.Module, config, device: to
     passes = known_passes() if config.auto_passes else config.passes
     name, why, figures = choose(params, world.world, hsdp.group_size, config.zero_stage,
                                 config.gradient_accumulation_steps, budget,
-                                collective_time(models), passes=passes)
+                                collective_time(models),
+                                names=tuple(n for n in ORDER if n in candidates), passes=passes)
     return name, f"auto: {why}", figures

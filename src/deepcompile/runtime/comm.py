@@ -159,12 +159,6 @@ class Comm:
         return tensor
 
 
-class _Done:
-    """The handle of a collective that has completed (what `wait` is called on)."""
-
-    def wait(self) -> bool:
-        return True
-
 
 class Pieces:
     """[Note: pieces in reduction order] Under "hsdp_zero" (runtime/mesh.py) each rank holds one
@@ -173,24 +167,15 @@ class Pieces:
     node-local step first), then across the groups (it keeps part j of R of that block). So the
     rank holds piece l*R + j, not piece `rank`. Gathering the pieces runs the other way: across
     the groups (block l of G, what the group's gathers read), then within the group (the padded
-    parameter, in order). This is the part of `Comm` that the registry and the runtime read of
-    the ranks a shard spans (`rank`: the piece, `world`, the gathers and the reduce-scatter), over
-    the layout's two groups, which count what runs on them."""
+    parameter, in order). This is what the registry and the runtime read of the ranks a shard
+    spans (`rank`: the piece, `world`, `all_gather`), over the layout's two groups, which count
+    what runs on them."""
 
     def __init__(self, intra: Comm, inter: Comm) -> None:
         self.intra, self.inter = intra, inter
         self.world = intra.world * inter.world
         self.rank = intra.rank * inter.world + inter.rank
-        self.label = inter.label
 
     def all_gather(self, shard: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Every piece in order (new memory, `world` times `shard`'s elements)."""
         return self.intra.all_gather(self.inter.all_gather(shard, count), count)
-
-    def all_gather_async(self, shard: torch.Tensor):
-        """`all_gather`, done now: (the buffer, a completed handle)."""
-        return self.all_gather(shard), _Done()
-
-    def reduce_scatter_sum(self, full: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """The sum over every rank of `full` (flat, padded), this rank's piece (new memory)."""
-        return self.inter.reduce_scatter_sum(self.intra.reduce_scatter_sum(full, count), count)

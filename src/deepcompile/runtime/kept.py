@@ -1,8 +1,9 @@
 """Parameters kept gathered across graphs and micro-steps: the run-time side of `selective_unshard`.
 
 `KeptParams` holds, for each kept parameter, the full parameter in compute dtype at the head of
-a padded buffer, re-gathered from the updated shards after every optimizer step (`refresh`, in
-fused collectives of at most `MAX_REFRESH_BYTES`: [Note: fused re-gather]). The lowered graphs
+a padded buffer, re-gathered after every optimizer step (`refresh`, in fused collectives of at
+most `MAX_REFRESH_BYTES`: [Note: fused re-gather]) from the updated shards, or under hsdp_zero
+from the updated secondary shards within the group. The lowered graphs
 take the kept tensors as inputs where they would have gathered ([Note: runtime inputs] in
 compiler/lower.py): no collective, no copy. A graph input is never written by Inductor, so
 handing the runtime's own tensor to the graph is safe (an op output would not be: Inductor
@@ -63,6 +64,8 @@ class KeptParams:
         self._plan: RegatherPlan | None = None
         self.misses = 0
         self._suspended = False
+        # hsdp_zero's secondary shards (runtime/secondary.py), which the refresh gathers from
+        self.secondary = None
 
     def configure(self, entries: list[ParamEntry]) -> None:
         """Keep `entries` gathered from now on (filled here, from the current shards)."""
@@ -72,14 +75,20 @@ class KeptParams:
         if not self.entries:
             self._plan = None
             return
+        # hsdp_zero: from the secondary shards (refreshed first: EngineRuntime.shards_changed),
+        # within the group; else from the shards over the ranks they span
+        sec = self.secondary
+        comm = self.entries[0].layout.secondary if sec is not None else self.entries[0].comm
         dests = []
         for e in self.entries:
             buf = torch.empty(e.padded_numel, dtype=e.compute_dtype, device=e.shard.device)
             self.full[e.pid] = buf[: e.numel].view(e.shape)
             self.table[e.shard.data_ptr()] = self.full[e.pid]
-            dests.append(padded_view(self.full[e.pid], e.comm.world))
+            dests.append(padded_view(self.full[e.pid], comm.world))
         self._plan = RegatherPlan(self.entries, dests, MAX_REFRESH_BYTES,
-                                  label="deepcompile.refresh_kept")
+                                  label="deepcompile.refresh_kept", comm=comm,
+                                  sources=None if sec is None else
+                                  [sec.of(e) for e in self.entries])
         self.refresh()
 
     @property

@@ -190,7 +190,7 @@ def _check(facts: list[dict[str, Any]], world_ranks: list[int], device: torch.de
             _check_mesh_groups(facts)
     else:
         group_size = first["group_size"] or _ranks_per_node(facts) or world
-        if first["layout"] in ("hsdp", "hpz") and not (first["group_size"]
+        if first["layout"] in ("hsdp", "hsdp_zero", "hpz") and not (first["group_size"]
                                                       or first["local_world_size"]):
             raise LayoutError(
                 f"deepcompile.initialize: Config.layout={first['layout']!r} needs the group "

@@ -45,10 +45,11 @@ def groups(entries: list[ParamEntry], max_bytes: int) -> list[list[ParamEntry]]:
 class _Group:
     __slots__ = ("shards", "dtype", "sizes", "outs", "comm")
 
-    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], comm) -> None:
-        self.shards = [e.shard for e in entries]   # the live leaves: their values change in place
+    def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], comm,
+                 sources: list[torch.Tensor]) -> None:
+        self.shards = sources   # the live leaves (or buffers): their values change in place
         self.dtype = entries[0].compute_dtype
-        self.sizes = [e.shard.numel() for e in entries]
+        self.sizes = [s.numel() for s in sources]
         self.outs = dests
         self.comm = comm
 
@@ -69,25 +70,30 @@ class _Group:
 class RegatherPlan:
     """Gather `entries` from their shards into `dests`, each the [world, shard_numel] view of a
     padded full buffer in the compute dtype (`registry.padded_view`); prepared once, run after
-    every optimizer step. `comm`: the ranks to gather over, where not the ones the shards span
-    (hsdp_zero's secondary shards: across the groups only, `dests` [R, shard_numel])."""
+    every optimizer step. `comm`: the ranks to gather over, where not the ones the shards span,
+    and `sources`: what each rank contributes, where not the shards (hsdp_zero: its secondary
+    shards gathered across the groups from the shards, `dests` [R, shard_numel]; a kept
+    parameter gathered within the group from the secondary shards, `dests` [G, R shard_numel])."""
 
     def __init__(self, entries: list[ParamEntry], dests: list[torch.Tensor], max_bytes: int,
-                 label: str | None = None, comm=None) -> None:
+                 label: str | None = None, comm=None,
+                 sources: list[torch.Tensor] | None = None) -> None:
         comm = comm if comm is not None else (entries[0].comm if entries else None)
+        sources = sources if sources is not None else [e.shard for e in entries]
+        src = {e.pid: s for e, s in zip(entries, sources)}
         for e, d in zip(entries, dests):
-            want = (comm.world, e.shard.numel())
+            want = (comm.world, src[e.pid].numel())
             if tuple(d.shape) != want or d.dtype != e.compute_dtype or not d.is_contiguous():
                 raise RuntimeError(f"deepcompile: cannot re-gather {e.name!r} into a {d.dtype} "
                                    f"tensor of shape {tuple(d.shape)} (expected {want})")
         dest = {e.pid: d for e, d in zip(entries, dests)}
-        self.groups = [_Group(g, [dest[e.pid] for e in g], comm)
+        self.groups = [_Group(g, [dest[e.pid] for e in g], comm, [src[e.pid] for e in g])
                        for g in groups(entries, max_bytes)]
         self.label = label
         # world size 1: (destinations, shards), made once (the shards are the live leaves)
         self._local = None
         if entries and comm.world == 1:
-            self._local = ([d[0] for d in dests], [e.shard for e in entries])
+            self._local = ([d[0] for d in dests], list(sources))
 
     def __len__(self) -> int:
         return len(self.groups)

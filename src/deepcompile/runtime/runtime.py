@@ -123,6 +123,8 @@ class EngineRuntime:
         self.layout = registry.layout
         self.secondary = SecondaryShards(self.entry_by_ptr, self.layout.refreshed_secondary) \
             if self.layout.secondary is not None else None
+        if self.layout.refreshed_secondary:
+            self.kept.secondary = self.secondary
         self.offload: Any = None          # runtime/offload/ (its Offloader is made after this)
         self.eager_grads: dict[int, torch.Tensor] = {}   # pid -> gradient ([Note: eager
                                                          # gradients are agreed])

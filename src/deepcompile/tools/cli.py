@@ -353,9 +353,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "+offload_optimizer, auto)")
     p.add_argument("--layouts", default=None, metavar="L1,L2",
                    help="data-parallel layouts side by side: shard (the ladder of pass sets), "
-                        "hsdp, hpz (passes='auto', or the --passes given), auto (which one "
-                        "Config.layout='auto' picks) (default: all of them past one node, "
-                        "shard on one)")
+                        "hsdp, hsdp_zero, hpz (passes='auto', or the --passes given), auto "
+                        "(which one Config.layout='auto' picks) (default: all of them past one "
+                        "node, shard on one)")
     p.add_argument("--peers", default="fsdp2,fsdp2-compile,ds-z3", metavar="S1,S2",
                    help="peer schedules to compare ('' for none) (default: %(default)s)")
     p.add_argument("--memory-budget", type=_memory, default=None, metavar="X",

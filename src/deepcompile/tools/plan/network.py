@@ -231,7 +231,8 @@ class LayoutFabric:
     its calibrated ones ([Note: a figure per group] in compiler/cost.py): "all_gather" (a
     forward gather), "all_gather_bw" (a backward re-gather), "reduce_scatter" (a gradient's
     reduction: under hsdp the reduce-scatter in the group and then the all-reduce across the
-    groups of its 1/G slice). Everything else is `world`'s."""
+    groups of its 1/G slice; under hsdp_zero a reduce-scatter of that slice across the groups,
+    and every gather runs in the group). Everything else is `world`'s."""
 
     def __init__(self, world: Fabric, layout: str, group: int) -> None:
         self.world, self.layout, self.group = world, layout, group
@@ -240,12 +241,18 @@ class LayoutFabric:
                         "inter": dataclasses.replace(world, nodes=world.world // group,
                                                      gpus_per_node=1)}
 
+    @property
+    def across(self) -> str:
+        """A gradient's collective across the groups, after the one in the group."""
+        return "reduce_scatter" if self.layout == "hsdp_zero" else "all_reduce"
+
     def __getattr__(self, name: str):
         return getattr(self.world, name)
 
     def label_of(self, figure: str) -> str:
         """The group a collective of `figure` runs in ("world", "intra")."""
-        if self.layout == "hsdp" or (self.layout == "hpz" and figure == "all_gather_bw"):
+        if self.layout in ("hsdp", "hsdp_zero") or (self.layout == "hpz"
+                                                   and figure == "all_gather_bw"):
             return "intra"
         return "world"
 
@@ -257,8 +264,8 @@ class LayoutFabric:
             return self.group_s(self.label_of(kind), "all_gather", nbytes)
         if kind == "reduce_scatter":
             t = self.group_s(self.label_of(kind), kind, nbytes)
-            if self.layout == "hsdp":
-                t += self.group_s("inter", "all_reduce", nbytes // self.group)
+            if self.layout in ("hsdp", "hsdp_zero"):
+                t += self.group_s("inter", self.across, nbytes // self.group)
             return t
         return self.world.collective_s(kind, nbytes)
 

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from ...passes import offload_optimizer, passes_with
+from ...runtime.kept import MAX_REFRESH_BYTES
 from .ours_model import ON_DEVICE, Item, _grads_absent, _tier2_copies
 from .ours_passes import plan
 from .schedule import Counter, Schedule, Setting, framework_event, node_host, optimizer_events
@@ -136,6 +137,17 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
             b for _, b in pl.hosted.values())), hosted * s.cost.host_step_ns * 1e-9, cid[0],
             "h2d", live, label="offload"))
         events.append(Event("wait", "host step.wait", cid=cid[0], lane="h2d", live=live))
+    if s.layout == "hsdp_zero":
+        # the secondary shards' refresh ([Note: secondary shards] in runtime/secondary.py):
+        # each group's 1/G block of every parameter, gathered across the groups in collectives
+        # of at most MAX_REFRESH_BYTES
+        for nb in _fused([s.padded(p) // s.group * s.csize for p in s.model.params]):
+            cid[0] += 1
+            events.append(Event("start", "refresh secondary", s.cost.group_s(
+                "inter", "all_gather", nb), s.cost.launch_s("all_gather"), cid[0], "comm",
+                live + nb, label="all_gather"))
+            events.append(Event("wait", "refresh secondary.wait", cid=cid[0], live=live + nb))
+            counter.add("all_gather", nb, group="inter")
     for nb in pl.decisions.get("refresh", []):
         if s.world == 1:   # the shards cast and copied into the replicas: no collective
             events.append(Event("compute", "refresh copy-out", s.copy_on_device_s(nb), 0.0,
@@ -152,6 +164,18 @@ def schedule(s: Setting, passes: tuple[str, ...], name: str, description: str) -
     decisions = {k: v for k, v in pl.decisions.items() if k != "refresh"}
     return Schedule(name, description, events, counter.counts, decisions,
                     group_bytes=counter.groups)
+
+
+def _fused(sizes: list[int]) -> list[int]:
+    """Bytes of each collective when consecutive `sizes` are fused up to MAX_REFRESH_BYTES (a
+    larger one alone), as `regather.groups` fuses a refresh."""
+    out: list[int] = []
+    for nb in sizes:
+        if out and out[-1] + nb <= MAX_REFRESH_BYTES:
+            out[-1] += nb
+        else:
+            out.append(nb)
+    return out
 
 
 def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Counter,
@@ -186,4 +210,4 @@ def _events_of(it: Item, ids: dict, cid: list, events: list[Event], counter: Cou
     else:
         raise ValueError(f"unknown item kind {k!r}")
     if it.all_reduce:
-        counter.add("all_reduce", it.all_reduce, group="inter")
+        counter.add(it.across, it.all_reduce, group="inter")

@@ -100,7 +100,9 @@ class Item:
     label: str = ""
     nbytes: int = 0        # a collective's bytes
     group: str = "world"   # the group it runs in ([Note: layouts in the plan] in network.py)
-    all_reduce: int = 0    # hsdp: bytes of the all-reduce across the groups after it
+    all_reduce: int = 0    # hsdp: bytes of the all-reduce across the groups after it (hsdp_zero:
+                           # of the reduce-scatter, `across`)
+    across: str = "all_reduce"
 
 
 @dataclasses.dataclass
@@ -319,8 +321,9 @@ class Plan:
             extra = {}
             if figure:   # a collective: where it runs (hsdp's reductions: and across groups)
                 extra["group"] = s.label_of(figure)
-                if figure == "reduce_scatter" and s.layout == "hsdp":
+                if figure == "reduce_scatter" and s.layout in ("hsdp", "hsdp_zero"):
                     extra["all_reduce"] = nbytes // s.group
+                    extra["across"] = s.cost.across
             out.append(Item(kind, name, dur, host, lv, lv if peak is None else max(peak, lv),
                             ref, label, nbytes, **extra))
 

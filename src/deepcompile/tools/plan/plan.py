@@ -77,9 +77,9 @@ class PlanArgs:
     assume: dict[str, float] = dataclasses.field(default_factory=dict)
     host_profile: str | None = None   # CPU: the host profile's JSON (host.py)
     # data-parallel layouts to plan ([Note: layouts] in runtime/mesh.py): "shard" (the ladder
-    # of pass sets), "hsdp" and "hpz" (passes="auto", or the --passes given), "auto" (which one
-    # the runtime's rule at initialize picks: compiler/layouts.py); None: all of them past one
-    # node, "shard" on one
+    # of pass sets), "hsdp", "hsdp_zero" and "hpz" (passes="auto", or the --passes given),
+    # "auto" (which one the runtime's rule at initialize picks: compiler/layouts.py); None: all
+    # of them past one node, "shard" on one
     layouts: tuple[str, ...] | None = None
 
     @property
@@ -373,12 +373,12 @@ def make_plan(args: PlanArgs, host: hostprof.HostProfile | None = None,
 
 
 def _layouts(args: PlanArgs, cpu: bool) -> tuple[str, ...]:
-    known = ("shard", "hsdp", "hpz", "auto")
+    known = ("shard", "hsdp", "hsdp_zero", "hpz", "auto")
     layouts = args.layouts
     if layouts is None:
         layouts = known if args.nodes > 1 and not cpu else ("shard",)
         if args.stage < 3:
-            layouts = tuple(x for x in layouts if x != "hpz")
+            layouts = tuple(x for x in layouts if x not in ("hpz", "hsdp_zero"))
     unknown = [x for x in layouts if x not in known]
     if unknown:
         raise PlanError(f"deepcompile plan: --layouts {', '.join(unknown)}: known: "
@@ -386,9 +386,10 @@ def _layouts(args: PlanArgs, cpu: bool) -> tuple[str, ...]:
     if cpu and set(layouts) != {"shard"}:
         raise PlanError("deepcompile plan: --gpu cpu plans gloo ranks of one machine: only the "
                         "'shard' layout (--layouts shard)")
-    if "hpz" in layouts and args.stage < 3:
-        raise PlanError(f"deepcompile plan: --layouts hpz needs --stage 3 (its secondary shards "
-                        f"serve the backward's re-gathers)")
+    for name in ("hpz", "hsdp_zero"):
+        if name in layouts and args.stage < 3:
+            raise PlanError(f"deepcompile plan: --layouts {name} needs --stage 3 (its secondary "
+                            f"shards serve ZeRO-3's gathers)")
     if "shard" not in layouts:
         layouts = ("shard", *layouts)   # the ladder's baselines (ours-z3, the peers' column)
     return tuple(dict.fromkeys(layouts))

@@ -49,7 +49,7 @@ class Setting:
     plan_cost: CostModel | None = None  # the cost model the passes plan with (default: `cost`)
     replay: dict | None = None     # a run's decisions to replay (ours_passes.py; validation)
     fusion: str = "overlap"        # the runtime's fusion policy: "overlap" (GPU), "cap" (CPU)
-    layout: str = "shard"          # the data-parallel layout: "shard", "hsdp", "hpz"
+    layout: str = "shard"          # the data-parallel layout: "shard", "hsdp", "hsdp_zero", "hpz"
     group: int = 0                 # its group size G (0: every rank)
 
     @property
@@ -91,7 +91,7 @@ class Setting:
         per = (MASTER_BYTES + ADAM_BYTES + GRAD_SHARD_BYTES) * self.shard_elems()
         if self.stage < 3:
             per += sum(self.full_bytes(p) for p in self.model.params)
-        if self.layout == "hpz":   # the secondary shards ([Note: secondary shards])
+        if self.layout in ("hpz", "hsdp_zero"):   # the secondary shards ([Note: secondary shards])
             per += sum(self.padded(p) // self.group * self.csize for p in self.model.params)
         return per
 
