@@ -19,17 +19,17 @@ complete checkpoint version and a pointer to it:
         hf_config.json, ...            a Hugging Face model's config (for `consolidate`)
         commit.json                    every file above with its size, written last
 
-Each parameter is stored as one flat tensor of `numel` elements, and every rank writes the part
-its shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / S), r its place
-among the S ranks the layout shards over: a DTensor with a Shard(0) placement over a gloo copy
-of that group, which chunks exactly like the registry's shards; under "hsdp" every group holds
-the same chunks, and DCP's planner keeps one writer of each; under "hsdp_zero" the ranks trade
-pieces first so that rank r writes piece r, as under "shard": `_in_world_order`). The
-optimizer state follows the same rule: a state tensor shaped like the
-shard is stored flat per parameter (Adam's moments), any other tensor once (Adam's `step`),
-any other value in state.json. Loading builds this rank's slices for the *current* world size
-and layout, and DCP reads whatever saved chunks overlap them: a checkpoint of N ranks loads on
-M, under another layout (runtime/mesh.py) or ZeRO stage (which do not change what is stored).
+Each parameter is stored as one flat tensor of `numel` elements, and every rank writes the part its
+shard covers ([r*s, (r+1)*s) of the flattened parameter, s = ceil(numel / S), r its place among the
+S ranks the layout shards over: a DTensor with a Shard(0) placement over a gloo copy of that group,
+which chunks exactly like the registry's shards; under "hsdp" every group holds the same chunks,
+and DCP's planner keeps one writer of each; under "hsdp_zero" the ranks trade pieces first so that
+rank r writes piece r, as under "shard": `_in_world_order`). The optimizer state follows the same
+rule: a state tensor shaped like the shard is stored flat per parameter (Adam's moments), any other
+tensor once (Adam's `step`), any other value in state.json. Loading builds this rank's slices for
+the *current* world size and layout, and DCP reads whatever saved chunks overlap them: a checkpoint
+of N ranks loads on M, under another layout (runtime/mesh.py) or ZeRO stage (which do not change
+what is stored).
 
 [Note: atomic checkpoints] A save writes a new version directory `.tmp-<version>` beside the
 published one. Once every rank's data is written (inside DCP's final collective, on rank 0:
@@ -183,7 +183,8 @@ def _in_world_order(engine, group, pieces: list[torch.Tensor], back: bool = Fals
         for w in works:
             w.wait()
     sizes = [t.numel() * t.element_size() for t in pieces]
-    return [part.view(t.dtype).view(t.shape)
+    # each in a storage of its own (DCP's staging copies a tensor's whole storage: `_host`)
+    return [part.view(t.dtype).view(t.shape).clone()
             for part, t in zip(torch.split(out, sizes), pieces)]
 
 
@@ -331,7 +332,7 @@ def _collect(engine, ck: _EngineCheckpointState) -> tuple[dict[str, Any], dict]:
                                       f"{type(v).__name__}, which a checkpoint cannot hold")
     ordered = _in_world_order(engine, ck.group, [t for _, t in chunks.values()])
     for (key, (e, _)), t in zip(chunks.items(), ordered):
-        sd[key] = _dtensor(t[: _valid(e, rank)], e.numel, mesh)
+        sd[key] = _dtensor(_host(t[: _valid(e, rank)]), e.numel, mesh)
     return sd, {"param_groups": groups, "state": state_spec}
 
 
@@ -609,7 +610,8 @@ def load(engine, path: str | os.PathLike) -> Any:
         error = f"load_checkpoint: {version} is damaged: reading it failed ({_describe(e)})"
     _agree(comm, error)
     with engine._offload.masters_home():   # written, then their device copies made anew
-        _apply(engine, state, targets, st.group)   # nothing was changed before every rank had read everything
+        # nothing was changed before every rank had read everything
+        _apply(engine, state, targets, st.group)
     if rng is not None:
         _set_rng_state(rng, engine.device)
     elif state.get("rng") and comm.rank == 0:

@@ -159,7 +159,6 @@ class Comm:
         return tensor
 
 
-
 class Pieces:
     """[Note: pieces in reduction order] Under "hsdp_zero" (runtime/mesh.py) each rank holds one
     of W pieces of every parameter, and which one is set by how a gradient is reduced: summed

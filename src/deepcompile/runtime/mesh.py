@@ -16,9 +16,11 @@ its collectives run in.
   gather reads, forward and backward, within the group ("intra"). A gradient is reduce-scattered
   in the group, then its 1/G block reduce-scattered across the groups ("inter") and divided by
   W; after each optimizer step the updated pieces are all-gathered across the groups into the
-  secondary shards. What crosses the groups per step is HSDP's (a reduce-scatter and an
-  all-gather of 1/G of the model move an all-reduce's bytes); the price is the secondary
-  shards: 1/G of the parameters in the compute dtype. ZeRO-3 only.
+  secondary shards. What crosses the groups is a reduce-scatter of the gradients' 1/G slice per
+  micro-step (on a ring half the bytes of hsdp's all-reduce of it) and one all-gather of the
+  parameters' 1/G block per optimizer step: with one micro-step an all-reduce's bytes, with
+  more fewer than hsdp's. The price is the secondary shards: 1/G of the parameters in the
+  compute dtype. ZeRO-3 only.
 * "hpz": sharded over every rank (the primary shard: masters, gradients and optimizer state
   1/W per rank; the forward's gathers and the reduce-scatters span all W, as "shard"); each
   forward gather also keeps block l of G of the gathered parameter (l: the rank's position in
@@ -120,7 +122,7 @@ class Layout:
 
     def describe(self) -> dict[str, Any]:
         return {"layout": self.name, "group_size": self.group_size, "groups": self.groups,
-                "shard_ranks": self.shard.world, "reason": self.reason,
+                "shard_ranks": self.pieces.world, "reason": self.reason,
                 "alternatives": self.alternatives}
 
 
