@@ -10,8 +10,7 @@ rank:
 * the memory budget (`Config.memory_budget`, agreed over the ranks; unbounded on the CPU);
 * the collectives, measured: all-gather and reduce-scatter over every rank and within a group,
   all-reduce (and at ZeRO-3 reduce-scatter and all-gather) across the groups
-  (`compiler/cost.py::measure_groups`, the slowest rank's
-  timings, a few milliseconds on GPUs).
+  (`compiler/cost.py::measure_groups`, the slowest rank's timings, a few milliseconds on GPUs).
 
 Per layout it predicts one optimizer step's communication (`predict`: every parameter's collectives
 under the layout, as the lowering runs them, without overlap: the compute that could hide them is

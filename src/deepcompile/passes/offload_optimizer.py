@@ -280,7 +280,8 @@ def summary(d: dict[str, Any]) -> list[str]:
     grads = [f"gradients of {len(with_grads)} chunks off the device too, "
              f"{_mib(d['offloaded_grad_bytes'])}: each sent to the host where a backward makes "
              f"it ({_mib(d['grad_sent_bytes'])} a step, predicted "
-             f"{d['predicted_grad_copy_s'] * 1e3:.3f} ms of copies), streamed back at the step"] if with_grads else []
+             f"{d['predicted_grad_copy_s'] * 1e3:.3f} ms of copies), streamed back at the step"
+             ] if with_grads else []
     with_masters = [c for c in d["chunks"] if c.get("master_bytes")]
     if with_masters:
         h = d.get("host_step") or {}
