@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The planner's layouts side by side with hsdp_zero (deepcompile plan): 4 x 8 H100, one
 # 100 Gb/s NIC per GPU, seq 1024, GAS 1, passes="auto", each layout. Run from the repository
-# root; each run takes 10-40 minutes on a 2-core VM (the activation trade's planning).
+# root; each run takes 10-40+ minutes on a 2-core VM (the activation trade's planning). The
+# committed Mixtral folder was made with --layouts shard,hsdp_zero,hpz.
 set -euo pipefail
 out=benchmarks/results/2026-11-30-hsdp-zero
 export OMP_NUM_THREADS=1
