@@ -65,6 +65,8 @@ class PassManager:
         self._initial: dict[str, Any] | None = None   # the runtime plan state before any pass
         self._since = 0       # entries[_since:]: the passes of the plan in force (`current`)
         self._requested: list[str] = []   # what the re-plan under way was asked for (`retry`)
+        self._waited: set[str] = set()    # passes asked `waits` in the plan under way
+        self._sellers: dict[str, str] = {}   # a pass that frees memory -> the pass waiting for it
 
     # -- which passes -----------------------------------------------------------------------
     def configure(self, passes: tuple[str, ...]) -> None:
@@ -110,6 +112,23 @@ class PassManager:
         return {e["pass"]: e["decisions"] for e in self.current() if e.get("kept", True)}
 
     # -- one pass ---------------------------------------------------------------------------
+    def waits(self, name: str) -> bool:
+        """Whether `name`, about to plan, plans right after a queued pass that frees memory
+        instead (`Pass.waits_for_memory`, [Note: a memory trade] in passes/activation_budget.py):
+        then it is queued there. Asked once per pass in a plan; the same on every rank (the
+        agreed profiles)."""
+        p = get_pass(name)
+        seller = next((n for n in self.queue if get_pass(n).frees_memory), None)
+        if p.waits_for_memory is None or seller is None or name in self._waited:
+            return False
+        self._waited.add(name)
+        if not p.waits_for_memory(dataclasses.replace(self._context(), queued=tuple(self.queue))):
+            return False
+        self.queue.insert(self.queue.index(seller) + 1, name)
+        self._sellers[seller] = name
+        log.info("deepcompile: %s plans after %s, which may free memory for it", name, seller)
+        return True
+
     def start(self, name: str, decisions: dict | None = None) -> dict[str, Any]:
         p = get_pass(name)
         ctx = dataclasses.replace(self._context(), queued=tuple(self.queue))
@@ -161,6 +180,7 @@ class PassManager:
                                              "accum": self._initial["accum"]})
         self._since = len(self.entries)
         self._requested = list(requested)
+        self._waited, self._sellers = set(), {}
         log.info("deepcompile: re-planning from the graphs as compiled: %s", " -> ".join(chain))
         return chain
 
@@ -188,6 +208,12 @@ class PassManager:
         entry["after"] = entry["before"]
         entry["verdict"] = "changed no graph"
         self.log(entry)
+        # a pass that frees memory and traded nothing for the pass waiting for it (`waits`)
+        # plans once more right after that one: the memory it may free for the passes after
+        # them is traded as if that pass had not waited
+        buyer = self._sellers.pop(entry["pass"], None)
+        if buyer is not None and buyer in self.queue:
+            self.queue.insert(self.queue.index(buyer) + 1, entry["pass"])
 
     def judge(self, entry: dict[str, Any], budget: float, trade: dict[str, Any] | None = None
               ) -> bool:

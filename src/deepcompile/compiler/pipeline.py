@@ -384,10 +384,14 @@ class Pipeline:
     def _drop_trade(self, why: str) -> None:
         """Revert the trade waiting for its pass ([Note: a memory trade]): the memory it freed
         buys nothing."""
+        self._close_trade(False, why)
+
+    def _close_trade(self, keep: bool, why: str) -> None:
         (trade, before), self._trade = self._trade, None
         trade["verdict"] = why
-        self.passes.close(trade, False)
-        self.runner.forget_profile(before)
+        self.passes.close(trade, keep)
+        if not keep:
+            self.runner.forget_profile(before)
 
     def _next_pass(self) -> None:
         """Plan and apply the next pass; enter PROFILE after one that changed a graph, STEADY
@@ -400,6 +404,8 @@ class Pipeline:
             # what the profiles before this pass saw (restored if it is reverted: _judge)
             before = self.runner.drift_marks()
             name = self.passes.queue.pop(0)
+            if self.passes.waits(name):
+                continue
             if self._trade is not None and name != self._trade[0]["decisions"]["trade"]["for"]:
                 self._drop_trade(f"reverted: {name} plans next, not the pass it freed memory for")
             entry = self.passes.start(name)
@@ -407,6 +413,12 @@ class Pipeline:
             if self._trade is not None:   # judged with the trade, from the step before it
                 if entry["changed"]:
                     entry["traded"], entry["before"] = True, self._trade[0]["before"]
+                elif self._trade[0]["before"]["peak_bytes"] > self.memory_budget >= \
+                        self._trade[0]["after"]["peak_bytes"]:
+                    # the pass needs nothing more with the memory freed (offload_optimizer
+                    # keeps all its state on the device): the trade alone meets the budget
+                    self._close_trade(True, f"kept: with the memory it freed, {name} changes "
+                                            "nothing and the step is within the budget")
                 else:
                     self._drop_trade(f"reverted: {name} changed nothing with the memory it freed")
             if self._replanning is not None:

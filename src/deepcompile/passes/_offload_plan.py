@@ -314,6 +314,53 @@ def _plan_step(points: list[Point], items: list[Item], step_base: int,
             "peak_after": max(max(curve, default=0), step_peak), "curve": curve}
 
 
+def added_s(d: dict[str, Any]) -> float:
+    """The seconds a plan adds to an optimizer step, as it predicts them: copies back that
+    end past the backward, chunks streamed through the step (in and out), every gradient sent
+    to the host (whole: on a GPU they overlap the backward on the copy stream, so this errs
+    high), and the host's step where chunks step there."""
+    h = d.get("host_step") or {}
+    return (d["predicted_exposed_s"] + d["predicted_streamed_s"] + d["predicted_grad_copy_s"]
+            + (h.get("predicted_host_s", 0.0) if h.get("chosen") else 0.0))
+
+
+OFFER_POINTS = 12   # at most this many offers (re-plans) in `offers`
+
+
+def offers(points: list[Point], plan_at: Callable[[list[Point]], dict[str, Any]],
+           planned: dict[str, Any]) -> list[tuple[int, float]]:
+    """What memory beyond the budget would save the plan `planned` (made by `plan_at` on
+    `points`), as [Note: a memory trade] reads a pass's offers: (bytes, predicted seconds saved
+    per optimizer step) each, whose running sums are the graphs' peak lowered by that many
+    bytes against the seconds `added_s` no longer adds. Each point plans again on the curve
+    lowered by the bytes of the planned chunks, smallest first, in at most `OFFER_POINTS`
+    equal counts; the offers end where a lower curve saves nothing more (the optimizer step,
+    which freed graph memory does not lower, binds, or nothing is left off the device).
+
+    Lowering the whole curve by a constant is the estimate: memory freed from activations
+    lowers the peaks, which set how many chunks go, but not every node by as much, which moves
+    where their copies back may start; the pass plans again on the curve measured after the
+    memory is freed."""
+    sizes = sorted(c["bytes"] for c in planned["chunks"])
+    if planned["unattainable"] or not sizes:
+        return []
+    n = len(sizes)
+    marks = sorted({max(1, round(n * i / OFFER_POINTS)) for i in range(1, OFFER_POINTS + 1)})
+    cum = list(itertools.accumulate(sizes))
+    out, before_b, before_s = [], 0, added_s(planned)
+    for k in marks:
+        lowered = [dataclasses.replace(p, live_bytes=p.live_bytes - cum[k - 1]) for p in points]
+        d = plan_at(lowered)
+        t = before_s if d["unattainable"] else added_s(d)
+        out.append((cum[k - 1] - before_b, max(before_s - t, 0.0)))
+        before_b, before_s = cum[k - 1], min(t, before_s)
+        if not d["chunks"]:
+            break
+    while out and out[-1][1] <= 0:
+        out.pop()
+    return out
+
+
 @dataclasses.dataclass
 class HostStep:
     """What the plan knows of the host step ([Note: the host step] in offload/host_step.py)."""

@@ -83,6 +83,11 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     budget = ctx.memory_budget
     if budget == float("inf") or ctx.cost is None or not len(ctx.registry.entries):
         return {}
+    # a pass that waits for the memory this one frees meets the budget itself, with or without
+    # the trade (offload_optimizer): only a trade for it
+    waits = get_pass(ctx.queued[0]).waits_for_memory if ctx.queued else None
+    if waits is not None and waits(ctx):
+        return _trade(ctx, waiting=True)
     # over the budget: within it (or as low as it goes); within it: perhaps a trade
     return _plan_at(ctx, budget, warn=True) or _trade(ctx)
 
@@ -125,7 +130,8 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 # [Note: a memory trade] With the profiled peak within the budget the pass may still free memory,
 # for the pass that plans next when that pass says what more memory is worth to it
 # (`Pass.memory_value`: selective_unshard keeps more parameters gathered, prefetch starts gathers
-# earlier): activations are recomputed or offloaded below the budget where the time the next
+# earlier, offload_optimizer keeps more optimizer state on the device): activations are
+# recomputed or offloaded below the budget where the time the next
 # pass predicts to save is at least `SPLIT_MARGIN` times the time they add (both predictions,
 # each within ~±20%, cannot reverse that). The pass plans to a few lower targets
 # (`TRADE_POINTS`: the next pass's options taken in its order, in equal counts), the peak each
@@ -136,8 +142,17 @@ def _plan_at(ctx: PassContext, target: float, warn: bool = False) -> dict[str, A
 # target would have freed, added and bought (`declined`; no graph changes). A trade is judged
 # with the pass it frees memory for (compiler/pipeline.py): not on its own, where it only adds
 # time, but the two together against the graphs from before the trade, kept or reverted
-# together; the trade is reverted as well when that pass changes nothing. Over the budget, the
-# pass plans to the budget and trades nothing; with an unbounded budget it plans nothing.
+# together; the trade is reverted as well when that pass changes nothing, unless the trade
+# alone brought the step within the budget. Over the budget, the pass plans to the budget and
+# trades nothing; with an unbounded budget it plans nothing.
+# offload_optimizer plans first (the state it leaves on the device is in every graph's peak),
+# but when its plan takes off the device what a lower peak would keep, it waits for this pass
+# (`Pass.waits_for_memory`; compiler/pass_manager.py `waits`), which then only trades, over
+# the budget or within it: the offload plan meets the budget either way. Its offers are its
+# plan made again on lower curves (passes/_offload_plan.py `offers`), and the optimizer step's
+# bytes are no floor for them (they price the step themselves). Declined, the pass plans once
+# more right after offload_optimizer (`PassManager.unchanged`), for the pass after that; traded,
+# the memory freed is not also offered to selective_unshard or prefetch.
 TRADE_POINTS = 6
 ORDER = 5   # before the passes it may free memory for
 
@@ -169,7 +184,7 @@ def choose_trade(offers: list[tuple[int, float]], level: float,
     return best
 
 
-def _trade(ctx: PassContext) -> dict[str, Any]:
+def _trade(ctx: PassContext, waiting: bool = False) -> dict[str, Any]:
     buyer = ctx.queued[0] if ctx.queued else None
     value_of = get_pass(buyer).memory_value if buyer is not None else None
     offers = value_of(ctx) if value_of is not None else []
@@ -177,8 +192,9 @@ def _trade(ctx: PassContext) -> dict[str, Any]:
         return {}
     peaks = {k: p.peak_bytes for k, p in ctx.profiles.items()}
     # the optimizer step's bytes are a floor no activation lowers (the buyer's memory stays
-    # through the step): graph bytes freed below it buy nothing
-    floor = ctx.step_bytes()
+    # through the step): graph bytes freed below it buy nothing; a waiting buyer places the
+    # optimizer state, which the step's bytes count, and its offers price the step themselves
+    floor = 0 if waiting else ctx.step_bytes()
     level = max([floor, *peaks.values()])
 
     def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
@@ -409,13 +425,13 @@ def summary(decisions: dict[str, Any]) -> list[str]:
 
 
 def auto(f: Facts) -> tuple[bool, str]:
-    """`passes="auto"`: after `offload_optimizer` (which plans on a step whose peak activations
-    it leaves alone), when the budget is bounded and a profiled peak still exceeds it; within
+    """`passes="auto"`: when the budget is bounded and a profiled peak exceeds it (auto's
+    profiles hold all optimizer state: `offload_optimizer`, chosen too where the state does not
+    fit, may wait for this pass and buy the memory it frees, [Note: a memory trade]); within
     the budget, when the pass chosen to plan right after it says what more memory is worth to
     it (`Pass.memory_value`) and the room under the budget cannot keep every parameter gathered
     (with room for all of them, more memory is worth nothing: neither more parameters kept nor
-    more gathered early): the pass then frees activations for it only where that pays ([Note: a
-    memory trade])."""
+    more gathered early): the pass then frees activations for it only where that pays."""
     if f.memory_budget == float("inf"):
         return False, "memory budget unbounded: every saved activation stays"
     if f.peak_bytes <= f.memory_budget:
@@ -436,4 +452,4 @@ def auto(f: Facts) -> tuple[bool, str]:
 
 
 register_pass("activation_budget", plan, apply, __doc__.splitlines()[0], summary=summary,
-              order=ORDER, choose=auto, needs={"host_memory"})
+              order=ORDER, choose=auto, needs={"host_memory"}, frees_memory=True)

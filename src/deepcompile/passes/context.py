@@ -137,6 +137,12 @@ class Pass:
     # what its `memory_value` offers buy, for a trade's report line (e.g. "parameters kept
     # gathered")
     memory_buys: str = ""
+    # it frees memory for the pass that plans right after it, where that pays ([Note: a memory
+    # trade] in passes/activation_budget.py)
+    frees_memory: bool = False
+    # asked once, before it plans, when a pass that frees memory is queued after it: whether
+    # to plan right after that pass instead, so that the memory freed may go to it
+    waits_for_memory: Callable[[PassContext], bool] | None = None
     # the DeepSpeed setting it stands for in a DeepSpeed config (_config_io.py), e.g.
     # "zero_optimization.offload_optimizer"
     deepspeed: str | None = None

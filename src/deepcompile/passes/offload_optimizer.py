@@ -29,14 +29,17 @@ over] in compiler/pass_manager.py), so `apply` never meets a previous plan's ops
 
 Order with other passes: passes before this one see the curve with the state off the device
 (provisional) and may spend that memory; this plan then keeps on the device only the state
-that still fits. Passes after it see the plan's curve and spend only what the plan left.
+that still fits. Passes after it see the plan's curve and spend only what the plan left. When
+its plan takes off the device what a lower peak would keep, it plans after a queued pass that
+frees memory (`waits_for_memory`: activation_budget), which frees activations so that state
+stays on the device where that pays ([Note: a memory trade] in passes/activation_budget.py).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -44,7 +47,7 @@ from torch import fx
 from ..runtime import offload, ops
 from ._common import mib
 from ._offload_plan import (GradItem, HostStep, Item, MasterItem, Point,  # noqa: F401
-                            _all_state_off, plan_step, select, staging_bytes)
+                            _all_state_off, offers, plan_step, select, staging_bytes)
 from .context import Facts, PassContext, register_pass
 
 log = logging.getLogger("deepcompile")
@@ -189,20 +192,30 @@ def items_of(store) -> list[Item]:
             for s in store.slots if store.state_bytes(s) > 0]
 
 
-def plan(ctx: PassContext) -> dict[str, Any]:
+def _planner(ctx: PassContext) -> tuple[list[Point], Callable[[list[Point]], dict[str, Any]]]:
+    """The step's curve with all state on the device, and the plan of a curve (`plan_step`
+    with this context's items, step, copy times, budget and host)."""
     store = ctx.runtime.offload
     # the profiles were measured with every chunk's state off the device ([Note: provisional
     # offload] in runtime/offload/__init__.py): add it back
-    offset = store.profile_offset()
-    points = timeline(ctx, offset)
-    mode = store.host_step   # Config.host_step
-    rate, capacity = ctx.host_step_rate, host_capacity(ctx)
+    points = timeline(ctx, store.profile_offset())
+    rate = ctx.host_step_rate
     host = None if rate is None else HostStep(
-        rate, rate if store.device.type != "cuda" else 0.0, mode)
-    decision = plan_step(points, items_of(store), store.step_base(), ctx.cost.copy_s,
-                         ctx.memory_budget, grad_items(ctx, points), master_items(ctx, points),
-                         host, capacity)
-    decision["profiled_offloaded_bytes"] = offset
+        rate, rate if store.device.type != "cuda" else 0.0, store.host_step)   # Config.host_step
+    items, base, grads = items_of(store), store.step_base(), grad_items(ctx, points)
+    masters, capacity = master_items(ctx, points), host_capacity(ctx)
+
+    def plan_at(curve: list[Point]) -> dict[str, Any]:
+        return plan_step(curve, items, base, ctx.cost.copy_s, ctx.memory_budget, grads,
+                         masters, host, capacity)
+    return points, plan_at
+
+
+def plan(ctx: PassContext) -> dict[str, Any]:
+    store = ctx.runtime.offload
+    points, plan_at = _planner(ctx)
+    decision = plan_at(points)
+    decision["profiled_offloaded_bytes"] = store.profile_offset()
     decision["layout"] = store.layout_signature()
     if decision["unattainable"]:
         log.warning("deepcompile offload_optimizer: memory budget %.2f MiB is unattainable: %s",
@@ -330,8 +343,28 @@ def auto(f: Facts) -> tuple[bool, str]:
                      "offload first, later passes plan in what is left"))
 
 
+def memory_value(ctx: PassContext) -> list[tuple[int, float]]:
+    """What the plan would keep on the device with the graphs' peak lower than the profiles
+    show ([Note: a memory trade] in passes/activation_budget.py): `offers` of the chunks it
+    takes off the device now."""
+    if ctx.memory_budget == float("inf") or ctx.cost is None:
+        return []
+    points, plan_at = _planner(ctx)
+    return offers(points, plan_at, plan_at(points))
+
+
+def waits_for_memory(ctx: PassContext) -> bool:
+    """Whether to plan after the pass queued after it that frees memory (`Pass.frees_memory`),
+    so that the memory freed can keep optimizer state on the device: when this plan takes
+    something off the device that a lower peak would keep (that pass then frees memory only
+    where what this plan saves with it pays for what it adds, and changes nothing otherwise;
+    [Note: a memory trade] in passes/activation_budget.py)."""
+    return bool(memory_value(ctx))
+
+
 register_pass("offload_optimizer", plan, apply, __doc__.splitlines()[0], summary=summary,
               order=0, choose=auto, choose_late=True,
               needs={"elementwise_optimizer", "warmup_steps", "host_step", "host_memory"},
-              replans_on_drift=True,
+              replans_on_drift=True, memory_value=memory_value, waits_for_memory=waits_for_memory,
+              memory_buys="optimizer state kept on the device",
               deepspeed="zero_optimization.offload_optimizer")
