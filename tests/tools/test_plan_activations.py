@@ -174,6 +174,38 @@ def test_a_trade_that_does_not_pay_is_declined_with_what_it_tried(tiny):
     assert line.startswith("nothing moved") and "not traded for selective_unshard (" in line
 
 
+def test_activations_are_freed_for_optimizer_state_kept_on_the_device(tiny):
+    """[Note: a memory trade] with offload_optimizer as the buyer, as the runtime queues it: the
+    offload plan waits for activation_budget where a lower peak would keep its state on the
+    device (its copies back do not hide behind the backward). Over a slow PCIe (5.5 MB/s for
+    the tiny model's 0.1 MiB of state) the activations moved pay for state kept (fewer bytes
+    offloaded than the offload plan alone takes, within the budget); where the copies all but
+    hide (41 MB/s) the trade is declined, activation_budget plans once more after the offload
+    plan, and that plan is the offload plan alone's; where they hide, no offer, no wait."""
+    order = ("offload_optimizer", "activation_budget")
+    base = ours_passes.plan(setting(tiny, float("inf")), ())
+    state = ours_passes.plan(setting(tiny, float("inf")), ("offload_optimizer",)).decisions[
+        "offload_optimizer"]["state_bytes"]
+    budget = base.peak() - state // 4
+    for pcie, pays in ((5.5e6, True), (41e6, False)):
+        alone = ours_passes.plan(setting(tiny, budget, pcie_bw=pcie), ("offload_optimizer",))
+        pl = ours_passes.plan(setting(tiny, budget, pcie_bw=pcie), order)
+        off, act = pl.decisions["offload_optimizer"], pl.decisions["activation_budget"]
+        assert alone.decisions["offload_optimizer"]["offloaded_bytes"] > 0
+        if pays:
+            t = act["trade"]
+            assert t["for"] == "offload_optimizer" and t["bought"] >= 1 and pl.acts
+            assert t["value_s"] >= 2 * t["added_s"] > 0
+            assert off["offloaded_bytes"] < alone.decisions["offload_optimizer"]["offloaded_bytes"]
+        else:
+            assert act["declined_first"]["for"] == "offload_optimizer" and pl.acts == []
+            assert off == alone.decisions["offload_optimizer"]
+        assert not off["unattainable"] and pl.peak() <= budget
+    fast = setting(tiny, budget, pcie_bw=55e9)
+    assert ours_passes._offload_offers(ours_passes.plan(fast, ()))[0] == []
+    assert "declined_first" not in ours_passes.plan(fast, order).decisions["activation_budget"]
+
+
 @pytest.mark.extended
 def test_llama_8b_at_seq_4096_fits_with_it_and_beats_full_checkpointing():
     plan = _plan(seq=4096, batch=4, passes=[(), ACTS])

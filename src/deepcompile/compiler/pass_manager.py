@@ -67,6 +67,7 @@ class PassManager:
         self._requested: list[str] = []   # what the re-plan under way was asked for (`retry`)
         self._waited: set[str] = set()    # passes asked `waits` in the plan under way
         self._sellers: dict[str, str] = {}   # a pass that frees memory -> the pass waiting for it
+        self._moved: dict[str, str] = {}     # a pass that waited -> the pass it waited for
 
     # -- which passes -----------------------------------------------------------------------
     def configure(self, passes: tuple[str, ...]) -> None:
@@ -126,6 +127,7 @@ class PassManager:
             return False
         self.queue.insert(self.queue.index(seller) + 1, name)
         self._sellers[seller] = name
+        self._moved[name] = seller
         log.info("deepcompile: %s plans after %s, which may free memory for it", name, seller)
         return True
 
@@ -168,7 +170,13 @@ class PassManager:
         `Offloader.go_provisional`) until `offload_optimizer` plans again. Returns the queue;
         at an optimizer-step boundary, on every rank alike."""
         current = [e for e in self.current() if e.get("kept", True)]
-        ran = [e["pass"] for e in current]
+        # each pass once, where it was queued: a pass that planned twice (a seller's second
+        # turn, `unchanged`) or waited for a seller (`waits`) is back in its place, to do so again
+        ran = list(dict.fromkeys(e["pass"] for e in current))
+        for name, seller in self._moved.items():
+            if name in ran and seller in ran:
+                ran.remove(name)
+                ran.insert(ran.index(seller), name)
         chain = [n for n in requested if n not in ran] + ran
         for key in sorted({k for e in current for k in e["changed"]}):
             slot = self.slots[key]
@@ -180,7 +188,7 @@ class PassManager:
                                              "accum": self._initial["accum"]})
         self._since = len(self.entries)
         self._requested = list(requested)
-        self._waited, self._sellers = set(), {}
+        self._waited, self._sellers, self._moved = set(), {}, {}
         log.info("deepcompile: re-planning from the graphs as compiled: %s", " -> ".join(chain))
         return chain
 

@@ -136,6 +136,10 @@ def plan_activations(plan: Plan, target: float | None = None) -> dict[str, Any]:
     s = plan.s
     if s.budget == float("inf"):
         return {"skipped": "memory budget unbounded: every saved activation stays"}
+    # a plan replaces the one before it (a trade plans to several targets in turn): it is made
+    # on the curve without any of this pass's moves, as the runtime's pass plans on the graphs
+    # as partitioned
+    plan.acts = []
     cands = candidates(plan)
     fw_steps, fw_items, _ = plan.profile("fw")
     bw_steps, bw_items, _ = plan.profile("bw")

@@ -303,11 +303,19 @@ def _offload(plan: Plan) -> dict[str, Any]:
     fragment is off the device, so the passes before it planned on that curve; this plan
     puts them back and keeps on the device what fits: optimizer state first, then (tier 2)
     the gradients of the chunks the backward completes first."""
-    s = plan.s
     plan.offloaded = 0     # the curve with all state and gradients on the device
     plan.reloads, plan.streamed, plan.grads_off = [], {}, []
     plan.masters_off, plan.masters_saved, plan.hosted = {}, 0, {}
-    points = []
+    points, plan_at, chunks, grads, masters = _offload_planner(plan)
+    return _offload_tail(plan, plan_at(points), chunks, grads, masters)
+
+
+def _offload_planner(plan: Plan):
+    """(the curve with all state and gradients on the device, the runtime plan of a curve,
+    the chunks, their gradients and masters): `plan.offloaded` is 0 while the curve is read."""
+    s = plan.s
+    offloaded, plan.offloaded = plan.offloaded, 0
+    points: list[offload_optimizer.Point] = []
     done: dict[int, list[int]] = {}   # parameter -> the points after which its gradient is
     # complete, first (its first micro-step) and again (a later micro-step's, added to it)
     life = plan.grad_life()
@@ -322,6 +330,7 @@ def _offload(plan: Plan) -> dict[str, Any]:
                 points.append(offload_optimizer.Point(
                     f"{m}.{key}", str(it.ref) if compute else it.name, it.live,
                     it.dur if compute else 0.0, compute and last and key == "bw"))
+    plan.offloaded = offloaded
     chunks = _chunks(s)
     states = [offload_optimizer.Item(c, master * ADAM_BYTES // MASTER_BYTES, label)
               for c, (_, master, label) in enumerate(chunks)]
@@ -344,8 +353,22 @@ def _offload(plan: Plan) -> dict[str, Any]:
     # (HBM is ~100x PCIe); no host step on a CPU network (one memory: nothing to plan)
     ns = getattr(s.cost, "host_step_ns", 0.0)
     host = offload_optimizer.HostStep(ns * 1e-9) if ns > 0 and masters else None
-    d = offload_optimizer.plan_step(points, states, step_base, s.planner_cost.copy_s, s.budget,
-                                    grads=grads, masters=masters, host=host)
+
+    def plan_at(curve: list[offload_optimizer.Point]) -> dict[str, Any]:
+        return offload_optimizer.plan_step(curve, states, step_base, s.planner_cost.copy_s,
+                                           s.budget, grads=grads, masters=masters, host=host)
+    return points, plan_at, chunks, grads, masters
+
+
+def _offload_offers(plan: Plan) -> tuple[list[tuple[int, float]], int]:
+    """The runtime pass's `memory_value` on the plan so far (the provisional curve, every
+    movable fragment off the device), with the peak now."""
+    points, plan_at, *_ = _offload_planner(plan)
+    return offload_optimizer.offers(points, plan_at, plan_at(points)), plan.peak()
+
+
+def _offload_tail(plan: Plan, d: dict[str, Any], chunks, grads, masters) -> dict[str, Any]:
+    """The plan `d` applied to `plan` (what it offloads, reloads, streams), and its figures."""
     if not d["unattainable"] and d["chunks"]:
         plan.offloaded = d["offloaded_bytes"]
         plan.reloads = [(int(r["after"]), r["bytes"], r["predicted_s"]) for r in d["reloads"]]
@@ -436,12 +459,28 @@ def plan(s: Setting, passes: tuple[str, ...]) -> Plan:
         pl.accumulated = set()
     if "offload_optimizer" in passes:
         pl.offloaded = _movable_bytes(s)   # provisional (see _offload)
-    for i, name in enumerate(passes):
-        buyer = passes[i + 1] if i + 1 < len(passes) else None
-        if name == "activation_budget" and buyer in _OFFERS:
-            pl.decisions[name] = _activations_traded(pl, buyer)
-        else:
-            pl.decisions[name] = _RUN[name](pl)
+    # the runtime's queue ([Note: a memory trade] in passes/activation_budget.py): the offload
+    # plan waits for activation_budget where a lower peak would keep its state on the device
+    # (`PassManager.waits`), and activation_budget, declined for it, plans once more after it
+    # (`PassManager.unchanged`; the decisions are its second plan's, `declined_first` the first)
+    queue, waited, declined = list(passes), False, None
+    while queue:
+        name = queue.pop(0)
+        if name == "offload_optimizer" and not waited and "activation_budget" in queue:
+            waited = True
+            if _offload_offers(pl)[0]:
+                queue.insert(queue.index("activation_budget") + 1, name)
+                continue
+        buyer = queue[0] if queue else None
+        d = (_activations_traded(pl, buyer) if name == "activation_budget" and buyer in _OFFERS
+             else _RUN[name](pl))
+        if name == "activation_budget" and buyer == "offload_optimizer" and "trade" not in d \
+                and waited:
+            declined = d.get("declined")
+            queue.insert(1, name)
+        elif name == "activation_budget" and declined is not None:
+            d["declined_first"] = declined
+        pl.decisions[name] = d
     return pl
 
 
@@ -457,17 +496,31 @@ def _prefetch_offers(plan: Plan) -> tuple[list[tuple[int, float]], int]:
 
 
 # the passes whose `memory_value` the planner models: (offers, the peak now) on the plan so far
-_OFFERS = {"selective_unshard": _unshard_offers, "prefetch": _prefetch_offers}
+_OFFERS = {"selective_unshard": _unshard_offers, "prefetch": _prefetch_offers,
+           "offload_optimizer": _offload_offers}
+
+
+def _unmoved(plan: Plan) -> dict[str, Any]:
+    """The activation pass's figures with nothing moved (`plan.acts` emptied)."""
+    d = plan_activations(plan, float("inf"))
+    return d if "skipped" in d else {**d, "budget_bytes": plan.s.budget}
 
 
 def _activations_traded(plan: Plan, buyer: str) -> dict[str, Any]:
-    """`activation_budget` before `buyer` (`_OFFERS`): within the budget, the activations it
-    frees for what `buyer` makes of more memory where that saves twice what they cost, by the
-    rule the runtime's pass applies ([Note: a memory trade] in passes/activation_budget.py)."""
-    d = plan_activations(plan)
-    if "skipped" in d or d["peak_before"] > d["budget_bytes"]:
+    """`activation_budget` before `buyer` (`_OFFERS`): within the budget (over it too for
+    `offload_optimizer`, which meets the budget itself), the activations it frees for what
+    `buyer` makes of more memory where that saves twice what they cost, by the rule the
+    runtime's pass applies ([Note: a memory trade] in passes/activation_budget.py)."""
+    # a buyer that waits for the memory (`Pass.waits_for_memory`: the offload plan, with offers)
+    waiting = False
+    if buyer == "offload_optimizer" and plan.s.budget != float("inf"):
+        offers, level = _offload_offers(plan)
+        waiting = bool(offers)
+    d = _unmoved(plan) if waiting else plan_activations(plan)
+    if "skipped" in d or (d["peak_before"] > d["budget_bytes"] and not waiting):
         return d
-    offers, level = _OFFERS[buyer](plan)
+    if not waiting:
+        offers, level = _OFFERS[buyer](plan)
 
     def plan_at(target: float) -> tuple[float, float, dict[str, Any]]:
         planned = plan_activations(plan, target)
@@ -476,7 +529,8 @@ def _activations_traded(plan: Plan, buyer: str) -> dict[str, Any]:
     tried: list[tuple[int, float, float]] = []
     best = activation_budget.choose_trade(offers, level, plan_at, tried) if offers else None
     if best is None:
-        plan_activations(plan)   # the plan to the budget: nothing moved
+        # the plan to the budget (nothing moved within it), or none for a waiting buyer
+        d = _unmoved(plan) if waiting else plan_activations(plan)
         if offers:
             d["declined"] = activation_budget.declined_record(buyer, level, offers, tried)
         return d
