@@ -17,7 +17,8 @@
   save more (a memory trade), judged with it, alike on every rank and in another launch, chosen
   by `auto` where the room left cannot keep every parameter, and nothing traded with ample
   memory; with prefetch planning next, activations weighed against the gathers it would start
-  earlier, under a budget at the peak.
+  earlier, under a budget at the peak; with offload_optimizer waiting for it, activations freed
+  so that optimizer state stays on the device, alike on both ranks.
 """
 
 from __future__ import annotations
@@ -632,6 +633,74 @@ def test_within_the_budget_activations_are_weighed_against_gathers_started_earli
             assert peak <= budget, (key, peak, budget)
     for name in ("activation_budget", "prefetch"):
         assert len({repr(log[name]["decisions"]) for log in logs}) == 1, name
+
+
+def _offload_trade_job(rank, world, budget_of):
+    """Two engines on this rank: offload_optimizer alone under an unbounded budget (the
+    reference, and the figures the budget comes from), then `auto` under `budget_of(figures)`;
+    copies priced slow (tests/engine/test_memory_trade.py `SLOW_COPY`) on every rank alike."""
+    import functools
+
+    import deepcompile
+    from deepcompile.runtime import flat
+
+    flat.CHUNK_BYTES = 16384   # several chunks of each rank's shards: a plan that can keep some
+    out = {}
+    for name, passes in (("plain", ("offload_optimizer",)), ("auto", "auto")):
+        torch._dynamo.reset()
+        budget = None if name == "plain" else budget_of(out["plain"]["figures"])
+        engine = deepcompile.initialize(
+            _models.build_model("llama"), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+            config=deepcompile.Config(compiler="fx", passes=passes, measure_steps=0,
+                                      memory_budget=budget or 1 << 40,
+                                      gradient_accumulation_steps=2))
+        engine._pipeline.cost.copy = (0.0, 1e-5)
+        losses = []
+        for step in range(8):
+            for m in range(2):
+                loss = _models.loss_of(engine(**_models.local_batch("llama", 2 * step + m,
+                                                                     rank, world)))
+                engine.backward(loss)
+                losses.append(loss.item())
+            engine.step()
+        passes_log = engine.report().to_dict()["passes"]
+        off = next(p for p in passes_log if p["pass"] == "offload_optimizer")
+        out[name] = {"losses": losses, "log": [(p["pass"], p["kept"], p["decisions"])
+                                                for p in passes_log],
+                     "figures": off["decisions"], "step_peak": engine._offload.step_peak(),
+                     "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
+                     "budget": budget}
+        del engine
+    return out
+
+
+@pytest.mark.extended   # world size 1 in the core: tests/engine/test_memory_trade.py
+def test_activations_freed_for_optimizer_state_alike_on_every_rank():
+    """[Note: a memory trade] with offload_optimizer as the buyer at 2 ranks: `auto` queues it
+    after activation_budget, the activations freed keep state on the device, every rank plans
+    the same, and training is bitwise the training with all state on the device."""
+    from _dist import run_distributed
+
+    budget_of = _Budget()
+    ranks = run_distributed(_offload_trade_job, 2, budget_of, timeout=900)
+    for r in ranks:
+        auto = r["auto"]
+        passes = [p for p, _, _ in auto["log"]]
+        assert passes[:2] == ["activation_budget", "offload_optimizer"], passes
+        trade = auto["log"][0][2]["trade"]
+        assert trade["for"] == "offload_optimizer" and trade["bought"] >= 1, trade
+        assert auto["step_peak"] <= auto["budget"]
+        assert auto["losses"] == r["plain"]["losses"]
+        for k, v in r["plain"]["state"].items():
+            assert torch.equal(auto["state"][k], v), k
+    assert ranks[0]["auto"]["log"] == ranks[1]["auto"]["log"]
+
+
+class _Budget:
+    """The graphs' peak with all state on the device, less 30% of the state (picklable)."""
+
+    def __call__(self, figures):
+        return figures["graph_peak_bytes"] - figures["state_bytes"] * 3 // 10
 
 
 @pytest.mark.extended

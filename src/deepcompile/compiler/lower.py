@@ -195,6 +195,7 @@ class _Lowering:
         self.pending: dict[fx.Node, dict] = {}       # start marker -> what its wait needs
         self.to_host: set[fx.Node] = set()           # gradients sent to the host: None outputs
         self.copies: dict[int, fx.Node] = {}         # pid -> its tier-3 copy's extra input
+        self.input_names: dict[str, int] = {}        # extra inputs made under each name
         # the parameters whose gathers and reductions became collectives (or local ops)
         self.gathered: list[int] = []
         self.reduced: list[int] = []
@@ -214,7 +215,11 @@ class _Lowering:
         c[1] += nbytes
 
     def extra_input(self, name: str) -> fx.Node:
-        node = self.g.placeholder(f"rt_{name}")
+        # a placeholder's name is an argument of the generated code: unique, also where a
+        # graph asks twice under one name (a recompute's gather of a parameter the backward
+        # gathers as well: two gathers started in the graph before, two parked buffers)
+        n = self.input_names[name] = self.input_names.get(name, 0) + 1
+        node = self.g.placeholder(f"rt_{name}" if n == 1 else f"rt_{name}_{n}")
         node.meta["dc_origin"] = ""
         return node
 
