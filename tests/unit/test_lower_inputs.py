@@ -1,7 +1,9 @@
 """A lowered graph's extra inputs are arguments of its generated code: two under one name
-(a recompute's gather of a parameter the backward gathers too, each started in the graph
-before it: two `next_<pid>` inputs there, two parked `prev_<pid>` buffers here) are two
-arguments, not a duplicate argument (`SyntaxError` when the graph module is made)."""
+(a group of gathers started for the next graph that holds a parameter twice, a recompute's
+gather fused with the backward's own: two `next_<pid>` shards) are two arguments, not a
+duplicate argument (`SyntaxError` when the graph module is made; met at 2 ranks with
+activation_budget's recompute and prefetch: test_activation_budget's
+test_activations_freed_for_optimizer_state_alike_on_every_rank)."""
 
 from __future__ import annotations
 

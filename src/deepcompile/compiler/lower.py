@@ -216,8 +216,8 @@ class _Lowering:
 
     def extra_input(self, name: str) -> fx.Node:
         # a placeholder's name is an argument of the generated code: unique, also where a
-        # graph asks twice under one name (a recompute's gather of a parameter the backward
-        # gathers as well: two gathers started in the graph before, two parked buffers)
+        # graph asks twice under one name (a group started for the next graph that holds a
+        # parameter twice: a recompute's gather fused with the backward's own gather of it)
         n = self.input_names[name] = self.input_names.get(name, 0) + 1
         node = self.g.placeholder(f"rt_{name}" if n == 1 else f"rt_{name}_{n}")
         node.meta["dc_origin"] = ""
