@@ -35,8 +35,11 @@
 #                                activation_memory_budget at the same profiled peak, paired
 #   layouts     42     4         2 GPUs (not part of `all`): hsdp, hsdp_zero and hpz over NCCL sub-groups
 #                                made at initialize, parity with eager, collectives per group
+#   z1          43     9         2 GPUs (not part of `all`): ZeRO-1 against torch.compile(DDP) over
+#                                NCCL, paired (benchmarks/paired.py), tiny and small Llama at
+#                                batch 1 and 4: the ratio the issue asks for, with its interval
 set -u
-part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|layouts|all}
+part=${1:?usage: gpu_acceptance.sh tests|bench|offload|host-step|auto|big|big-peers|tier4|validate|profile|attention|activations|layouts|z1|all}
 dry=${DRY_RUN:-0}
 root=${OUT:-gpu-out}
 
@@ -134,6 +137,16 @@ one() {
       fi
       run 300 "$log" $py -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/layouts_gpu.py --out "$out" ;;
+    z1)
+      if [[ $dry != 1 ]] && (( $(nvidia-smi -L | wc -l) < 2 )); then
+        echo "z1: needs 2 GPUs" >&2; return 2
+      fi
+      local w
+      for w in tiny-llama-b1 tiny-llama small-llama-b1 small-llama; do
+        run 140 "$log" $py benchmarks/paired.py --device cuda --nproc 2 --workload $w \
+          --systems ddp-compile ours-z1-auto --launches 2 --rounds 20 --timeout 65 \
+          --out "$out/$w.json"
+      done ;;
     *) echo "unknown part $p" >&2; return 2 ;;
   esac
 }

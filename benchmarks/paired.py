@@ -50,10 +50,15 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     from deepcompile.tools import workloads
     from deepcompile.tools.bench import systems, trainers
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    cuda = args["device"] == "cuda"
+    if cuda:   # one GPU a rank, NCCL; a step ends when its kernels have run
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=900))
     w = workloads.get(args["workload"])
-    device = torch.device("cpu")
     out: dict[str, dict] = {}
     built = []
     for name in args["build_order"]:
@@ -67,6 +72,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 micro[0] += 1
                 t.micro(ids, last=m == w.gas - 1)
             t.step()
+            if cuda:
+                torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
         warm = 0
@@ -94,7 +101,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
 def launch(args: dict, world: int, timeout_s: float) -> list[dict]:
     from deepcompile.tools import spawn
 
-    return spawn.launch(_rank, world, args, timeout_s=timeout_s, cpu=True,
+    return spawn.launch(_rank, world, args, timeout_s=timeout_s, cpu=args["device"] == "cpu",
                         env={"TORCHINDUCTOR_CACHE_DIR": args["inductor_cache"]})
 
 
@@ -171,6 +178,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--compiler", default="inductor")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo ranks of one thread each; cuda: one GPU a rank, NCCL")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -197,7 +206,8 @@ def main() -> None:
 
     cache = tempfile.mkdtemp(prefix="paired-inductor-")
     args = {"workload": a.workload, "systems": a.systems, "rounds": a.rounds,
-            "warmup": a.warmup, "compiler": a.compiler, "inductor_cache": cache}
+            "warmup": a.warmup, "compiler": a.compiler, "inductor_cache": cache,
+            "device": a.device}
     launches = []
     for i in range(a.launches):
         t0 = time.perf_counter()
@@ -207,7 +217,8 @@ def main() -> None:
         print(f"[paired] launch {i + 1}/{a.launches}: {time.perf_counter() - t0:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     s = summarize(launches, a.systems)
-    _print(s, f"{a.workload}, {a.nproc} gloo ranks, {a.launches} launches x {a.rounds} rounds "
+    ranks = "gloo ranks" if a.device == "cpu" else "GPUs (NCCL)"
+    _print(s, f"{a.workload}, {a.nproc} {ranks}, {a.launches} launches x {a.rounds} rounds "
               f"(every system one optimizer step per round, order rotated)")
     if a.out:
         from deepcompile.tools.bench.run import _git_commit
