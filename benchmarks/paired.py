@@ -164,7 +164,7 @@ def _print(s: dict, title: str) -> None:
               f"{r[f'ratio_to_{ref}']:.3f} | [{lo:.3f}, {hi:.3f}] |")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload")
     ap.add_argument("--pool", nargs="+", metavar="JSON",
@@ -182,6 +182,11 @@ def main() -> None:
                     help="cpu: gloo ranks of one thread each; cuda: one GPU a rank, NCCL")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     a = ap.parse_args()
     if a.pool:
         runs = [json.load(open(f)) for f in a.pool]

@@ -495,6 +495,21 @@ def test_gpu_acceptance_commands_are_valid():
         checked.add(name)
     assert checked == {"demo", "bench", "offload_gpu", "host_step", "opt_step",
                        "plan_validate", "attention_path", "activation_budget"}, checked
+    # the 2-GPU part of issue 43 (not in `all`): paired runs over NCCL
+    proc = subprocess.run(["bash", "benchmarks/gpu_acceptance.sh", "z1"], cwd=root,
+                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [shlex.split(ln) for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 4 and all(argv[1] == "benchmarks/paired.py" for argv in lines), lines
+    sys.path.insert(0, str(root / "benchmarks"))
+    paired = importlib.import_module("paired")
+    for argv in lines:
+        args = paired.parser().parse_args(argv[2:])
+        assert args.device == "cuda"
+        workloads.get(args.workload)
+        for s in args.systems:
+            systems.get(s)
 
 
 # the full suite's, as host_step.py's and opt_step.py's above: in the default run its command
