@@ -83,11 +83,13 @@ def plan(ctx: PassContext) -> dict[str, Any]:
     budget = ctx.memory_budget
     if budget == float("inf") or ctx.cost is None or not len(ctx.registry.entries):
         return {}
-    # a pass that waits for the memory this one frees meets the budget itself, with or without
-    # the trade (offload_optimizer): only a trade for it
-    waits = get_pass(ctx.queued[0]).waits_for_memory if ctx.queued else None
-    if waits is not None and waits(ctx):
-        return _trade(ctx, waiting=True)
+    # a pass that waits for the memory this one frees (offload_optimizer: it waits where it has
+    # offers) meets the budget itself, with or without the trade: only a trade for it
+    buyer = get_pass(ctx.queued[0]) if ctx.queued else None
+    if buyer is not None and buyer.waits_for_memory is not None:
+        offers = buyer.memory_value(ctx)
+        if offers:
+            return _trade(ctx, offers, waiting=True)
     # over the budget: within it (or as low as it goes); within it: perhaps a trade
     return _plan_at(ctx, budget, warn=True) or _trade(ctx)
 
@@ -184,10 +186,14 @@ def choose_trade(offers: list[tuple[int, float]], level: float,
     return best
 
 
-def _trade(ctx: PassContext, waiting: bool = False) -> dict[str, Any]:
+def _trade(ctx: PassContext, offers: list[tuple[int, float]] | None = None,
+           waiting: bool = False) -> dict[str, Any]:
+    """[Note: a memory trade] for the pass queued next; `offers`: its `memory_value`, where the
+    caller has them."""
     buyer = ctx.queued[0] if ctx.queued else None
-    value_of = get_pass(buyer).memory_value if buyer is not None else None
-    offers = value_of(ctx) if value_of is not None else []
+    if offers is None:
+        value_of = get_pass(buyer).memory_value if buyer is not None else None
+        offers = value_of(ctx) if value_of is not None else []
     if not offers:
         return {}
     peaks = {k: p.peak_bytes for k, p in ctx.profiles.items()}
